@@ -1,0 +1,89 @@
+"""Load a Hugging Face model directory: ``config.json``, ``*.safetensors``,
+``tokenizer.json`` and ``tokenizer_config.json`` (for the chat template and BOS rule)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from slotserve.artifact.hf_config import model_info_from_config
+from slotserve.artifact.tokenizer import Tokenizer
+from slotserve.errors import ArtifactError
+from slotserve.model import Model, ModelInfo, build_weights
+
+
+def load_hf_dir(path: Path) -> Model:
+    config = _read_json(path / "config.json")
+    info = model_info_from_config(config, path / "config.json")
+    tensors = _read_safetensors(path)
+    weights = build_weights(info, tensors, str(path))
+    return Model(info, _read_tokenizer(path, info), weights, source=str(path))
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ArtifactError(path, "file missing from the model directory") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ArtifactError(path, f"not valid JSON ({exc})") from exc
+    if not isinstance(value, dict):
+        raise ArtifactError(path, f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ArtifactError(path, "no *.safetensors weight files in the model directory")
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            tensors.update(load_file(str(file)))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ArtifactError(file, f"corrupt or truncated safetensors file ({exc})") from exc
+    return tensors
+
+
+def _read_tokenizer(path: Path, info: ModelInfo) -> Tokenizer:
+    file = path / "tokenizer.json"
+    try:
+        backend = tokenizers.Tokenizer.from_file(str(file))
+    except Exception as exc:  # tokenizers raises a bare Exception on every parse error
+        raise ArtifactError(file, f"cannot read tokenizer ({exc})") from exc
+    config = _read_json(path / "tokenizer_config.json") if (path / "tokenizer_config.json").exists() else {}
+    eos_ids = list(info.eos_ids)
+    eos_token = _token_text(config.get("eos_token"))
+    if eos_token is not None and (eos_id := backend.token_to_id(eos_token)) is not None:
+        eos_ids = list(dict.fromkeys([*eos_ids, eos_id]))
+    bos_token = _token_text(config.get("bos_token"))
+    bos_id = backend.token_to_id(bos_token) if bos_token is not None else info.bos_id
+    return Tokenizer(
+        backend,
+        bos_id=bos_id,
+        eos_ids=eos_ids,
+        chat_template=_chat_template(path, config),
+        add_bos=bool(config.get("add_bos_token", False)),
+    )
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _chat_template(path: Path, config: dict[str, Any]) -> str | None:
+    template = config.get("chat_template")
+    if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
+        named = {entry.get("name"): entry.get("template") for entry in template}
+        template = named.get("default")
+    if template is None and (path / "chat_template.jinja").is_file():
+        template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+    return template if isinstance(template, str) else None

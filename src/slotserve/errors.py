@@ -1,0 +1,46 @@
+"""Typed errors a user of slotserve can meet.
+
+Each carries the numbers or names that explain it, so a message can say what was wrong,
+what the limit was and how to fix it.
+"""
+
+from __future__ import annotations
+
+
+class SlotserveError(Exception):
+    """Base class of every error slotserve raises on purpose."""
+
+
+class ArtifactError(SlotserveError):
+    """A model file is missing, corrupt, truncated or of an unsupported kind.
+
+    ``path`` names the file, ``field`` the metadata key or tensor that was wrong.
+    """
+
+    def __init__(self, path: object, message: str, field: str | None = None) -> None:
+        self.path = str(path)
+        self.field = field
+        where = f"{self.path}" + (f" [{field}]" if field else "")
+        super().__init__(f"{where}: {message}")
+
+
+class SchemaVersionError(ArtifactError):
+    """A slotserve bundle or cache was written by an incompatible schema version."""
+
+
+class ContextOverflow(SlotserveError):
+    """A sequence would grow past the context it was given."""
+
+    def __init__(self, needed: int, limit: int, hint: str = "") -> None:
+        self.needed = needed
+        self.limit = limit
+        msg = f"needs {needed} positions but the context holds {limit}"
+        super().__init__(msg + (f"; {hint}" if hint else ""))
+
+
+class PlanError(SlotserveError):
+    """A capacity plan does not fit its memory budget."""
+
+
+class EngineClosed(SlotserveError):
+    """The engine was closed; it takes no more work."""

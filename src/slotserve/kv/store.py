@@ -1,0 +1,25 @@
+"""The narrow contract between the model and any KV layout."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from slotserve.kv.batch import StepBatch
+
+
+class KVStore(Protocol):
+    """What the model may ask of the KV cache: nothing but ``update_and_attend``.
+
+    Implementations write ``k``/``v`` (``[T, kv_heads, head_dim]``, RoPE applied) at the
+    positions the batch names and return attention of ``q`` (``[T, heads, head_dim]``)
+    over each sequence's visible keys as ``[T, heads * head_dim]``. They own all storage;
+    the model keeps none between calls.
+    """
+
+    def update_and_attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch
+    ) -> torch.Tensor: ...
+
+    def check_capacity(self, batch: StepBatch) -> None: ...

@@ -1,0 +1,101 @@
+"""`ModelInfo`: the shape of a Llama-family model, independent of the file it came from."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters.
+
+    ``scaling`` is ``"none"``, ``"linear"`` or ``"llama3"``; the llama3 fields follow the
+    Hugging Face ``rope_scaling`` dict of the same names.
+    """
+
+    theta: float = 10000.0
+    scaling: str = "none"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.theta <= 0:
+            raise ValueError(f"rope theta must be > 0, got {self.theta}")
+        if self.scaling not in ("none", "linear", "llama3"):
+            raise ValueError(
+                f"rope scaling {self.scaling!r} is not supported; use none, linear or llama3"
+            )
+        if self.factor <= 0:
+            raise ValueError(f"rope scaling factor must be > 0, got {self.factor}")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Everything the runtime needs to know about a model's shape.
+
+    ``sliding_window[i]`` is the attention window of layer ``i`` (``None`` = full attention):
+    a query at position p sees keys at positions ``p - window + 1 .. p``.
+    """
+
+    arch: str
+    n_layers: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    max_context: int
+    norm_eps: float = 1e-5
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    tied_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: tuple[int | None, ...] = ()
+    bos_id: int | None = None
+    eos_ids: tuple[int, ...] = ()
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"ModelInfo.{name} must be > 0, got {getattr(self, name)}")
+        if self.vocab_size <= 0 or self.max_context <= 0:
+            raise ValueError("ModelInfo.vocab_size and max_context must be > 0")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
+            )
+        if self.sliding_window and len(self.sliding_window) != self.n_layers:
+            raise ValueError(
+                f"sliding_window has {len(self.sliding_window)} entries for "
+                f"{self.n_layers} layers"
+            )
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer``, or ``None`` for full attention."""
+        return self.sliding_window[layer] if self.sliding_window else None
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of one K (or V) row for one position in one layer."""
+        return self.n_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
+        """Bytes of K and V that one position costs across all layers."""
+        return 2 * self.n_layers * self.kv_dim * dtype_bytes
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> ModelInfo:
+        fields: dict[str, Any] = json.loads(text)
+        fields["rope"] = RopeConfig(**fields["rope"])
+        fields["sliding_window"] = tuple(fields["sliding_window"])
+        fields["eos_ids"] = tuple(fields["eos_ids"])
+        return cls(**fields)

@@ -1,0 +1,69 @@
+"""`Model`: weights + `ModelInfo` + tokenizer, with the pure ``prefill``/``decode`` methods."""
+
+from __future__ import annotations
+
+import torch
+
+from slotserve.artifact.tokenizer import Tokenizer
+from slotserve.kv.batch import StepBatch
+from slotserve.kv.contiguous import ContiguousKV
+from slotserve.kv.store import KVStore
+from slotserve.model.info import ModelInfo
+from slotserve.model.layers import RopeTables
+from slotserve.model.llama import forward_hidden
+from slotserve.model.weights import LlamaWeights
+
+
+class Model:
+    """A loaded model. Holds weights only; generation state lives in a KV store that the
+    caller passes to every call, so one model can serve any number of sessions."""
+
+    def __init__(
+        self, info: ModelInfo, tokenizer: Tokenizer, weights: LlamaWeights, source: str = ""
+    ) -> None:
+        self.info = info
+        self.tokenizer = tokenizer
+        self.weights = weights
+        self.source = source
+        self.rope = RopeTables.build(info.rope, info.head_dim, info.max_context)
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.weights.nbytes
+
+    @torch.inference_mode()
+    def forward(
+        self, tokens: torch.Tensor, batch: StepBatch, kv: KVStore, *, all_logits: bool = False
+    ) -> torch.Tensor:
+        """Logits for the step: ``[B, vocab]`` (each sequence's last token) or, with
+        ``all_logits``, ``[T, vocab]`` for every token on the flattened axis."""
+        if tokens.shape != (batch.n_tokens,):
+            raise ValueError(f"tokens shape {tuple(tokens.shape)} != ({batch.n_tokens},)")
+        if max(batch.ends) > self.info.max_context:
+            raise ValueError(
+                f"position {max(batch.ends)} exceeds the model's context {self.info.max_context}"
+            )
+        kv.check_capacity(batch)
+        hidden = forward_hidden(self.weights, self.info, self.rope, tokens, batch, kv)
+        if not all_logits:
+            hidden = hidden[batch.last_token_rows()]
+        return self.weights.lm_head(hidden).float()
+
+    def prefill(self, tokens: torch.Tensor, batch: StepBatch, kv: KVStore) -> torch.Tensor:
+        """Append each sequence's prompt chunk; logits ``[B, vocab]`` of its last token."""
+        return self.forward(tokens, batch, kv)
+
+    def decode(self, tokens: torch.Tensor, batch: StepBatch, kv: KVStore) -> torch.Tensor:
+        """Append one token per sequence; logits ``[B, vocab]``."""
+        if batch.max_len != 1:
+            raise ValueError(f"decode takes one token per sequence, got lengths {batch.lengths}")
+        return self.forward(tokens, batch, kv)
+
+    def logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Teacher-forced logits ``[T, vocab]`` of ``token_ids`` from an empty context
+        (entry i scores the token after ``token_ids[: i + 1]``)."""
+        if not token_ids:
+            raise ValueError("logits() needs at least one token")
+        kv = ContiguousKV(self.info, n_slots=1, max_context=len(token_ids))
+        batch = StepBatch.single(0, len(token_ids))
+        return self.forward(torch.tensor(token_ids), batch, kv, all_logits=True)
