@@ -1,1 +1,37 @@
-"""slotserve."""
+"""slotserve: an on-device LLM serving runtime.
+
+Loads a model (GGUF, Hugging Face safetensors) and runs it as pure prefill/decode methods
+over a KV cache the runtime owns. See the README for the commands and the Python API.
+"""
+
+from slotserve.artifact import Tokenizer, load
+from slotserve.errors import (
+    ArtifactError,
+    ContextOverflow,
+    EngineClosed,
+    PlanError,
+    SchemaVersionError,
+    SlotserveError,
+)
+from slotserve.model import Model, ModelInfo
+from slotserve.runner import TextLLMRunner
+from slotserve.runner_types import GenerationConfig, GenerationResult, Stats
+from slotserve.sampling import SamplingParams
+
+__all__ = [
+    "ArtifactError",
+    "ContextOverflow",
+    "EngineClosed",
+    "GenerationConfig",
+    "GenerationResult",
+    "Model",
+    "ModelInfo",
+    "PlanError",
+    "SamplingParams",
+    "SchemaVersionError",
+    "SlotserveError",
+    "Stats",
+    "TextLLMRunner",
+    "Tokenizer",
+    "load",
+]

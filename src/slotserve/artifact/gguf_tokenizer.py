@@ -52,7 +52,7 @@ def tokenizer_from_gguf(meta: Mapping[str, Any], path: str) -> Tokenizer:
             path, f"tokenizer model {kind!r} is not supported; expected 'gpt2'", "tokenizer.ggml.model"
         )
     tokens: list[str] = _required(meta, "tokenizer.ggml.tokens", list, path)
-    merges: list[str] = _required(meta, "tokenizer.ggml.merges", list, path)
+    merges: list[str] = meta.get("tokenizer.ggml.merges") or []
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if len(types) != len(tokens):
         raise ArtifactError(
@@ -62,7 +62,10 @@ def tokenizer_from_gguf(meta: Mapping[str, Any], path: str) -> Tokenizer:
     pairs = [tuple(merge.split(" ", 1)) for merge in merges]
     if any(len(pair) != 2 for pair in pairs):
         raise ArtifactError(path, "a merge is not two space-separated tokens", "tokenizer.ggml.merges")
-    backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    try:
+        backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
+    except Exception as exc:  # tokenizers raises a bare Exception for a bad vocab/merges
+        raise ArtifactError(path, f"inconsistent BPE vocabulary ({exc})", "tokenizer.ggml.merges") from exc
     backend.pre_tokenizer = _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")), path)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(

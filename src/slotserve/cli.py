@@ -1,0 +1,74 @@
+"""The ``slotserve`` command line: generate · chat · inspect · bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from slotserve.errors import SlotserveError
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="bundled", help="'bundled', a .gguf file or an HF dir")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--top-p", type=float, default=0.9)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--max-context", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slotserve", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    generate = commands.add_parser("generate", help="stream a completion of PROMPT")
+    generate.add_argument("prompt")
+    generate.add_argument("--chat", action="store_true", help="wrap PROMPT in the chat template")
+    generate.add_argument("--json", action="store_true", help="print one JSON object instead")
+    _add_sampling_args(generate)
+    chat = commands.add_parser("chat", help="interactive terminal chat")
+    chat.add_argument("--system", default=None, help="system message")
+    _add_sampling_args(chat)
+    inspect = commands.add_parser("inspect", help="print a model's metadata and size")
+    inspect.add_argument("model")
+    bench = commands.add_parser("bench", help="measure the bundled model")
+    bench.add_argument("scenario", choices=["single"])
+    bench.add_argument("--model", default="bundled")
+    bench.add_argument("--repeats", type=int, default=5)
+    bench.add_argument("--json", dest="json_path", default=None, help="write results as JSON")
+    bench.add_argument("--markdown", action="store_true", help="print a markdown table")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            from slotserve.cli_run import run_generate
+
+            return run_generate(args)
+        if args.command == "chat":
+            from slotserve.cli_run import run_chat
+
+            return run_chat(args)
+        if args.command == "inspect":
+            from slotserve.cli_run import run_inspect
+
+            return run_inspect(args)
+        from slotserve.bench import run_bench
+
+        return run_bench(args)
+    except (SlotserveError, ValueError) as exc:
+        print(f"slotserve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def print_json(value: object) -> None:
+    print(json.dumps(value, indent=None, ensure_ascii=False))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
