@@ -37,7 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--model", default="bundled")
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--json", dest="json_path", default=None, help="write results as JSON")
-    bench.add_argument("--markdown", action="store_true", help="print a markdown table")
+    bench.add_argument("--markdown", action="store_true", help="print a markdown report")
+    bench.add_argument(
+        "--write-docs", default=None, metavar="PATH", help="also write the report to PATH"
+    )
     return parser
 
 

@@ -106,9 +106,7 @@ class TextLLMRunner:
         conv = self._conversation
         if config.warming:
             self._warm_up(prompt, conv.written, conv.pending, config)
-        return self._run(
-            prompt, conv.written, conv.pending, config, token_callback, stats_callback
-        )
+        return self._run(prompt, conv.written, conv.pending, config, token_callback, stats_callback)
 
     def generate_from_pos(
         self,

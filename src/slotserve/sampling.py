@@ -40,9 +40,14 @@ class SamplingParams:
         _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "(0, 1]")
         _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "[0, 1]")
         _check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "> 0")
-        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "-2..2")
         _check(
-            -2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", self.frequency_penalty, "-2..2"
+            -2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "-2..2"
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            self.frequency_penalty,
+            "-2..2",
         )
         _check(self.max_new_tokens >= 0, "max_new_tokens", self.max_new_tokens, ">= 0")
         if isinstance(self.stop, str) or any(not s for s in self.stop):

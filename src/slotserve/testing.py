@@ -61,7 +61,11 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
     },
     "qwen3": {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "head_dim": 32},
-    "mistral": {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "sliding_window": 6},
+    "mistral": {
+        "model_type": "mistral",
+        "architectures": ["MistralForCausalLM"],
+        "sliding_window": 6,
+    },
     "mixed": {
         "model_type": "qwen2",
         "architectures": ["Qwen2ForCausalLM"],
@@ -108,7 +112,10 @@ def random_state_dict(config: dict[str, Any], seed: int = 0) -> dict[str, torch.
     def norm(size: int) -> torch.Tensor:
         return 1.0 + rand(size, scale=0.1)
 
-    state = {"model.embed_tokens.weight": rand(vocab, dim, scale=1.0), "model.norm.weight": norm(dim)}
+    state = {
+        "model.embed_tokens.weight": rand(vocab, dim, scale=1.0),
+        "model.norm.weight": norm(dim),
+    }
     if not config["tie_word_embeddings"]:
         state["lm_head.weight"] = rand(vocab, dim)
     for i in range(config["num_hidden_layers"]):

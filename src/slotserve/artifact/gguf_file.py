@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
 from slotserve.errors import ArtifactError
@@ -41,6 +41,36 @@ _GLOBAL_NAMES = {
 }
 
 
+class _CheckedReader(GGUFReader):
+    """gguf-py's reader, but a tensor whose data lies past the end of the file (or has an
+    unknown type) is reported by name before numpy fails to reshape it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        super().__init__(path)
+
+    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
+        size = len(self.data)
+        for field in fields:
+            _, name_data, _, dims, raw_dtype, offset = field.parts
+            name = bytes(name_data).decode("utf-8", "replace")
+            try:
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_dtype[0]))]
+            except (ValueError, KeyError):
+                raise ArtifactError(
+                    self.path, f"unknown ggml tensor type {int(raw_dtype[0])}", name
+                ) from None
+            end = start_offs + int(offset[0]) + int(np.prod(dims)) * type_size // block
+            if end > size:
+                raise ArtifactError(
+                    self.path,
+                    f"tensor data ends at byte {end} but the file has {size} bytes "
+                    "(truncated file?)",
+                    name,
+                )
+        super()._build_tensors(start_offs, fields)
+
+
 def open_gguf(path: Path) -> GGUFReader:
     """Open ``path`` after checking the magic and that every tensor lies inside the file."""
     try:
@@ -51,19 +81,11 @@ def open_gguf(path: Path) -> GGUFReader:
     if magic != b"GGUF":
         raise ArtifactError(path, f"not a GGUF file: magic is {magic!r}, expected b'GGUF'", "magic")
     try:
-        reader = GGUFReader(path)
+        return _CheckedReader(path)
+    except ArtifactError:
+        raise
     except Exception as exc:  # gguf-py raises ValueError/struct/numpy errors on bad headers
         raise ArtifactError(path, f"corrupt or truncated GGUF header ({exc})", "header") from exc
-    size = path.stat().st_size
-    for tensor in reader.tensors:
-        if tensor.data_offset + tensor.n_bytes > size:
-            raise ArtifactError(
-                path,
-                f"tensor data ends at byte {tensor.data_offset + tensor.n_bytes} but the file "
-                f"has {size} bytes (truncated file?)",
-                tensor.name,
-            )
-    return reader
 
 
 def read_metadata(reader: GGUFReader) -> dict[str, Any]:
@@ -92,7 +114,8 @@ def model_info_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: Pat
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise ArtifactError(
-            path, f"architecture {arch!r} is not supported; expected one of {SUPPORTED_ARCHS}",
+            path,
+            f"architecture {arch!r} is not supported; expected one of {SUPPORTED_ARCHS}",
             "general.architecture",
         )
     n_layers = _meta(meta, f"{arch}.block_count", path)
@@ -142,20 +165,26 @@ def hf_tensor_name(name: str, path: Path) -> str:
     raise ArtifactError(path, "unexpected tensor name for a Llama-family model", name)
 
 
-def iter_tensors(reader: GGUFReader, info: ModelInfo, path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(
+    reader: GGUFReader, info: ModelInfo, path: Path
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, fp32 tensor)`` for every tensor, dequantised and un-permuted."""
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
         if kind not in SUPPORTED_QUANTS:
             raise ArtifactError(
-                path, f"tensor type {kind} is not supported; supported: {SUPPORTED_QUANTS}", tensor.name
+                path,
+                f"tensor type {kind} is not supported; supported: {SUPPORTED_QUANTS}",
+                tensor.name,
             )
         shape = tuple(int(n) for n in reversed(tensor.shape))
         try:
             array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
             array = array.reshape(shape)
         except (ValueError, NotImplementedError) as exc:
-            raise ArtifactError(path, f"cannot dequantise {kind} data ({exc})", tensor.name) from exc
+            raise ArtifactError(
+                path, f"cannot dequantise {kind} data ({exc})", tensor.name
+            ) from exc
         name = hf_tensor_name(tensor.name, path)
         yield name, _unpermute(name, torch.from_numpy(array.copy()), info)
 

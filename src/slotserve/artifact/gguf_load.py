@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -45,7 +46,7 @@ def _read_gguf(path: Path, progress: bool) -> tuple[ModelInfo, Tokenizer, dict[s
     meta = read_metadata(reader)
     info = model_info_from_gguf(meta, {t.name for t in reader.tensors}, path)
     tokenizer = tokenizer_from_gguf(meta, str(path))
-    tensors = iter_tensors(reader, info, path)
+    tensors: Iterable[tuple[str, torch.Tensor]] = iter_tensors(reader, info, path)
     if progress:
         console = Console(file=sys.stderr)
         tensors = track(

@@ -49,7 +49,9 @@ def tokenizer_from_gguf(meta: Mapping[str, Any], path: str) -> Tokenizer:
     kind = meta.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ArtifactError(
-            path, f"tokenizer model {kind!r} is not supported; expected 'gpt2'", "tokenizer.ggml.model"
+            path,
+            f"tokenizer model {kind!r} is not supported; expected 'gpt2'",
+            "tokenizer.ggml.model",
         )
     tokens: list[str] = _required(meta, "tokenizer.ggml.tokens", list, path)
     merges: list[str] = meta.get("tokenizer.ggml.merges") or []
@@ -59,17 +61,21 @@ def tokenizer_from_gguf(meta: Mapping[str, Any], path: str) -> Tokenizer:
             path, f"{len(types)} token types for {len(tokens)} tokens", "tokenizer.ggml.token_type"
         )
     vocab = {token: index for index, token in enumerate(tokens)}
-    pairs = [tuple(merge.split(" ", 1)) for merge in merges]
-    if any(len(pair) != 2 for pair in pairs):
-        raise ArtifactError(path, "a merge is not two space-separated tokens", "tokenizer.ggml.merges")
+    pairs = _merge_pairs(merges, path)
     try:
         backend = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False))
     except Exception as exc:  # tokenizers raises a bare Exception for a bad vocab/merges
-        raise ArtifactError(path, f"inconsistent BPE vocabulary ({exc})", "tokenizer.ggml.merges") from exc
+        raise ArtifactError(
+            path, f"inconsistent BPE vocabulary ({exc})", "tokenizer.ggml.merges"
+        ) from exc
     backend.pre_tokenizer = _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")), path)
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(
-        [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == _CONTROL]
+        [
+            AddedToken(tokens[i], special=True, normalized=False)
+            for i, t in enumerate(types)
+            if t == _CONTROL
+        ]
     )
     backend.add_tokens(
         [AddedToken(tokens[i], normalized=False) for i, t in enumerate(types) if t == _USER_DEFINED]
@@ -83,6 +89,18 @@ def tokenizer_from_gguf(meta: Mapping[str, Any], path: str) -> Tokenizer:
         chat_template=meta.get("tokenizer.chat_template"),
         add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
     )
+
+
+def _merge_pairs(merges: list[str], path: str) -> list[tuple[str, str]]:
+    pairs = []
+    for merge in merges:
+        left, space, right = merge.partition(" ")
+        if not space:
+            raise ArtifactError(
+                path, f"merge {merge!r} is not two space-separated tokens", "tokenizer.ggml.merges"
+            )
+        pairs.append((left, right))
+    return pairs
 
 
 def _required(meta: Mapping[str, Any], key: str, kind: type, path: str) -> Any:

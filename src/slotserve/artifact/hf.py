@@ -57,7 +57,11 @@ def _read_tokenizer(path: Path, info: ModelInfo) -> Tokenizer:
         backend = tokenizers.Tokenizer.from_file(str(file))
     except Exception as exc:  # tokenizers raises a bare Exception on every parse error
         raise ArtifactError(file, f"cannot read tokenizer ({exc})") from exc
-    config = _read_json(path / "tokenizer_config.json") if (path / "tokenizer_config.json").exists() else {}
+    config = (
+        _read_json(path / "tokenizer_config.json")
+        if (path / "tokenizer_config.json").exists()
+        else {}
+    )
     eos_ids = list(info.eos_ids)
     eos_token = _token_text(config.get("eos_token"))
     if eos_token is not None and (eos_id := backend.token_to_id(eos_token)) is not None:

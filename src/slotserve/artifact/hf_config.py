@@ -75,7 +75,9 @@ def _rope(config: dict[str, Any], path: Path) -> RopeConfig:
             original_max_position=int(params["original_max_position_embeddings"]),
         )
     raise ArtifactError(
-        path, f"rope type {kind!r} is not supported; supported: default, linear, llama3", "rope_scaling"
+        path,
+        f"rope type {kind!r} is not supported; supported: default, linear, llama3",
+        "rope_scaling",
     )
 
 

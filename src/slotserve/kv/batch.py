@@ -25,7 +25,9 @@ class StepBatch:
     positions: torch.Tensor = field(init=False)
     token_slots: torch.Tensor = field(init=False)
     _pad_index: tuple[torch.Tensor, torch.Tensor] | None = field(init=False, default=None)
-    _masks: dict[tuple[int | None, int], torch.Tensor | None] = field(init=False, default_factory=dict)
+    _masks: dict[tuple[int | None, int], torch.Tensor | None] = field(
+        init=False, default_factory=dict
+    )
 
     def __post_init__(self) -> None:
         if not (len(self.slots) == len(self.starts) == len(self.lengths)) or not self.slots:

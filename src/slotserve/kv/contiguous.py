@@ -26,7 +26,9 @@ class ContiguousKV:
         dtype: torch.dtype = torch.float32,
     ) -> None:
         if n_slots < 1 or max_context < 1:
-            raise ValueError(f"need n_slots >= 1 and max_context >= 1, got {n_slots}, {max_context}")
+            raise ValueError(
+                f"need n_slots >= 1 and max_context >= 1, got {n_slots}, {max_context}"
+            )
         self.info, self.n_slots, self.max_context = info, n_slots, max_context
         shape = (n_slots, max_context, info.n_kv_heads, info.head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype) for _ in range(info.n_layers)]

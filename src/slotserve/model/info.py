@@ -72,8 +72,7 @@ class ModelInfo:
             )
         if self.sliding_window and len(self.sliding_window) != self.n_layers:
             raise ValueError(
-                f"sliding_window has {len(self.sliding_window)} entries for "
-                f"{self.n_layers} layers"
+                f"sliding_window has {len(self.sliding_window)} entries for {self.n_layers} layers"
             )
 
     def window(self, layer: int) -> int | None:

@@ -44,7 +44,7 @@ def _attention(
 ) -> torch.Tensor:
     h = rms_norm(x, layer.attn_norm, info.norm_eps)
     q_width = info.n_heads * info.head_dim
-    q, k, v = layer.qkv(h).split([q_width, info.kv_dim, info.kv_dim], dim=-1)
+    q, k, v = torch.split(layer.qkv(h), [q_width, info.kv_dim, info.kv_dim], dim=-1)
     q = q.view(-1, info.n_heads, info.head_dim)
     k = k.view(-1, info.n_kv_heads, info.head_dim)
     v = v.view(-1, info.n_kv_heads, info.head_dim)

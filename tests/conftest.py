@@ -1,0 +1,37 @@
+"""Shared fixtures: the bundled model (loaded once per session) and tiny random models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import slotserve as ss
+from slotserve.testing import write_tiny_hf_dir
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="session")
+def bundled() -> ss.Model:
+    return ss.load("bundled", progress=False)
+
+
+@pytest.fixture(scope="session")
+def reference() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((DATA / "llamacpp_greedy.json").read_text())
+    return data
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    kinds = ("llama", "llama3-rope", "qwen2", "qwen3", "mistral", "mixed")
+    return {kind: write_tiny_hf_dir(root / kind, kind) for kind in kinds}
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dirs: dict[str, Path]) -> ss.Model:
+    return ss.load(tiny_dirs["llama"])

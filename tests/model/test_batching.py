@@ -1,0 +1,92 @@
+"""A ragged batch (prefill chunks and decodes mixed, several slots) gives the same logits as
+each sequence run alone from scratch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import slotserve as ss
+from slotserve.kv import ContiguousKV, StepBatch
+
+
+def _alone(model: ss.Model, ids: list[int]) -> torch.Tensor:
+    return model.logits(ids)
+
+
+@pytest.mark.parametrize("kind", ["llama", "mixed"])
+def test_chunked_prefill_and_decode_equal_one_pass(tiny_dirs: dict[str, Path], kind: str) -> None:
+    model = ss.load(tiny_dirs[kind])
+    ids = list(range(3, 43))
+    kv = ContiguousKV(model.info, n_slots=2, max_context=64)
+    outputs = []
+    for start, end in [(0, 7), (7, 8), (8, 20), (20, 21), (21, 40)]:
+        batch = StepBatch.single(start, end - start, slot=1)
+        outputs.append(model.forward(torch.tensor(ids[start:end]), batch, kv, all_logits=True))
+    torch.testing.assert_close(torch.cat(outputs), _alone(model, ids), rtol=0, atol=1e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(
+        st.lists(st.integers(1, 6), min_size=1, max_size=4),  # chunk sizes of one sequence
+        min_size=1,
+        max_size=4,
+    ),
+    st.sampled_from(["llama", "mixed"]),
+)
+def test_ragged_batches_equal_sequences_alone(
+    tiny_dirs: dict[str, Path], chunk_plans: list[list[int]], kind: str
+) -> None:
+    model = ss.load(tiny_dirs[kind])
+    kv = ContiguousKV(model.info, n_slots=len(chunk_plans), max_context=32)
+    gen = torch.Generator().manual_seed(len(chunk_plans))
+    sequences = [
+        torch.randint(3, 259, (sum(plan),), generator=gen).tolist() for plan in chunk_plans
+    ]
+    done = [0] * len(chunk_plans)
+    collected: list[list[torch.Tensor]] = [[] for _ in chunk_plans]
+    for step in range(max(len(plan) for plan in chunk_plans)):
+        live = [b for b, plan in enumerate(chunk_plans) if step < len(plan)]
+        lengths = [chunk_plans[b][step] for b in live]
+        batch = StepBatch(slots=live, starts=[done[b] for b in live], lengths=lengths)
+        tokens = torch.tensor(
+            [
+                t
+                for b, n in zip(live, lengths, strict=False)
+                for t in sequences[b][done[b] : done[b] + n]
+            ]
+        )
+        logits = model.forward(tokens, batch, kv, all_logits=True).split(lengths)
+        for b, n, out in zip(live, lengths, logits, strict=True):
+            collected[b].append(out)
+            done[b] += n
+    for b, ids in enumerate(sequences):
+        torch.testing.assert_close(torch.cat(collected[b]), _alone(model, ids), rtol=0, atol=1e-5)
+
+
+def test_decode_returns_last_token_logits(tiny: ss.Model) -> None:
+    kv = ContiguousKV(tiny.info, n_slots=3, max_context=16)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    starts = [0, 0, 0]
+    tokens = torch.tensor([t for p in prompts for t in p])
+    last = tiny.prefill(tokens, StepBatch([0, 1, 2], starts, [len(p) for p in prompts]), kv)
+    for b, p in enumerate(prompts):
+        torch.testing.assert_close(last[b], tiny.logits(p)[-1], rtol=0, atol=1e-5)
+    step = tiny.decode(torch.tensor([20, 21, 22]), StepBatch([0, 1, 2], [3, 2, 4], [1, 1, 1]), kv)
+    for b, p in enumerate(prompts):
+        torch.testing.assert_close(step[b], tiny.logits([*p, 20 + b])[-1], rtol=0, atol=1e-5)
+
+
+def test_overflow_is_refused_without_writing(tiny: ss.Model) -> None:
+    kv = ContiguousKV(tiny.info, n_slots=1, max_context=8)
+    before = kv.keys[0].clone()
+    with pytest.raises(ss.ContextOverflow, match="needs 9 positions"):
+        tiny.prefill(torch.arange(3, 12), StepBatch.single(0, 9), kv)
+    assert torch.equal(kv.keys[0], before)
+    with pytest.raises(ValueError, match="one token per sequence"):
+        tiny.decode(torch.tensor([3, 4]), StepBatch.single(0, 2), kv)
