@@ -44,3 +44,20 @@ class PlanError(SlotserveError):
 
 class EngineClosed(SlotserveError):
     """The engine was closed; it takes no more work."""
+
+
+class KVExhausted(SlotserveError):
+    """The KV pool cannot hold what was asked (no free slot, or too few free blocks).
+
+    Raised before anything changes: a reservation is all or nothing.
+    """
+
+    def __init__(self, what: str, needed: int, available: int, hint: str = "") -> None:
+        self.what, self.needed, self.available = what, needed, available
+        msg = f"KV pool: needs {needed} {what} but {available} are free"
+        super().__init__(msg + (f"; {hint}" if hint else ""))
+
+
+class SessionError(SlotserveError, ValueError):
+    """A KV operation named a session that does not exist, already exists, or asked for
+    something its state cannot give (clone past the committed length, say)."""

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from slotserve.errors import ContextOverflow
 from slotserve.kv.batch import StepBatch
-from slotserve.kv.contiguous import ContiguousKV
+from slotserve.kv.config import KVConfig
+from slotserve.kv.pool import KVPool
 from slotserve.model import Model
 from slotserve.runner_types import GenerationConfig, GenerationResult, Stats, now_ms
 from slotserve.sampling import RequestSampler, StopMatcher
@@ -25,13 +26,7 @@ TokenCallback = Callable[[str], None]
 StatsCallback = Callable[[Stats], None]
 
 
-@dataclass
-class _Conversation:
-    """What the runner's KV slot holds: ``written`` positions, plus a sampled token not yet
-    fed back (``pending``), which the next turn prepends."""
-
-    written: int = 0
-    pending: list[int] = field(default_factory=list)
+SESSION = 0  # the runner's one KV session
 
 
 class TextLLMRunner:
@@ -41,8 +36,10 @@ class TextLLMRunner:
         self._spec = model
         self._model = model if isinstance(model, Model) else None
         self._requested_context = max_context
-        self._kv: ContiguousKV | None = None
-        self._conversation = _Conversation()
+        self._kv: KVPool | None = None
+        # A token sampled at the end of the last turn but not yet fed back: the next
+        # generate() prepends it.
+        self._pending: list[int] = []
         self._stop = threading.Event()
         self.stats = Stats()
 
@@ -59,7 +56,8 @@ class TextLLMRunner:
             self._model = load(self._spec)  # type: ignore[arg-type]
         info = self._model.info
         context = min(self._requested_context or min(info.max_context, 4096), info.max_context)
-        self._kv = ContiguousKV(info, n_slots=1, max_context=context)
+        self._kv = KVPool(info, KVConfig(layout="flat", max_seqs=1, max_context=context))
+        self._kv.reserve(SESSION, context)
         self.stats.model_load_end_ms = now_ms()
 
     def is_loaded(self) -> bool:
@@ -75,12 +73,12 @@ class TextLLMRunner:
     def max_context(self) -> int:
         self.load()
         assert self._kv is not None
-        return self._kv.max_context
+        return self._kv.config.max_context
 
     @property
     def position(self) -> int:
         """Positions of the conversation already in the KV slot."""
-        return self._conversation.written
+        return self._kv.length(SESSION) if self._kv is not None else 0
 
     def stop(self) -> None:
         """Ask the running generation to end before its next token (thread-safe)."""
@@ -88,7 +86,12 @@ class TextLLMRunner:
 
     def reset(self) -> None:
         """Forget the conversation; the next ``generate`` starts at position 0."""
-        self._conversation = _Conversation()
+        self._rewind_to(0)
+        self._pending = []
+
+    def _rewind_to(self, position: int) -> None:
+        if self._kv is not None:
+            self._kv.rewind(SESSION, self._kv.length(SESSION) - position)
 
     # -- generation ------------------------------------------------------------------
 
@@ -103,10 +106,10 @@ class TextLLMRunner:
         (the last sampled token of the previous turn is fed first)."""
         config = config or GenerationConfig()
         self.load()
-        conv = self._conversation
+        start, prefix = self.position, list(self._pending)
         if config.warming:
-            self._warm_up(prompt, conv.written, conv.pending, config)
-        return self._run(prompt, conv.written, conv.pending, config, token_callback, stats_callback)
+            self._warm_up(prompt, start, prefix, config)
+        return self._run(prompt, start, prefix, config, token_callback, stats_callback)
 
     def generate_from_pos(
         self,
@@ -120,10 +123,9 @@ class TextLLMRunner:
         are kept from the conversation, positions from it on are replaced."""
         config = config or GenerationConfig()
         self.load()
-        if not 0 <= start_pos <= self._conversation.written:
+        if not 0 <= start_pos <= self.position:
             raise ValueError(
-                f"start_pos={start_pos} is outside the conversation "
-                f"(0..{self._conversation.written})"
+                f"start_pos={start_pos} is outside the conversation (0..{self.position})"
             )
         if config.warming:
             self._warm_up(prompt, start_pos, [], config)
@@ -137,10 +139,11 @@ class TextLLMRunner:
         config: GenerationConfig,
     ) -> None:
         """Run the prompt once (2 tokens) to warm kernels and caches, then forget it."""
-        saved = replace(self._conversation, pending=list(self._conversation.pending))
+        saved_pending = list(self._pending)
         cold = replace(config, warming=False, echo=False, max_new_tokens=2)
         self._run(prompt, start_pos, prefix, cold, None, None)
-        self._conversation = saved
+        self._rewind_to(start_pos)
+        self._pending = saved_pending
 
     def _prompt_tokens(self, prompt: str | Sequence[int], config: GenerationConfig) -> list[int]:
         if not isinstance(prompt, str):
@@ -199,9 +202,10 @@ class TextLLMRunner:
         decoder = model.tokenizer.stream_decoder()
         stops = StopMatcher(params.stop)
         eos = set() if params.ignore_eos else set(model.tokenizer.eos_ids)
+        self._rewind_to(start)
+        self._pending = []
         logits = model.prefill(torch.tensor(prompt), StepBatch.single(start, len(prompt)), kv)
         position = start + len(prompt)
-        self._conversation = _Conversation(written=position)
         stats.prompt_eval_end_ms = now_ms()
         out: list[int] = []
         text: list[str] = []
@@ -216,7 +220,7 @@ class TextLLMRunner:
             stats.aggregate_sampling_time_ms += now_ms() - sample_start
             if not out:
                 stats.first_token_ms = now_ms()
-            self._conversation.pending = [token]
+            self._pending = [token]
             if token in eos:
                 reason = "stop"
                 break
@@ -229,8 +233,8 @@ class TextLLMRunner:
             if len(out) == max_new:
                 break
             logits = model.decode(torch.tensor([token]), StepBatch.single(position, 1), kv)
+            self._pending = []
             position += 1
-            self._conversation = _Conversation(written=position)
         if not stops.stopped:
             _emit(stops.push(decoder.flush())[0] + stops.flush(), text, token_callback)
         return GenerationResult(tokens=out, text="".join(text), finish_reason=reason, stats=stats)

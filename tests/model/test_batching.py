@@ -11,7 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import slotserve as ss
-from slotserve.kv import ContiguousKV, StepBatch
+from slotserve.kv import KVConfig, KVPool, StepBatch
+
+
+def _pool(model: ss.Model, sessions: int, context: int) -> KVPool:
+    pool = KVPool(model.info, KVConfig(layout="flat", max_seqs=sessions, max_context=context))
+    for session in range(sessions):
+        pool.reserve(session, context)
+    return pool
 
 
 def _alone(model: ss.Model, ids: list[int]) -> torch.Tensor:
@@ -22,10 +29,10 @@ def _alone(model: ss.Model, ids: list[int]) -> torch.Tensor:
 def test_chunked_prefill_and_decode_equal_one_pass(tiny_dirs: dict[str, Path], kind: str) -> None:
     model = ss.load(tiny_dirs[kind])
     ids = list(range(3, 43))
-    kv = ContiguousKV(model.info, n_slots=2, max_context=64)
+    kv = _pool(model, 2, 64)
     outputs = []
     for start, end in [(0, 7), (7, 8), (8, 20), (20, 21), (21, 40)]:
-        batch = StepBatch.single(start, end - start, slot=1)
+        batch = StepBatch.single(start, end - start, session=1)
         outputs.append(model.forward(torch.tensor(ids[start:end]), batch, kv, all_logits=True))
     torch.testing.assert_close(torch.cat(outputs), _alone(model, ids), rtol=0, atol=1e-5)
 
@@ -43,7 +50,7 @@ def test_ragged_batches_equal_sequences_alone(
     tiny_dirs: dict[str, Path], chunk_plans: list[list[int]], kind: str
 ) -> None:
     model = ss.load(tiny_dirs[kind])
-    kv = ContiguousKV(model.info, n_slots=len(chunk_plans), max_context=32)
+    kv = _pool(model, len(chunk_plans), 32)
     gen = torch.Generator().manual_seed(len(chunk_plans))
     sequences = [
         torch.randint(3, 259, (sum(plan),), generator=gen).tolist() for plan in chunk_plans
@@ -53,7 +60,7 @@ def test_ragged_batches_equal_sequences_alone(
     for step in range(max(len(plan) for plan in chunk_plans)):
         live = [b for b, plan in enumerate(chunk_plans) if step < len(plan)]
         lengths = [chunk_plans[b][step] for b in live]
-        batch = StepBatch(slots=live, starts=[done[b] for b in live], lengths=lengths)
+        batch = StepBatch(sessions=live, starts=[done[b] for b in live], lengths=lengths)
         tokens = torch.tensor(
             [
                 t
@@ -70,7 +77,7 @@ def test_ragged_batches_equal_sequences_alone(
 
 
 def test_decode_returns_last_token_logits(tiny: ss.Model) -> None:
-    kv = ContiguousKV(tiny.info, n_slots=3, max_context=16)
+    kv = _pool(tiny, 3, 16)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     starts = [0, 0, 0]
     tokens = torch.tensor([t for p in prompts for t in p])
@@ -83,10 +90,10 @@ def test_decode_returns_last_token_logits(tiny: ss.Model) -> None:
 
 
 def test_overflow_is_refused_without_writing(tiny: ss.Model) -> None:
-    kv = ContiguousKV(tiny.info, n_slots=1, max_context=8)
-    before = kv.keys[0].clone()
-    with pytest.raises(ss.ContextOverflow, match="needs 9 positions"):
+    kv = _pool(tiny, 1, 8)
+    before = kv.groups[0].keys[0].data.clone()
+    with pytest.raises(ss.ContextOverflow, match="9 positions"):
         tiny.prefill(torch.arange(3, 12), StepBatch.single(0, 9), kv)
-    assert torch.equal(kv.keys[0], before)
+    assert torch.equal(kv.groups[0].keys[0].data, before)
     with pytest.raises(ValueError, match="one token per sequence"):
         tiny.decode(torch.tensor([3, 4]), StepBatch.single(0, 2), kv)

@@ -8,15 +8,16 @@ import torch
 from rich.progress import Progress
 
 from slotserve.bench.stats import summary
-from slotserve.kv import ContiguousKV, StepBatch
+from slotserve.kv import KVConfig, KVPool, StepBatch
 from slotserve.model import Model
 
 PROMPT_LENGTHS = (32, 256, 1024)
 DECODE_TOKENS = 32
 
 
-def _one_run(model: Model, kv: ContiguousKV, prompt: torch.Tensor) -> tuple[float, float]:
+def _one_run(model: Model, kv: KVPool, prompt: torch.Tensor) -> tuple[float, float]:
     """(prefill tok/s, decode tok/s) of one greedy generation from an empty slot."""
+    kv.rewind(0, kv.length(0))
     start = time.perf_counter()
     logits = model.prefill(prompt, StepBatch.single(0, len(prompt)), kv)
     prefill_s = time.perf_counter() - start
@@ -32,7 +33,9 @@ def _one_run(model: Model, kv: ContiguousKV, prompt: torch.Tensor) -> tuple[floa
 
 def run_single(model: Model, repeats: int = 5) -> dict[str, object]:
     lengths = [n for n in PROMPT_LENGTHS if n + DECODE_TOKENS <= model.info.max_context]
-    kv = ContiguousKV(model.info, n_slots=1, max_context=max(lengths) + DECODE_TOKENS)
+    context = max(lengths) + DECODE_TOKENS
+    kv = KVPool(model.info, KVConfig(layout="flat", max_seqs=1, max_context=context))
+    kv.reserve(0, context)
     gen = torch.Generator().manual_seed(0)
     rows = []
     with Progress(transient=True) as progress:

@@ -1,53 +1,60 @@
 """`StepBatch`: which sequences a forward step advances, and by how many tokens.
 
 Built once per step by the caller (runner or engine), read by the model (positions) and by
-the KV store (where to write, what each query may attend to). It never holds K/V itself.
+the KV store (where to write, what each query may attend to). Derived tensors that every
+layer needs (write indices, masks) are computed once per step through `memo`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass
 class StepBatch:
-    """A ragged batch: sequence ``b`` lives in ``slots[b]``, already holds ``starts[b]``
-    positions and appends ``lengths[b]`` new tokens in this step.
+    """A ragged batch: sequence ``b`` is KV session ``sessions[b]``, already holds
+    ``starts[b]`` positions and appends ``lengths[b]`` new tokens in this step.
 
     The flattened token axis of the step is the concatenation of each sequence's new tokens.
     """
 
-    slots: list[int]
+    sessions: list[int]
     starts: list[int]
     lengths: list[int]
     positions: torch.Tensor = field(init=False)
-    token_slots: torch.Tensor = field(init=False)
-    _pad_index: tuple[torch.Tensor, torch.Tensor] | None = field(init=False, default=None)
-    _masks: dict[tuple[int | None, int], torch.Tensor | None] = field(
-        init=False, default_factory=dict
-    )
+    _memo: dict[Hashable, Any] = field(init=False, default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not (len(self.slots) == len(self.starts) == len(self.lengths)) or not self.slots:
-            raise ValueError("StepBatch needs equal, non-empty slots, starts and lengths")
+        if not (len(self.sessions) == len(self.starts) == len(self.lengths)) or not self.sessions:
+            raise ValueError("StepBatch needs equal, non-empty sessions, starts and lengths")
         if min(self.lengths) < 1 or min(self.starts) < 0:
             raise ValueError(f"bad StepBatch: starts={self.starts} lengths={self.lengths}")
+        if len(set(self.sessions)) != len(self.sessions):
+            raise ValueError(f"a session appears twice in one step: {self.sessions}")
         self.positions = torch.cat(
             [torch.arange(s, s + n) for s, n in zip(self.starts, self.lengths, strict=True)]
         )
-        self.token_slots = torch.repeat_interleave(
-            torch.tensor(self.slots), torch.tensor(self.lengths)
-        )
 
     @classmethod
-    def single(cls, start: int, length: int, slot: int = 0) -> StepBatch:
-        return cls([slot], [start], [length])
+    def single(cls, start: int, length: int, session: int = 0) -> StepBatch:
+        return cls([session], [start], [length])
+
+    def memo(self, key: Hashable, factory: Callable[[], T]) -> T:
+        """``factory()`` computed once per step per key (shared by all layers)."""
+        if key not in self._memo:
+            self._memo[key] = factory()
+        value: T = self._memo[key]
+        return value
 
     @property
     def size(self) -> int:
-        return len(self.slots)
+        return len(self.sessions)
 
     @property
     def n_tokens(self) -> int:
@@ -73,32 +80,15 @@ class StepBatch:
 
     def pad_index(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(sequence index, index within the sequence) of every flattened token."""
-        if self._pad_index is None:
+
+        def build() -> tuple[torch.Tensor, torch.Tensor]:
             seq = torch.repeat_interleave(torch.arange(self.size), torch.tensor(self.lengths))
             within = torch.cat([torch.arange(n) for n in self.lengths])
-            self._pad_index = (seq, within)
-        return self._pad_index
+            return seq, within
 
-    def mask(self, window: int | None, key_len: int) -> torch.Tensor | None:
-        """Boolean attention mask ``[B, 1, max_len, key_len]`` (True = may attend).
+        return self.memo("pad_index", build)
 
-        Causal, and limited to the last ``window`` positions when a window is given.
-        Returns ``None`` when plain full attention over every key is already correct
-        (a single decode token per sequence, all sequences of length ``key_len``).
-        """
-        key = (window, key_len)
-        if key not in self._masks:
-            self._masks[key] = self._build_mask(window, key_len)
-        return self._masks[key]
-
-    def _build_mask(self, window: int | None, key_len: int) -> torch.Tensor | None:
-        no_window = window is None or window >= key_len
-        if self.max_len == 1 and no_window and all(e == key_len for e in self.ends):
-            return None
-        starts = torch.tensor(self.starts).view(-1, 1, 1)
-        q_pos = starts + torch.arange(self.max_len).view(1, -1, 1)
-        k_pos = torch.arange(key_len).view(1, 1, -1)
-        allowed = k_pos <= q_pos
-        if window is not None:
-            allowed &= q_pos - k_pos < window
-        return allowed.unsqueeze(1)
+    def query_positions(self) -> torch.Tensor:
+        """``[B, max_len]`` position of each (padded) query row."""
+        starts = torch.tensor(self.starts).view(-1, 1)
+        return starts + torch.arange(self.max_len).view(1, -1)

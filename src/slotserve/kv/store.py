@@ -22,4 +22,5 @@ class KVStore(Protocol):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch
     ) -> torch.Tensor: ...
 
-    def check_capacity(self, batch: StepBatch) -> None: ...
+    def begin_step(self, batch: StepBatch) -> None:
+        """Validate the step (raising before any write) and commit its positions."""

@@ -6,7 +6,8 @@ import torch
 
 from slotserve.artifact.tokenizer import Tokenizer
 from slotserve.kv.batch import StepBatch
-from slotserve.kv.contiguous import ContiguousKV
+from slotserve.kv.config import KVConfig
+from slotserve.kv.pool import KVPool
 from slotserve.kv.store import KVStore
 from slotserve.model.info import ModelInfo
 from slotserve.model.layers import RopeTables
@@ -43,7 +44,7 @@ class Model:
             raise ValueError(
                 f"position {max(batch.ends)} exceeds the model's context {self.info.max_context}"
             )
-        kv.check_capacity(batch)
+        kv.begin_step(batch)
         hidden = forward_hidden(self.weights, self.info, self.rope, tokens, batch, kv)
         if not all_logits:
             hidden = hidden[batch.last_token_rows()]
@@ -64,6 +65,7 @@ class Model:
         (entry i scores the token after ``token_ids[: i + 1]``)."""
         if not token_ids:
             raise ValueError("logits() needs at least one token")
-        kv = ContiguousKV(self.info, n_slots=1, max_context=len(token_ids))
+        kv = KVPool(self.info, KVConfig(layout="flat", max_seqs=1, max_context=len(token_ids)))
+        kv.reserve(0, len(token_ids))
         batch = StepBatch.single(0, len(token_ids))
         return self.forward(torch.tensor(token_ids), batch, kv, all_logits=True)

@@ -1,0 +1,270 @@
+"""The three KV layouts, as groups of layers sharing one way of placing positions in cells.
+
+A group maps (session, position) to a cell of its storage and answers, for a step, which
+cells to write and which keys each query sees. The pool owns the sessions and the block
+allocator; groups own only their layers' storage and the arithmetic.
+
+- `FlatGroup`: session slot ``s`` owns cells ``s*C .. s*C + C - 1``.
+- `CellGroup`: position ``p`` lives in block ``table[p // bs]`` at offset ``p % bs``.
+- `RingGroup`: slot ``s`` owns ``sinks + window`` cells; sink positions stay, the rest
+  wrap, so the footprint is bounded whatever the length.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from slotserve.kv.attention import attend, pad_rows, prefix_mask, visibility_mask
+from slotserve.kv.batch import StepBatch
+from slotserve.kv.session import SessionKV
+from slotserve.kv.storage import KVStorage
+
+
+@dataclass(frozen=True)
+class GroupShape:
+    kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+class LayerGroup(ABC):
+    """Storage and placement rule for a set of layers."""
+
+    kind: str
+
+    def __init__(self, layers: list[int], n_cells: int, shape: GroupShape) -> None:
+        self.layers = layers
+        self.n_cells = n_cells
+        make = lambda: KVStorage(n_cells, shape.kv_heads, shape.head_dim, shape.dtype)  # noqa: E731
+        self.keys = {layer: make() for layer in layers}
+        self.values = {layer: make() for layer in layers}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.keys.values()) + sum(
+            s.nbytes for s in self.values.values()
+        )
+
+    @abstractmethod
+    def cell_index(self, session: SessionKV, positions: torch.Tensor) -> torch.Tensor:
+        """Cells holding ``positions`` of ``session``."""
+
+    @abstractmethod
+    def update_and_attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: StepBatch,
+        sessions: Mapping[int, SessionKV],
+    ) -> torch.Tensor:
+        """Write the step's K/V for ``layer`` and return its attention output."""
+
+    def stored_positions(self, length: int) -> torch.Tensor:
+        """Positions a session of ``length`` still has stored."""
+        return torch.arange(length)
+
+    def copy_positions(self, src: SessionKV, dst: SessionKV, upto: int) -> None:
+        """Copy the stored positions below ``upto`` of ``src`` into ``dst``, every layer."""
+        positions = self.stored_positions(upto)
+        src_cells, dst_cells = self.cell_index(src, positions), self.cell_index(dst, positions)
+        for storage in (*self.keys.values(), *self.values.values()):
+            storage.copy_cells(src_cells, dst_cells)
+
+
+class PrefixGroup(LayerGroup):
+    """Layouts that keep every position (flat, cell): write first, then attend over
+    positions ``0..end-1`` of each sequence."""
+
+    def __init__(
+        self, layers: list[int], n_cells: int, shape: GroupShape, window: int | None
+    ) -> None:
+        super().__init__(layers, n_cells, shape)
+        self.window = window
+
+    def _plan(self, batch: StepBatch, sessions: Mapping[int, SessionKV]) -> dict[str, object]:
+        key_len = max(batch.ends)
+        bound = [sessions[s] for s in batch.sessions]
+        write = torch.cat(
+            [
+                self.cell_index(s, torch.arange(a, e))
+                for s, a, e in zip(bound, batch.starts, batch.ends, strict=True)
+            ]
+        )
+        # Padding keys (past a sequence's end) point at its last real cell; the mask hides them.
+        gather = torch.stack(
+            [
+                self.cell_index(s, torch.arange(key_len).clamp(max=e - 1))
+                for s, e in zip(bound, batch.ends, strict=True)
+            ]
+        )
+        causal = batch.size == 1 and batch.starts[0] == 0 and self.window is None
+        mask = None if causal else prefix_mask(batch, key_len, self.window)
+        return {"write": write, "gather": gather, "mask": mask, "causal": causal}
+
+    def _keys(self, storage: KVStorage, plan: dict[str, object]) -> torch.Tensor:
+        gather = plan["gather"]
+        assert isinstance(gather, torch.Tensor)
+        if self.kind == "flat" and gather.shape[0] == 1:
+            return storage.cells(int(gather[0, 0]), gather.shape[1]).unsqueeze(0)
+        return storage.gather(gather)
+
+    def update_and_attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: StepBatch,
+        sessions: Mapping[int, SessionKV],
+    ) -> torch.Tensor:
+        plan = batch.memo(("kv-plan", id(self)), lambda: self._plan(batch, sessions))
+        write = plan["write"]
+        assert isinstance(write, torch.Tensor)
+        self.keys[layer].write(write, k)
+        self.values[layer].write(write, v)
+        keys = self._keys(self.keys[layer], plan).transpose(1, 2)
+        values = self._keys(self.values[layer], plan).transpose(1, 2)
+        mask = plan["mask"]
+        assert mask is None or isinstance(mask, torch.Tensor)
+        return attend(q, keys, values, batch, mask, causal_from_zero=bool(plan["causal"]))
+
+
+class FlatGroup(PrefixGroup):
+    kind = "flat"
+
+    def __init__(
+        self,
+        layers: list[int],
+        max_seqs: int,
+        max_context: int,
+        shape: GroupShape,
+        window: int | None,
+    ) -> None:
+        super().__init__(layers, max_seqs * max_context, shape, window)
+        self.max_context = max_context
+
+    def cell_index(self, session: SessionKV, positions: torch.Tensor) -> torch.Tensor:
+        return session.slot * self.max_context + positions
+
+
+class CellGroup(PrefixGroup):
+    kind = "cell"
+
+    def __init__(
+        self,
+        layers: list[int],
+        total_blocks: int,
+        block_size: int,
+        shape: GroupShape,
+        window: int | None,
+    ) -> None:
+        super().__init__(layers, total_blocks * block_size, shape, window)
+        self.block_size = block_size
+
+    def cell_index(self, session: SessionKV, positions: torch.Tensor) -> torch.Tensor:
+        table = torch.tensor(session.table, dtype=torch.long)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one whole block in every layer (copy-on-write)."""
+        cells = torch.arange(self.block_size)
+        for storage in (*self.keys.values(), *self.values.values()):
+            storage.copy_cells(src * self.block_size + cells, dst * self.block_size + cells)
+
+
+class RingGroup(LayerGroup):
+    """Keeps ``sinks`` first positions and the last ``window`` positions of each session.
+
+    A query at position p sees keys at positions ``> p - window`` and every sink. Attention
+    runs over (old keys gathered from the ring) + (this step's new keys) before the new keys
+    are written, so a chunk longer than the free run of the ring, or longer than the
+    window itself, is still exact.
+    """
+
+    kind = "ring"
+
+    def __init__(
+        self, layers: list[int], max_seqs: int, window: int, sinks: int, shape: GroupShape
+    ) -> None:
+        super().__init__(layers, max_seqs * (window + sinks), shape)
+        self.window, self.sinks = window, sinks
+        self.row = window + sinks
+
+    def cell_index(self, session: SessionKV, positions: torch.Tensor) -> torch.Tensor:
+        wrapped = self.sinks + (positions - self.sinks).remainder(self.window)
+        return session.slot * self.row + torch.where(positions < self.sinks, positions, wrapped)
+
+    def kept_positions(self, length: int) -> torch.Tensor:
+        """Positions still in the ring of a session of ``length``."""
+        sinks = torch.arange(min(self.sinks, length))
+        recent = torch.arange(max(self.sinks, length - self.window), length)
+        return torch.cat([sinks, recent])
+
+    def can_truncate(self, length: int, new_length: int) -> bool:
+        """Whether every position a query at ``new_length`` may see is still in the ring
+        after positions ``new_length..length-1`` were written (rewind and clone need it)."""
+        needed_from = max(self.sinks, new_length - self.window + 1)
+        overwritten_below = length - self.window  # positions < this (and >= sinks) are gone
+        return needed_from >= overwritten_below or new_length == length
+
+    def _plan(self, batch: StepBatch, sessions: Mapping[int, SessionKV]) -> dict[str, torch.Tensor]:
+        bound = [sessions[s] for s in batch.sessions]
+        old = [self.kept_positions(start) for start in batch.starts]
+        old_len = max(len(p) for p in old)
+        old_pos = torch.full((batch.size, old_len), -1, dtype=torch.long)
+        old_cells = torch.zeros((batch.size, old_len), dtype=torch.long)
+        for b, (session, positions) in enumerate(zip(bound, old, strict=True)):
+            old_pos[b, : len(positions)] = positions
+            if len(positions):
+                old_cells[b, : len(positions)] = self.cell_index(session, positions)
+        new_pos = batch.query_positions()
+        new_valid = new_pos < torch.tensor(batch.ends).view(-1, 1)
+        k_pos = torch.cat([old_pos, new_pos], dim=1)
+        k_valid = torch.cat([old_pos >= 0, new_valid], dim=1)
+        mask = visibility_mask(new_pos, k_pos, k_valid, self.window, self.sinks)
+        rows, write = self._new_cells(batch, bound)
+        return {"old_cells": old_cells, "mask": mask, "rows": rows, "write": write}
+
+    def _new_cells(
+        self, batch: StepBatch, bound: list[SessionKV]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows of the step's new tokens that stay in the ring (sinks and the last
+        ``window`` of each sequence), and their cells: every cell is written once."""
+        rows, cells, offset = [], [], 0
+        for session, start, end in zip(bound, batch.starts, batch.ends, strict=True):
+            positions = torch.arange(start, end)
+            keep = (positions < self.sinks) | (positions >= end - self.window)
+            rows.append(offset + keep.nonzero().flatten())
+            cells.append(self.cell_index(session, positions[keep]))
+            offset += end - start
+        return torch.cat(rows), torch.cat(cells)
+
+    def stored_positions(self, length: int) -> torch.Tensor:
+        return self.kept_positions(length)
+
+    def update_and_attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        batch: StepBatch,
+        sessions: Mapping[int, SessionKV],
+    ) -> torch.Tensor:
+        plan = batch.memo(("kv-plan", id(self)), lambda: self._plan(batch, sessions))
+        keys = torch.cat(
+            [self.keys[layer].gather(plan["old_cells"]), pad_rows(k.float(), batch)], 1
+        )
+        values = torch.cat(
+            [self.values[layer].gather(plan["old_cells"]), pad_rows(v.float(), batch)], 1
+        )
+        out = attend(q, keys.transpose(1, 2), values.transpose(1, 2), batch, plan["mask"])
+        self.keys[layer].write(plan["write"], k[plan["rows"]])
+        self.values[layer].write(plan["write"], v[plan["rows"]])
+        return out

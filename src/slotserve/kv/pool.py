@@ -1,0 +1,261 @@
+"""`KVPool`: the one KV cache of an engine, allocated once and never grown.
+
+It owns every layer's K/V storage (grouped by layout), the session table, the slot rows and
+the block allocator. Sessions are bound by `reserve`, grown by `extend`, forked by `clone`
+(copy-on-write for cell blocks), shortened by `rewind` and unbound by `release`. Every
+operation either completes or raises a typed error having changed nothing. The model sees
+only `update_and_attend`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from slotserve.errors import ContextOverflow, KVExhausted, SessionError
+from slotserve.kv.allocator import BlockAllocator
+from slotserve.kv.batch import StepBatch
+from slotserve.kv.config import KVConfig
+from slotserve.kv.layouts import CellGroup, FlatGroup, GroupShape, LayerGroup, RingGroup
+from slotserve.kv.session import SessionKV
+from slotserve.model.info import ModelInfo
+
+
+def build_groups(info: ModelInfo, config: KVConfig) -> list[LayerGroup]:
+    """One group per distinct placement rule. Sliding-window layers get a ring of their
+    window; the others get the configured layout."""
+    shape = GroupShape(info.n_kv_heads, info.head_dim, config.torch_dtype)
+    by_rule: dict[tuple[str, int | None], list[int]] = {}
+    for layer in range(info.n_layers):
+        window = info.window(layer)
+        if window is not None and window < config.max_context:
+            by_rule.setdefault(("ring", window), []).append(layer)
+        elif config.layout == "ring" and config.ring_window + config.sinks < config.max_context:
+            by_rule.setdefault(("ring-full", None), []).append(layer)
+        else:
+            by_rule.setdefault(
+                (config.layout if config.layout != "ring" else "flat", window), []
+            ).append(layer)
+    groups: list[LayerGroup] = []
+    for (rule, window), layers in by_rule.items():
+        if rule == "ring":
+            assert window is not None
+            groups.append(RingGroup(layers, config.max_seqs, window, 0, shape))
+        elif rule == "ring-full":
+            groups.append(
+                RingGroup(layers, config.max_seqs, config.ring_window, config.sinks, shape)
+            )
+        elif rule == "cell":
+            groups.append(CellGroup(layers, config.total_blocks, config.block_size, shape, window))
+        else:
+            groups.append(FlatGroup(layers, config.max_seqs, config.max_context, shape, window))
+    return groups
+
+
+class KVPool:
+    """K/V storage for up to ``max_seqs`` sessions of up to ``max_context`` positions."""
+
+    def __init__(self, info: ModelInfo, config: KVConfig) -> None:
+        self.info, self.config = info, config
+        self.groups = build_groups(info, config)
+        self._group_of = {layer: g for g in self.groups for layer in g.layers}
+        self._cells = [g for g in self.groups if isinstance(g, CellGroup)]
+        self._rings = [g for g in self.groups if isinstance(g, RingGroup)]
+        self.blocks = BlockAllocator(config.total_blocks if self._cells else 0)
+        self.sessions: dict[int, SessionKV] = {}
+        self._free_slots = list(range(config.max_seqs - 1, -1, -1))
+
+    # -- sizes -----------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes of all K/V storage (measured from the tensors)."""
+        return sum(g.nbytes for g in self.groups)
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def _blocks_for(self, n_tokens: int) -> int:
+        return math.ceil(n_tokens / self.config.block_size) if self._cells else 0
+
+    # -- binding ---------------------------------------------------------------------
+
+    def reserve(self, session: int, n_tokens: int) -> None:
+        """Bind ``session`` with room for ``n_tokens`` positions: all of it or nothing."""
+        if session in self.sessions:
+            raise SessionError(f"session {session} already holds a reservation; use extend()")
+        self._check_context(n_tokens)
+        if not self._free_slots:
+            raise KVExhausted("session slots", 1, 0, f"max_seqs={self.config.max_seqs}")
+        table = self._allocate(self._blocks_for(n_tokens))
+        self.sessions[session] = SessionKV(self._free_slots.pop(), n_tokens, 0, table)
+
+    def extend(self, session: int, n_more: int) -> None:
+        """Grow a reservation by ``n_more`` positions: all of it or nothing."""
+        bound = self._get(session)
+        if n_more < 0:
+            raise ValueError(f"extend by n_more={n_more}; must be >= 0")
+        self._check_context(bound.capacity + n_more)
+        need = self._blocks_for(bound.capacity + n_more) - len(bound.table)
+        bound.table.extend(self._allocate(need))
+        bound.capacity += n_more
+
+    def release(self, session: int) -> None:
+        """Return every block and the slot of ``session``."""
+        bound = self._get(session)
+        del self.sessions[session]
+        self.blocks.drop(bound.table)
+        self._free_slots.append(bound.slot)
+
+    def clone(self, session: int, upto: int, into: int | None = None) -> int:
+        """A new session holding the first ``upto`` committed positions of ``session``:
+        cell blocks are shared copy-on-write, flat/ring rows are copied. Returns its id."""
+        source = self._get(session)
+        new_id = into if into is not None else max(self.sessions, default=-1) + 1
+        if new_id in self.sessions:
+            raise SessionError(f"session {new_id} already exists")
+        if not 0 <= upto <= source.length:
+            raise SessionError(
+                f"clone upto={upto} is past session {session}'s committed length {source.length}"
+            )
+        self._check_ring_truncation(source.length, upto, "clone")
+        if not self._free_slots:
+            raise KVExhausted("session slots", 1, 0, f"max_seqs={self.config.max_seqs}")
+        shared = source.table[: self._blocks_for(upto)]
+        clone = SessionKV(self._free_slots[-1], upto, upto, list(shared))
+        self._check_cow_room({**self.sessions, new_id: clone})
+        self._free_slots.pop()
+        self.blocks.share(shared)
+        self.sessions[new_id] = clone
+        for group in self.groups:
+            if not isinstance(group, CellGroup):
+                group.copy_positions(source, clone, upto)
+        return new_id
+
+    def rewind(self, session: int, n: int) -> None:
+        """Drop the last ``n`` committed positions (the reservation is kept)."""
+        bound = self._get(session)
+        if not 0 <= n <= bound.length:
+            raise SessionError(f"rewind n={n} outside 0..{bound.length} for session {session}")
+        self._check_ring_truncation(bound.length, bound.length - n, "rewind")
+        old = bound.length
+        bound.length -= n
+        try:
+            self._check_cow_room(self.sessions)
+        except KVExhausted:
+            bound.length = old
+            raise
+
+    def length(self, session: int) -> int:
+        return self._get(session).length
+
+    # -- the step --------------------------------------------------------------------
+
+    def begin_step(self, batch: StepBatch) -> None:
+        """Validate a step, un-share cell blocks it will write, and commit its lengths.
+
+        Raises (changing nothing) if a session is unknown, the step does not append at the
+        session's length, or it would pass the session's reservation.
+        """
+        for session, start, end in zip(batch.sessions, batch.starts, batch.ends, strict=True):
+            bound = self._get(session)
+            if start != bound.length:
+                raise SessionError(
+                    f"session {session} holds {bound.length} positions; a step must append at "
+                    f"{bound.length}, not {start}"
+                )
+            if end > bound.capacity:
+                raise ContextOverflow(end, bound.capacity, "reserve or extend the session first")
+        for session, start, end in zip(batch.sessions, batch.starts, batch.ends, strict=True):
+            self._unshare(self.sessions[session], start, end)
+            self.sessions[session].length = end
+
+    def update_and_attend(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch
+    ) -> torch.Tensor:
+        """Write the step's K/V for ``layer`` and attend; see `slotserve.kv.KVStore`."""
+        return self._group_of[layer].update_and_attend(layer, q, k, v, batch, self.sessions)
+
+    # -- internals -------------------------------------------------------------------
+
+    def _get(self, session: int) -> SessionKV:
+        if session not in self.sessions:
+            raise SessionError(f"unknown session {session} (never reserved, or released)")
+        return self.sessions[session]
+
+    def _check_context(self, n_tokens: int) -> None:
+        if n_tokens < 0:
+            raise ValueError(f"n_tokens={n_tokens} must be >= 0")
+        if n_tokens > self.config.max_context:
+            raise ContextOverflow(n_tokens, self.config.max_context, "raise max_context")
+
+    def _check_ring_truncation(self, length: int, new_length: int, what: str) -> None:
+        for ring in self._rings:
+            if not ring.can_truncate(length, new_length):
+                raise SessionError(
+                    f"{what} to {new_length} of {length} positions needs positions that have "
+                    f"left the ring (window {ring.window}); use the flat or cell layout"
+                )
+
+    def _allocate(self, n_blocks: int) -> list[int]:
+        """Blocks for a reservation, leaving enough free for every pending copy-on-write."""
+        spare = self.blocks.n_free - self._cow_needed(self.sessions)
+        if n_blocks > spare:
+            raise KVExhausted(
+                "KV blocks", n_blocks, max(spare, 0), "release sessions or add blocks"
+            )
+        return self.blocks.allocate(n_blocks)
+
+    def _cow_needed(self, sessions: dict[int, SessionKV]) -> int:
+        """Blocks that copy-on-write may still take: for each shared block, one per holder
+        that may still write into it, at most refcount - 1."""
+        if not self._cells:
+            return 0
+        holders: dict[int, int] = {}
+        writers: dict[int, int] = {}
+        bs = self.config.block_size
+        for bound in sessions.values():
+            for index, block in enumerate(bound.table):
+                holders[block] = holders.get(block, 0) + 1
+                if (index + 1) * bs > bound.length:
+                    writers[block] = writers.get(block, 0) + 1
+        return sum(min(writers.get(b, 0), n - 1) for b, n in holders.items() if n > 1)
+
+    def _check_cow_room(self, sessions: dict[int, SessionKV]) -> None:
+        needed = self._cow_needed(sessions)
+        if needed > self.blocks.n_free:
+            raise KVExhausted(
+                "KV blocks (held back for copy-on-write)",
+                needed,
+                self.blocks.n_free,
+                "release sessions or add blocks",
+            )
+
+    def _unshare(self, bound: SessionKV, start: int, end: int) -> None:
+        """Copy-on-write: give ``bound`` its own copy of each shared block it will write."""
+        if not self._cells:
+            return
+        bs = self.config.block_size
+        for index in range(start // bs, (end - 1) // bs + 1):
+            block = bound.table[index]
+            if self.blocks.refcount[block] > 1:
+                (fresh,) = self.blocks.allocate(1)
+                for group in self._cells:
+                    group.copy_block(block, fresh)
+                self.blocks.drop([block])
+                bound.table[index] = fresh
+
+    # -- checks ----------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Assert every invariant of the pool (tests call it after every operation)."""
+        slots = [s.slot for s in self.sessions.values()]
+        assert len(set(slots)) == len(slots), "two sessions share a slot"
+        assert sorted(slots + self._free_slots) == list(range(self.config.max_seqs)), "slot leak"
+        for sid, bound in self.sessions.items():
+            assert 0 <= bound.length <= bound.capacity <= self.config.max_context, sid
+            assert len(bound.table) == self._blocks_for(bound.capacity), f"table size {sid}"
+        self.blocks.check_integrity(s.table for s in self.sessions.values())
+        assert self._cow_needed(self.sessions) <= self.blocks.n_free, "copy-on-write overcommitted"

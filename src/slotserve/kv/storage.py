@@ -1,0 +1,47 @@
+"""`KVStorage`: one layer's K or V cells, ``[n_cells, kv_heads, head_dim]``.
+
+Layouts only compute cell indices; storage writes and gathers by index. fp32/fp16/bf16 keep
+values as they are; int8 keeps one fp32 scale per (cell, head) row, symmetric.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVStorage:
+    def __init__(self, n_cells: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+        self.quantised = dtype == torch.int8
+        self.data = torch.zeros(n_cells, kv_heads, head_dim, dtype=dtype)
+        self.scales = torch.zeros(n_cells, kv_heads, 1) if self.quantised else None
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes + (self.scales.nbytes if self.scales is not None else 0)
+
+    def write(self, index: torch.Tensor, values: torch.Tensor) -> None:
+        """Store ``values[T, heads, dim]`` at cells ``index[T]`` (indices must be unique)."""
+        if self.scales is None:
+            self.data.index_copy_(0, index, values.to(self.data.dtype))
+            return
+        scale = values.abs().amax(dim=-1, keepdim=True).clamp_min(1e-8) / 127.0
+        quantised = torch.round(values / scale).clamp_(-127, 127).to(torch.int8)
+        self.data.index_copy_(0, index, quantised)
+        self.scales.index_copy_(0, index, scale.float())
+
+    def gather(self, index: torch.Tensor) -> torch.Tensor:
+        """fp32 values of cells ``index`` (any shape) → ``[*index.shape, heads, dim]``."""
+        if self.scales is None:
+            return self.data[index].float()
+        return self.data[index].float() * self.scales[index]
+
+    def cells(self, start: int, count: int) -> torch.Tensor:
+        """A contiguous run of cells, as a view when no dequantisation is needed."""
+        if self.scales is None:
+            return self.data.narrow(0, start, count).float()
+        return self.gather(torch.arange(start, start + count))
+
+    def copy_cells(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        self.data.index_copy_(0, dst, self.data[src])
+        if self.scales is not None:
+            self.scales.index_copy_(0, dst, self.scales[src])
