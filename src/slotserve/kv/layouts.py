@@ -39,9 +39,11 @@ class LayerGroup(ABC):
     def __init__(self, layers: list[int], n_cells: int, shape: GroupShape) -> None:
         self.layers = layers
         self.n_cells = n_cells
-        make = lambda: KVStorage(n_cells, shape.kv_heads, shape.head_dim, shape.dtype)  # noqa: E731
-        self.keys = {layer: make() for layer in layers}
-        self.values = {layer: make() for layer in layers}
+        self.keys = {layer: self._storage(shape) for layer in layers}
+        self.values = {layer: self._storage(shape) for layer in layers}
+
+    def _storage(self, shape: GroupShape) -> KVStorage:
+        return KVStorage(self.n_cells, shape.kv_heads, shape.head_dim, shape.dtype)
 
     @property
     def nbytes(self) -> int:
@@ -65,14 +67,16 @@ class LayerGroup(ABC):
     ) -> torch.Tensor:
         """Write the step's K/V for ``layer`` and return its attention output."""
 
-    def stored_positions(self, length: int) -> torch.Tensor:
-        """Positions a session of ``length`` still has stored."""
+    def visible_positions(self, length: int) -> torch.Tensor:
+        """Stored positions that the next query of a session of ``length`` can see."""
         return torch.arange(length)
 
     def copy_positions(self, src: SessionKV, dst: SessionKV, upto: int) -> None:
-        """Copy the stored positions below ``upto`` of ``src`` into ``dst``, every layer."""
-        positions = self.stored_positions(upto)
-        src_cells, dst_cells = self.cell_index(src, positions), self.cell_index(dst, positions)
+        """Copy positions below ``upto`` of ``src`` into ``dst``, every layer."""
+        positions = torch.arange(upto)
+        self._copy_cells(self.cell_index(src, positions), self.cell_index(dst, positions))
+
+    def _copy_cells(self, src_cells: torch.Tensor, dst_cells: torch.Tensor) -> None:
         for storage in (*self.keys.values(), *self.values.values()):
             storage.copy_cells(src_cells, dst_cells)
 
@@ -201,17 +205,18 @@ class RingGroup(LayerGroup):
         return session.slot * self.row + torch.where(positions < self.sinks, positions, wrapped)
 
     def kept_positions(self, length: int) -> torch.Tensor:
-        """Positions still in the ring of a session of ``length``."""
+        """Positions of a session of ``length`` that its next query can see: the sinks and
+        the last ``window - 1`` (the query itself is the window's last position)."""
         sinks = torch.arange(min(self.sinks, length))
-        recent = torch.arange(max(self.sinks, length - self.window), length)
+        recent = torch.arange(min(length, max(self.sinks, length - self.window + 1)), length)
         return torch.cat([sinks, recent])
 
-    def can_truncate(self, length: int, new_length: int) -> bool:
+    def can_truncate(self, high_water: int, new_length: int) -> bool:
         """Whether every position a query at ``new_length`` may see is still in the ring
-        after positions ``new_length..length-1`` were written (rewind and clone need it)."""
+        of a session that has written up to ``high_water`` (rewind and clone need it)."""
         needed_from = max(self.sinks, new_length - self.window + 1)
-        overwritten_below = length - self.window  # positions < this (and >= sinks) are gone
-        return needed_from >= overwritten_below or new_length == length
+        intact_from = high_water - self.window  # cells below this were overwritten
+        return needed_from >= min(intact_from, new_length)
 
     def _plan(self, batch: StepBatch, sessions: Mapping[int, SessionKV]) -> dict[str, torch.Tensor]:
         bound = [sessions[s] for s in batch.sessions]
@@ -245,8 +250,14 @@ class RingGroup(LayerGroup):
             offset += end - start
         return torch.cat(rows), torch.cat(cells)
 
-    def stored_positions(self, length: int) -> torch.Tensor:
+    def visible_positions(self, length: int) -> torch.Tensor:
         return self.kept_positions(length)
+
+    def copy_positions(self, src: SessionKV, dst: SessionKV, upto: int) -> None:
+        """Copy the whole ring row: the clone's ring then holds what the source's holds
+        (the pool checks that what ``upto`` needs is still there)."""
+        cells = torch.arange(self.row)
+        self._copy_cells(src.slot * self.row + cells, dst.slot * self.row + cells)
 
     def update_and_attend(
         self,

@@ -120,11 +120,11 @@ class KVPool:
             raise SessionError(
                 f"clone upto={upto} is past session {session}'s committed length {source.length}"
             )
-        self._check_ring_truncation(source.length, upto, "clone")
+        self._check_ring_truncation(source.high_water, upto, "clone")
         if not self._free_slots:
             raise KVExhausted("session slots", 1, 0, f"max_seqs={self.config.max_seqs}")
         shared = source.table[: self._blocks_for(upto)]
-        clone = SessionKV(self._free_slots[-1], upto, upto, list(shared))
+        clone = SessionKV(self._free_slots[-1], upto, upto, list(shared), source.high_water)
         self._check_cow_room({**self.sessions, new_id: clone})
         self._free_slots.pop()
         self.blocks.share(shared)
@@ -139,7 +139,7 @@ class KVPool:
         bound = self._get(session)
         if not 0 <= n <= bound.length:
             raise SessionError(f"rewind n={n} outside 0..{bound.length} for session {session}")
-        self._check_ring_truncation(bound.length, bound.length - n, "rewind")
+        self._check_ring_truncation(bound.high_water, bound.length - n, "rewind")
         old = bound.length
         bound.length -= n
         try:
@@ -169,8 +169,10 @@ class KVPool:
             if end > bound.capacity:
                 raise ContextOverflow(end, bound.capacity, "reserve or extend the session first")
         for session, start, end in zip(batch.sessions, batch.starts, batch.ends, strict=True):
-            self._unshare(self.sessions[session], start, end)
-            self.sessions[session].length = end
+            bound = self.sessions[session]
+            self._unshare(bound, start, end)
+            bound.length = end
+            bound.high_water = max(bound.high_water, end)
 
     def update_and_attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch
@@ -191,12 +193,13 @@ class KVPool:
         if n_tokens > self.config.max_context:
             raise ContextOverflow(n_tokens, self.config.max_context, "raise max_context")
 
-    def _check_ring_truncation(self, length: int, new_length: int, what: str) -> None:
+    def _check_ring_truncation(self, high_water: int, new_length: int, what: str) -> None:
         for ring in self._rings:
-            if not ring.can_truncate(length, new_length):
+            if not ring.can_truncate(high_water, new_length):
                 raise SessionError(
-                    f"{what} to {new_length} of {length} positions needs positions that have "
-                    f"left the ring (window {ring.window}); use the flat or cell layout"
+                    f"{what} to {new_length} positions needs positions that have left the "
+                    f"ring (window {ring.window}, written up to {high_water}); use the flat "
+                    "or cell layout"
                 )
 
     def _allocate(self, n_blocks: int) -> list[int]:
