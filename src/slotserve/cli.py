@@ -19,6 +19,25 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-context", type=int, default=None)
 
 
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that sizes a KV pool."""
+    parser.add_argument("--max-seqs", type=int, default=4)
+    parser.add_argument("--max-context", type=int, default=2048)
+    parser.add_argument("--kv-layout", choices=["flat", "ring", "cell"], default="flat")
+    parser.add_argument("--kv-dtype", choices=["fp32", "fp16", "bf16", "int8"], default="fp32")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--ring-window", type=int, default=1024)
+    parser.add_argument("--sinks", type=int, default=0)
+    parser.add_argument("--max-batch-tokens", type=int, default=256)
+    parser.add_argument("--memory-budget", default=None, help="e.g. 1GiB, 512MB, 1073741824")
+    parser.add_argument(
+        "--memory-map",
+        default=None,
+        metavar="W,K,A",
+        help="per-arena budgets: weights,kv,activations (e.g. 600MiB,256MiB,128MiB)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slotserve", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -32,6 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat)
     inspect = commands.add_parser("inspect", help="print a model's metadata and size")
     inspect.add_argument("model")
+    plan = commands.add_parser("plan", help="memory plan for a model and engine settings")
+    plan.add_argument("--model", default="bundled")
+    add_engine_args(plan)
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument(
+        "--measure", action="store_true", help="also allocate the pool and measure it"
+    )
     bench = commands.add_parser("bench", help="measure the bundled model")
     bench.add_argument("scenario", choices=["single"])
     bench.add_argument("--model", default="bundled")
@@ -59,6 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from slotserve.cli_run import run_inspect
 
             return run_inspect(args)
+        if args.command == "plan":
+            from slotserve.cli_plan import run_plan
+
+            return run_plan(args)
         from slotserve.bench import run_bench
 
         return run_bench(args)

@@ -66,9 +66,9 @@ def run_and_compare(info: ModelInfo, config: KVConfig, plans: list[list[int]], s
     for b, plan in enumerate(plans):
         pool.reserve(b, sum(plan))
     hist_k = {
-        (b, l): torch.zeros(0, info.n_kv_heads, info.head_dim)
+        (b, layer): torch.zeros(0, info.n_kv_heads, info.head_dim)
         for b in range(len(plans))
-        for l in range(info.n_layers)
+        for layer in range(info.n_layers)
     }
     hist_v = dict(hist_k)
     done = [0] * len(plans)

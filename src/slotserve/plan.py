@@ -1,0 +1,203 @@
+"""`CapacityPlan`: will weights + activations + max_seqs × KV per session fit the budget?
+
+Computed from `ModelInfo` and `KVConfig` alone (no allocation), with the same placement
+rules the pool allocates by, so the planned KV bytes equal the pool's measured bytes.
+If the plan does not fit, `check()` raises `PlanError` naming the largest ``max_seqs``
+and the largest ``max_context`` that would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from slotserve.errors import PlanError
+from slotserve.kv.config import KVConfig
+from slotserve.kv.pool import cells_per_layer, cells_per_session, layer_rules
+from slotserve.model.info import ModelInfo
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30,
+}  # fmt: skip
+
+
+def parse_bytes(value: int | str) -> int:
+    """``1073741824``, ``"1GiB"``, ``"1.5 GiB"``, ``"512MB"`` → bytes."""
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"a byte count must be >= 0, got {value}")
+        return value
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    unit = match.group(2).lower() if match else ""
+    if not match or unit not in _UNITS:
+        raise ValueError(
+            f"cannot parse {value!r} as a size; write e.g. 1073741824, '1GiB', '1.5GiB' or '512MB'"
+        )
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+@dataclass(frozen=True)
+class MemoryMap:
+    """A budget per arena instead of one total."""
+
+    weights: int
+    kv: int
+    activations: int
+
+    @classmethod
+    def parse(cls, weights: int | str, kv: int | str, activations: int | str) -> MemoryMap:
+        return cls(parse_bytes(weights), parse_bytes(kv), parse_bytes(activations))
+
+
+def kv_cell_bytes(info: ModelInfo, kv: KVConfig) -> int:
+    """Bytes of one position of K (or V) in one layer, scales included."""
+    element = kv.torch_dtype.itemsize
+    scales = info.n_kv_heads * 4 if kv.dtype == "int8" else 0
+    return info.n_kv_heads * info.head_dim * element + scales
+
+
+def activation_bytes(info: ModelInfo, kv: KVConfig, max_batch_tokens: int) -> int:
+    """Estimate of the transient memory of the largest step (fp32): per-token buffers of
+    one layer, a materialised attention score/mask block, one layer's gathered K/V for every
+    session, the logits of every session, and the RoPE tables."""
+    tokens, seqs, context = max_batch_tokens, kv.max_seqs, kv.max_context
+    q_width = info.n_heads * info.head_dim
+    per_token = 6 * info.dim + q_width + 2 * info.kv_dim + 3 * info.ffn_dim
+    scores = info.n_heads * tokens * context
+    gathered = 2 * seqs * context * info.kv_dim
+    logits = seqs * info.vocab_size
+    rope = 2 * info.max_context * info.head_dim
+    return 4 * (tokens * per_token + scores + gathered + logits + rope) + tokens * context
+
+
+@dataclass(frozen=True)
+class CapacityPlan:
+    """The memory plan of one engine. Give ``memory_budget`` (total) or ``memory_map``."""
+
+    info: ModelInfo
+    kv: KVConfig
+    weight_bytes: int
+    max_batch_tokens: int = 256
+    memory_budget: int | None = None
+    memory_map: MemoryMap | None = None
+
+    def __post_init__(self) -> None:
+        if self.memory_budget is not None and self.memory_map is not None:
+            raise ValueError("give memory_budget or memory_map, not both")
+        if self.max_batch_tokens < 1:
+            raise ValueError(f"max_batch_tokens={self.max_batch_tokens} must be >= 1")
+
+    @property
+    def kv_bytes(self) -> int:
+        cell = kv_cell_bytes(self.info, self.kv)
+        rules = layer_rules(self.info, self.kv)
+        return sum(
+            2 * len(layers) * cells_per_layer(r, self.kv) * cell for r, layers in rules.items()
+        )
+
+    @property
+    def bytes_per_session(self) -> int:
+        """KV bytes one session can occupy at ``max_context`` (its worst case)."""
+        cell = kv_cell_bytes(self.info, self.kv)
+        rules = layer_rules(self.info, self.kv)
+        return sum(
+            2 * len(layers) * cells_per_session(r, self.kv) * cell for r, layers in rules.items()
+        )
+
+    @property
+    def arenas(self) -> dict[str, int]:
+        return {
+            "weights": self.weight_bytes,
+            "kv": self.kv_bytes,
+            "activations": activation_bytes(self.info, self.kv, self.max_batch_tokens),
+        }
+
+    @property
+    def worst_case_bytes(self) -> int:
+        return sum(self.arenas.values())
+
+    @property
+    def fits(self) -> bool:
+        if self.memory_map is not None:
+            limits = dataclasses.asdict(self.memory_map)
+            return all(used <= limits[name] for name, used in self.arenas.items())
+        return self.memory_budget is None or self.worst_case_bytes <= self.memory_budget
+
+    @property
+    def headroom(self) -> int | None:
+        if self.memory_map is not None:
+            total: int = sum(dataclasses.asdict(self.memory_map).values())
+            return total - self.worst_case_bytes
+        return None if self.memory_budget is None else self.memory_budget - self.worst_case_bytes
+
+    def with_kv(self, **changes: Any) -> CapacityPlan:
+        return dataclasses.replace(self, kv=dataclasses.replace(self.kv, **changes))
+
+    def max_seqs_that_fit(self, limit: int = 4096) -> int:
+        """Largest max_seqs (at this max_context) that fits; 0 if none does."""
+        return _largest(lambda n: self.with_kv(max_seqs=n, num_blocks=None).fits, 1, limit)
+
+    def max_context_that_fits(self) -> int:
+        """Largest max_context (at this max_seqs, a multiple of the block size for the cell
+        layout) that fits; 0 if none does."""
+        step = self.kv.block_size if self.kv.layout == "cell" else 1
+        top = self.info.max_context // step
+        found = _largest(lambda n: self.with_kv(max_context=n * step, num_blocks=None).fits, 1, top)
+        return found * step
+
+    def check(self) -> None:
+        """Raise `PlanError` unless the plan fits, naming the levers that would make it."""
+        if self.fits:
+            return
+        arenas = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.arenas.items())
+        limit = (
+            f"the budget {format_bytes(self.memory_budget)}"
+            if self.memory_budget is not None
+            else f"the memory map {self.memory_map}"
+        )
+        raise PlanError(
+            f"the plan needs {format_bytes(self.worst_case_bytes)} ({arenas}) and does not fit "
+            f"{limit}. Largest max_seqs that fits at max_context={self.kv.max_context}: "
+            f"{self.max_seqs_that_fit()}; largest max_context that fits at "
+            f"max_seqs={self.kv.max_seqs}: {self.max_context_that_fits()}."
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "fits": self.fits,
+            "layout": self.kv.layout,
+            "kv_dtype": self.kv.dtype,
+            "max_seqs": self.kv.max_seqs,
+            "max_context": self.kv.max_context,
+            "block_size": self.kv.block_size,
+            "arenas": self.arenas,
+            "bytes_per_session": self.bytes_per_session,
+            "worst_case_bytes": self.worst_case_bytes,
+            "memory_budget": self.memory_budget,
+            "memory_map": dataclasses.asdict(self.memory_map) if self.memory_map else None,
+            "headroom_bytes": self.headroom,
+            "max_seqs_that_fit": self.max_seqs_that_fit(),
+            "max_context_that_fits": self.max_context_that_fits(),
+        }
+
+
+def _largest(fits: Any, low: int, high: int) -> int:
+    """Largest n in [low, high] with fits(n), assuming fits is monotone; low - 1 if none."""
+    if high < low or not fits(low):
+        return low - 1
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low

@@ -1,0 +1,158 @@
+"""CapacityPlan: honest bytes (planned = measured), fit, and the levers in PlanError."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+
+import slotserve as ss
+from slotserve.kv import KVConfig, KVPool
+from slotserve.plan import CapacityPlan, MemoryMap, parse_bytes
+
+INFO = ss.ModelInfo(
+    arch="llama",
+    n_layers=4,
+    dim=64,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    ffn_dim=128,
+    vocab_size=300,
+    max_context=512,
+)
+MIXED = dataclasses.replace(INFO, sliding_window=(None, 32, None, 32))
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("1GiB", 2**30),
+        ("1.5GiB", 3 * 2**29),
+        ("512MB", 512 * 10**6),
+        ("1000", 1000),
+        (" 2 mib ", 2 * 2**20),
+        ("1k", 1024),
+    ],
+)
+def test_parse_bytes(text: str, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "1.2.3GB", "5 parsecs", "", "-1GB"])
+def test_unparseable_budget_is_a_clear_error(text: str) -> None:
+    with pytest.raises(ValueError, match="cannot parse"):
+        parse_bytes(text)
+
+
+CONFIGS = [
+    KVConfig(layout="flat", max_seqs=3, max_context=256),
+    KVConfig(layout="cell", max_seqs=3, max_context=256, block_size=16),
+    KVConfig(layout="cell", max_seqs=3, max_context=256, block_size=16, num_blocks=20),
+    KVConfig(layout="ring", max_seqs=3, max_context=256, ring_window=64, sinks=4),
+    KVConfig(layout="flat", max_seqs=2, max_context=256, dtype="int8"),
+    KVConfig(layout="cell", max_seqs=2, max_context=256, dtype="fp16"),
+]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("info", [INFO, MIXED], ids=["full", "mixed"])
+def test_planned_kv_bytes_equal_measured_pool_bytes(config: KVConfig, info: ss.ModelInfo) -> None:
+    plan = CapacityPlan(info, config, weight_bytes=0)
+    assert KVPool(info, config).nbytes == plan.kv_bytes
+
+
+def test_planned_weights_equal_the_loaded_model(bundled: ss.Model) -> None:
+    config = KVConfig(layout="cell", max_seqs=2, max_context=256)
+    plan = CapacityPlan(bundled.info, config, bundled.weight_bytes)
+    assert plan.arenas["weights"] == sum(t.nbytes for t in _weight_tensors(bundled))
+    assert KVPool(bundled.info, config).nbytes == plan.arenas["kv"]
+
+
+def _weight_tensors(model: ss.Model) -> list[object]:
+    w = model.weights
+    tensors = [w.embed, w.norm]
+    for layer in w.layers:
+        tensors += [
+            layer.attn_norm,
+            layer.mlp_norm,
+            layer.qkv.weight,
+            layer.o.weight,  # type: ignore[attr-defined]
+            layer.gate_up.weight,
+            layer.down.weight,
+        ]  # type: ignore[attr-defined]
+    return tensors
+
+
+def test_int8_plan_is_under_30_percent_of_fp32() -> None:
+    fp32 = CapacityPlan(
+        ss.ModelInfo(**{**dataclasses.asdict(INFO), "rope": INFO.rope, "head_dim": 64}),
+        KVConfig(layout="cell", max_seqs=4, max_context=256),
+        0,
+    )
+    int8 = fp32.with_kv(dtype="int8")
+    assert int8.kv_bytes <= 0.30 * fp32.kv_bytes
+
+
+def test_plan_that_does_not_fit_names_the_levers() -> None:
+    config = KVConfig(layout="cell", max_seqs=8, max_context=512, block_size=16)
+    base = CapacityPlan(INFO, config, weight_bytes=10**6)
+    arenas = base.arenas
+    budget = arenas["weights"] + arenas["activations"] + int(3.5 * base.bytes_per_session)
+    plan = dataclasses.replace(base, memory_budget=budget)
+    assert not plan.fits
+    with pytest.raises(ss.PlanError) as err:
+        plan.check()
+    seqs = int(re.search(r"max_seqs that fits at max_context=512: (\d+)", str(err.value)).group(1))  # type: ignore[union-attr]
+    context = int(re.search(r"max_context that fits at max_seqs=8: (\d+)", str(err.value)).group(1))  # type: ignore[union-attr]
+    assert 1 <= seqs < 8 and 16 <= context < 512 and context % 16 == 0
+    assert plan.with_kv(max_seqs=seqs).fits and not plan.with_kv(max_seqs=seqs + 1).fits
+    assert plan.with_kv(max_context=context).fits
+    assert not plan.with_kv(max_context=context + 16).fits
+
+
+def test_memory_map_checks_each_arena() -> None:
+    config = KVConfig(layout="flat", max_seqs=2, max_context=256)
+    plan = CapacityPlan(INFO, config, weight_bytes=1000)
+    arenas = plan.arenas
+    ok = MemoryMap(arenas["weights"], arenas["kv"], arenas["activations"])
+    assert dataclasses.replace(plan, memory_map=ok).fits
+    tight = dataclasses.replace(ok, kv=arenas["kv"] - 1)
+    assert not dataclasses.replace(plan, memory_map=tight).fits
+    with pytest.raises(ValueError, match="not both"):
+        CapacityPlan(INFO, config, 0, memory_budget=1, memory_map=ok)
+
+
+def test_plan_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from slotserve.cli import main
+
+    argv = [
+        "plan",
+        "--model",
+        "bundled",
+        "--max-seqs",
+        "8",
+        "--max-context",
+        "4096",
+        "--kv-layout",
+        "cell",
+        "--memory-budget",
+        "1GiB",
+        "--json",
+        "--measure",
+    ]
+    assert main(argv) == 1  # does not fit: exit status says so
+    report = json.loads(capsys.readouterr().out)
+    assert report["fits"] is False
+    assert {
+        "fits",
+        "arenas",
+        "bytes_per_session",
+        "worst_case_bytes",
+        "max_seqs_that_fit",
+        "max_context_that_fits",
+    } <= set(report)
+    assert report["measured"]["pool_bytes"] == report["arenas"]["kv"]
