@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--measure", action="store_true", help="also allocate the pool and measure it"
     )
     bench = commands.add_parser("bench", help="measure the bundled model")
-    bench.add_argument("scenario", choices=["single"])
+    bench.add_argument("scenario", choices=["single", "layouts", "all"])
     bench.add_argument("--model", default="bundled")
     bench.add_argument("--repeats", type=int, default=5)
     bench.add_argument("--json", dest="json_path", default=None, help="write results as JSON")

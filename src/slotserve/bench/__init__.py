@@ -11,15 +11,19 @@ import json
 import sys
 from pathlib import Path
 
+from slotserve.bench.layouts import run_layouts
 from slotserve.bench.report import markdown_report
 from slotserve.bench.single import run_single
+
+SCENARIOS = {"single": run_single, "layouts": run_layouts}
 
 
 def run_bench(args: argparse.Namespace) -> int:
     from slotserve.artifact import load
 
     model = load(args.model)
-    results = {"single": run_single(model, repeats=args.repeats)}
+    names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    results = {name: SCENARIOS[name](model, repeats=args.repeats) for name in names}
     command = "slotserve bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else ""
     report = markdown_report(results, command or f"slotserve bench {args.scenario}")
     if args.json_path:

@@ -60,4 +60,26 @@ def markdown_report(results: dict[str, Any], command: str) -> str:
                 f"{_fmt(row['decode_tok_s'])} |"
             )
         lines.append("")
+    layouts = results.get("layouts")
+    if layouts:
+        lines += _layouts_section(layouts)
     return "\n".join(lines)
+
+
+def _layouts_section(layouts: dict[str, Any]) -> list[str]:
+    rows = layouts["layouts"]
+    contexts = [point["context"] for point in next(iter(rows.values()))]
+    lines = [
+        "## layouts: decode step time (ms) vs context, one session",
+        "",
+        f"Median (min–max) over {layouts['steps_per_point']} decode steps at each length. "
+        "The ring keeps 1024 positions, so past that its step time stops growing "
+        "(and its attention is windowed).",
+        "",
+        "| layout | " + " | ".join(f"context {c}" for c in contexts) + " |",
+        "|---|" + "---:|" * len(contexts),
+    ]
+    for name, points in rows.items():
+        lines.append(f"| {name} | " + " | ".join(_fmt(p["step_ms"]) for p in points) + " |")
+    lines.append("")
+    return lines
