@@ -5,7 +5,19 @@ over a KV cache the runtime owns. See the README for the commands and the Python
 """
 
 from slotserve.artifact import Tokenizer, load
+from slotserve.engine import (
+    CancelAck,
+    Engine,
+    EngineConfig,
+    EngineStats,
+    Finished,
+    PressureSource,
+    RequestHandle,
+    TokenEvent,
+    Usage,
+)
 from slotserve.errors import (
+    AdmissionRefused,
     ArtifactError,
     ContextOverflow,
     EngineClosed,
@@ -19,7 +31,17 @@ from slotserve.runner_types import GenerationConfig, GenerationResult, Stats
 from slotserve.sampling import SamplingParams
 
 __all__ = [
+    "AdmissionRefused",
     "ArtifactError",
+    "CancelAck",
+    "Engine",
+    "EngineConfig",
+    "EngineStats",
+    "Finished",
+    "PressureSource",
+    "RequestHandle",
+    "TokenEvent",
+    "Usage",
     "ContextOverflow",
     "EngineClosed",
     "GenerationConfig",

@@ -61,3 +61,23 @@ class KVExhausted(SlotserveError):
 class SessionError(SlotserveError, ValueError):
     """A KV operation named a session that does not exist, already exists, or asked for
     something its state cannot give (clone past the committed length, say)."""
+
+
+REFUSAL_REASONS = (
+    "slots_full",
+    "kv_exhausted",
+    "context_too_long",
+    "queue_full",
+    "queue_timeout",
+    "pressure",
+    "closed",
+)
+
+
+class AdmissionRefused(SlotserveError):
+    """The engine will not run a request; ``reason`` is one of `REFUSAL_REASONS`."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        assert reason in REFUSAL_REASONS, reason
+        self.reason = reason
+        super().__init__(f"{reason}: {message}")

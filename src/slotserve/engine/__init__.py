@@ -1,0 +1,24 @@
+"""The batched engine: admission against max_seqs and the memory plan, priority classes,
+chunked prefill interleaved with decode, streaming events, bounded cancellation.
+
+`Engine` owns the step loop (one thread); `Scheduler` composes steps; `RequestHandle`
+streams a request's `TokenEvent`s and its `Finished`.
+"""
+
+from slotserve.engine.config import EngineConfig
+from slotserve.engine.engine import Engine, EngineStats
+from slotserve.engine.events import CancelAck, Finished, TokenEvent, Usage
+from slotserve.engine.handle import RequestHandle
+from slotserve.engine.pressure import PressureSource
+
+__all__ = [
+    "CancelAck",
+    "Engine",
+    "EngineConfig",
+    "EngineStats",
+    "Finished",
+    "PressureSource",
+    "RequestHandle",
+    "TokenEvent",
+    "Usage",
+]

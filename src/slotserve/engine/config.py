@@ -1,0 +1,78 @@
+"""`EngineConfig`: one engine's limits and policies, validated up front."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slotserve.kv.config import KVConfig
+from slotserve.model.info import ModelInfo
+from slotserve.plan import CapacityPlan, MemoryMap, parse_bytes
+
+POLICIES = ("isolate", "fifo")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Limits and policies of an `Engine`.
+
+    ``max_seqs`` is the hard ceiling on live sessions. ``queue_depth`` requests may wait for
+    a slot (0: refuse at once), each at most ``queue_timeout_s``. ``policy="isolate"`` never
+    co-batches priority classes (interactive first; background gets at least
+    ``background_min_share`` of steps when it has work); ``"fifo"`` co-batches everything.
+    Prompts are prefilled ``prefill_chunk`` tokens at a time, interleaved with decodes, and a
+    step computes at most ``max_batch_tokens`` tokens.
+    """
+
+    max_seqs: int = 4
+    max_context: int = 2048
+    kv_layout: str = "flat"
+    kv_dtype: str = "fp32"
+    block_size: int = 16
+    ring_window: int = 1024
+    sinks: int = 0
+    memory_budget: int | str | None = None
+    memory_map: MemoryMap | None = None
+    policy: str = "isolate"
+    prefill_chunk: int = 256
+    max_batch_tokens: int = 512
+    queue_depth: int = 0
+    queue_timeout_s: float = 30.0
+    background_min_share: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy={self.policy!r} is not one of {POLICIES}")
+        if self.prefill_chunk < 1 or self.max_batch_tokens < 1:
+            raise ValueError(
+                f"prefill_chunk={self.prefill_chunk} and max_batch_tokens="
+                f"{self.max_batch_tokens} must be >= 1"
+            )
+        if self.max_batch_tokens < self.max_seqs:
+            raise ValueError(
+                f"max_batch_tokens={self.max_batch_tokens} must be >= max_seqs={self.max_seqs} "
+                "(one decode token per live session)"
+            )
+        if self.queue_depth < 0 or self.queue_timeout_s <= 0:
+            raise ValueError("queue_depth must be >= 0 and queue_timeout_s > 0")
+        if not 0.0 <= self.background_min_share < 1.0:
+            raise ValueError(f"background_min_share={self.background_min_share} not in [0, 1)")
+        if isinstance(self.memory_budget, str):
+            parse_bytes(self.memory_budget)  # fail here, with the parser's message
+        self.kv_config()  # validates layout, dtype, sizes
+
+    def kv_config(self) -> KVConfig:
+        return KVConfig(
+            layout=self.kv_layout,
+            max_seqs=self.max_seqs,
+            max_context=self.max_context,
+            block_size=self.block_size,
+            dtype=self.kv_dtype,
+            ring_window=self.ring_window,
+            sinks=self.sinks,
+        )
+
+    def plan(self, info: ModelInfo, weight_bytes: int) -> CapacityPlan:
+        budget = None if self.memory_budget is None else parse_bytes(self.memory_budget)
+        return CapacityPlan(
+            info, self.kv_config(), weight_bytes, self.max_batch_tokens, budget, self.memory_map
+        )

@@ -1,0 +1,54 @@
+"""Typed events a request's handle yields, and the cancel acknowledgement."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slotserve.metrics import RequestTimings
+
+PRIORITIES = ("interactive", "normal", "background")
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One generated token and the text it released (may be empty: text is held back
+    until a UTF-8 character or a possible stop string is complete). ``token_id == -1``
+    marks text released at the end of the request with no new token."""
+
+    token_id: int
+    text: str
+    index: int
+    time: float
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The one terminal event: ``reason`` is stop, length, cancelled or error."""
+
+    reason: str
+    usage: Usage
+    timings: RequestTimings
+    text: str
+    tokens: tuple[int, ...]
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class CancelAck:
+    """The engine released the request's slot and KV ``latency_s`` after cancel()."""
+
+    latency_s: float
+
+
+Event = TokenEvent | Finished

@@ -1,0 +1,82 @@
+"""`Request`: everything the engine knows of one request, owned by the engine thread.
+
+It holds the event sink shared with the caller's `RequestHandle`, never the handle itself,
+so a handle its owner drops can be garbage-collected (and then reclaimed).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+from slotserve.artifact.tokenizer import StreamDecoder
+from slotserve.engine.events import Finished, TokenEvent, Usage
+from slotserve.engine.sink import EventSink
+from slotserve.metrics import RequestTimings
+from slotserve.sampling import RequestSampler, SamplingParams, StopMatcher
+
+
+@dataclass
+class Request:
+    """A request's state: ``queued`` → ``running`` (prefill, then decode) → ``done``."""
+
+    request_id: int
+    prompt: list[int]
+    params: SamplingParams
+    priority: str
+    max_new_tokens: int
+    sampler: RequestSampler
+    decoder: StreamDecoder
+    stops: StopMatcher
+    eos_ids: frozenset[int]
+    sink: EventSink
+    timings: RequestTimings
+    deadline: float | None = None
+    state: str = "queued"
+    prefilled: int = 0
+    generated: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    pending_token: int | None = None  # sampled, to be fed by the next decode step
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    released: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def reservation(self) -> int:
+        """Positions reserved at admission: the worst case of this request."""
+        return len(self.prompt) + self.max_new_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.prefilled < len(self.prompt)
+
+    def emit_token(self, token: int) -> bool:
+        """Record a sampled token and stream its text; True when the request is done."""
+        now = time.monotonic()
+        self.timings.token_times.append(now)
+        self.generated.append(token)
+        piece, stopped = self.stops.push(self.decoder.push(token))
+        self.text.append(piece)
+        self.sink.put(TokenEvent(token, piece, len(self.generated) - 1, now))
+        return stopped or len(self.generated) >= self.max_new_tokens
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        """Flush held-back text and send the terminal event."""
+        if not self.stops.stopped and reason != "error":
+            tail = self.stops.push(self.decoder.flush())[0] + self.stops.flush()
+            if tail:
+                self.text.append(tail)
+                self.sink.put(TokenEvent(-1, tail, len(self.generated), time.monotonic()))
+        self.timings.finished = time.monotonic()
+        self.state = "done"
+        usage_tokens = len(self.generated)
+        self.sink.put(
+            Finished(
+                reason=reason,
+                usage=Usage(len(self.prompt), usage_tokens, self.timings.prompt_tokens_restored),
+                timings=self.timings,
+                text="".join(self.text),
+                tokens=tuple(self.generated),
+                error=error,
+            )
+        )
