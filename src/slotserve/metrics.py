@@ -7,6 +7,7 @@ and its span includes any restoration work.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from collections import Counter
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ class RequestTimings:
     def itl(self) -> list[float]:
         """Inter-token latencies."""
         times = self.token_times
-        return [b - a for a, b in zip(times, times[1:], strict=False)]
+        return [b - a for a, b in itertools.pairwise(times)]
 
     @property
     def tpot(self) -> float | None:

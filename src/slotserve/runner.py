@@ -1,32 +1,26 @@
-"""`TextLLMRunner`: the single-caller API of ExecuTorch's LLM runner, on slotserve.
+"""`TextLLMRunner`: the single-caller API of ExecuTorch's LLM runner, on the `Engine`.
 
-One caller, one conversation, one KV slot. ``generate`` continues from the runner's
-current position (multi-turn), ``generate_from_pos`` from an explicit one, ``reset``
+One caller, one conversation. ``generate`` continues after the conversation so far
+(multi-turn), ``generate_from_pos`` places the prompt at an explicit position, ``reset``
 starts over, ``stop`` (from any thread) ends the running generation before its next token.
+The conversation's tokens live here; each turn is one engine request over them.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
+from slotserve.engine import Engine, EngineConfig, Finished, RequestHandle, TokenEvent
 from slotserve.errors import ContextOverflow
-from slotserve.kv.batch import StepBatch
-from slotserve.kv.config import KVConfig
-from slotserve.kv.pool import KVPool
 from slotserve.model import Model
 from slotserve.runner_types import GenerationConfig, GenerationResult, Stats, now_ms
-from slotserve.sampling import RequestSampler, StopMatcher
 
 TokenCallback = Callable[[str], None]
 StatsCallback = Callable[[Stats], None]
-
-
-SESSION = 0  # the runner's one KV session
 
 
 class TextLLMRunner:
@@ -36,17 +30,17 @@ class TextLLMRunner:
         self._spec = model
         self._model = model if isinstance(model, Model) else None
         self._requested_context = max_context
-        self._kv: KVPool | None = None
-        # A token sampled at the end of the last turn but not yet fed back: the next
-        # generate() prepends it.
-        self._pending: list[int] = []
+        self._engine: Engine | None = None
+        self._history: list[int] = []  # tokens of the conversation, as fed to the model
+        self._pending: list[int] = []  # sampled last turn, fed first by the next generate()
         self._stop = threading.Event()
+        self._handle: RequestHandle | None = None
         self.stats = Stats()
 
     # -- lifecycle -------------------------------------------------------------------
 
     def load(self) -> None:
-        """Load the model (if given by spec) and allocate the KV slot. Idempotent."""
+        """Load the model (if given by spec) and start a one-slot engine. Idempotent."""
         if self.is_loaded():
             return
         self.stats.model_load_start_ms = now_ms()
@@ -56,12 +50,17 @@ class TextLLMRunner:
             self._model = load(self._spec)  # type: ignore[arg-type]
         info = self._model.info
         context = min(self._requested_context or min(info.max_context, 4096), info.max_context)
-        self._kv = KVPool(info, KVConfig(layout="flat", max_seqs=1, max_context=context))
-        self._kv.reserve(SESSION, context)
+        config = EngineConfig(max_seqs=1, max_context=context, kv_layout="flat")
+        self._engine = Engine(self._model, config)
         self.stats.model_load_end_ms = now_ms()
 
     def is_loaded(self) -> bool:
-        return self._model is not None and self._kv is not None
+        return self._engine is not None
+
+    def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
 
     @property
     def model(self) -> Model:
@@ -72,26 +71,24 @@ class TextLLMRunner:
     @property
     def max_context(self) -> int:
         self.load()
-        assert self._kv is not None
-        return self._kv.config.max_context
+        assert self._engine is not None
+        return self._engine.config.max_context
 
     @property
     def position(self) -> int:
-        """Positions of the conversation already in the KV slot."""
-        return self._kv.length(SESSION) if self._kv is not None else 0
+        """Positions of the conversation so far."""
+        return len(self._history)
 
     def stop(self) -> None:
-        """Ask the running generation to end before its next token (thread-safe)."""
+        """End the running generation before its next token (thread-safe)."""
         self._stop.set()
+        handle = self._handle
+        if handle is not None:
+            handle.cancel()
 
     def reset(self) -> None:
         """Forget the conversation; the next ``generate`` starts at position 0."""
-        self._rewind_to(0)
-        self._pending = []
-
-    def _rewind_to(self, position: int) -> None:
-        if self._kv is not None:
-            self._kv.rewind(SESSION, self._kv.length(SESSION) - position)
+        self._history, self._pending = [], []
 
     # -- generation ------------------------------------------------------------------
 
@@ -102,14 +99,9 @@ class TextLLMRunner:
         token_callback: TokenCallback | None = None,
         stats_callback: StatsCallback | None = None,
     ) -> GenerationResult:
-        """Generate a continuation of ``prompt`` after what the conversation already holds
-        (the last sampled token of the previous turn is fed first)."""
-        config = config or GenerationConfig()
-        self.load()
-        start, prefix = self.position, list(self._pending)
-        if config.warming:
-            self._warm_up(prompt, start, prefix, config)
-        return self._run(prompt, start, prefix, config, token_callback, stats_callback)
+        """Generate a continuation of ``prompt`` after the conversation so far (the last
+        sampled token of the previous turn is fed first)."""
+        return self._generate(prompt, self.position, True, config, token_callback, stats_callback)
 
     def generate_from_pos(
         self,
@@ -119,31 +111,44 @@ class TextLLMRunner:
         token_callback: TokenCallback | None = None,
         stats_callback: StatsCallback | None = None,
     ) -> GenerationResult:
-        """Like `generate`, but the prompt goes exactly at ``start_pos``: positions before it
-        are kept from the conversation, positions from it on are replaced."""
-        config = config or GenerationConfig()
-        self.load()
+        """Like `generate`, but the prompt goes exactly at ``start_pos``: the conversation
+        before it is kept, from it on replaced."""
         if not 0 <= start_pos <= self.position:
             raise ValueError(
                 f"start_pos={start_pos} is outside the conversation (0..{self.position})"
             )
-        if config.warming:
-            self._warm_up(prompt, start_pos, [], config)
-        return self._run(prompt, start_pos, [], config, token_callback, stats_callback)
+        return self._generate(prompt, start_pos, False, config, token_callback, stats_callback)
 
-    def _warm_up(
+    def _generate(
         self,
         prompt: str | Sequence[int],
-        start_pos: int,
-        prefix: list[int],
-        config: GenerationConfig,
-    ) -> None:
-        """Run the prompt once (2 tokens) to warm kernels and caches, then forget it."""
-        saved_pending = list(self._pending)
-        cold = replace(config, warming=False, echo=False, max_new_tokens=2)
-        self._run(prompt, start_pos, prefix, cold, None, None)
-        self._rewind_to(start_pos)
-        self._pending = saved_pending
+        start: int,
+        feed_pending: bool,
+        config: GenerationConfig | None,
+        token_callback: TokenCallback | None,
+        stats_callback: StatsCallback | None,
+    ) -> GenerationResult:
+        config = config or GenerationConfig()
+        self.load()
+        new = [*(self._pending if feed_pending else []), *self._prompt_tokens(prompt, config)]
+        if config.warming:
+            self._run(self._history[:start], new, replace(config, max_new_tokens=2), None)
+        stats = self.stats = Stats(
+            model_load_start_ms=self.stats.model_load_start_ms,
+            model_load_end_ms=self.stats.model_load_end_ms,
+            inference_start_ms=now_ms(),
+            token_encode_end_ms=now_ms(),
+            num_prompt_tokens=len(new),
+        )
+        if config.echo and token_callback is not None and isinstance(prompt, str):
+            token_callback(prompt)
+        result = self._run(self._history[:start], new, config, token_callback)
+        self._remember(self._history[:start] + new, result)
+        stats.num_generated_tokens = len(result.tokens)
+        stats.inference_end_ms = now_ms()
+        if stats_callback is not None:
+            stats_callback(stats)
+        return replace(result, stats=stats)
 
     def _prompt_tokens(self, prompt: str | Sequence[int], config: GenerationConfig) -> list[int]:
         if not isinstance(prompt, str):
@@ -156,92 +161,63 @@ class TextLLMRunner:
 
     def _run(
         self,
-        prompt: str | Sequence[int],
-        start: int,
-        prefix: list[int],
+        kept: list[int],
+        new: list[int],
         config: GenerationConfig,
         token_callback: TokenCallback | None,
-        stats_callback: StatsCallback | None,
     ) -> GenerationResult:
-        stats = self.stats = Stats(
-            model_load_start_ms=self.stats.model_load_start_ms,
-            model_load_end_ms=self.stats.model_load_end_ms,
-            inference_start_ms=now_ms(),
-        )
-        self._stop.clear()
-        tokens = [*prefix, *self._prompt_tokens(prompt, config)]
-        if not tokens:
+        """One engine request over the conversation; streams until done or stopped."""
+        tokens = kept + new
+        if not new:
             raise ValueError("the prompt is empty and the conversation has nothing to continue")
-        occupied = start + len(tokens)
-        if occupied > self.max_context:
-            raise ContextOverflow(occupied, self.max_context, "shorten the prompt or reset()")
-        max_new = config.resolve_max_new_tokens(self.max_context, occupied)
-        stats.token_encode_end_ms = now_ms()
-        stats.num_prompt_tokens = len(tokens)
-        if config.echo and token_callback is not None and isinstance(prompt, str):
-            token_callback(prompt)
-        result = self._generate_tokens(tokens, start, max_new, config, token_callback)
-        stats.inference_end_ms = now_ms()
-        stats.num_generated_tokens = len(result.tokens)
-        if stats_callback is not None:
-            stats_callback(stats)
-        return replace(result, stats=stats)
+        if len(tokens) > self.max_context:
+            raise ContextOverflow(len(tokens), self.max_context, "shorten the prompt or reset()")
+        max_new = config.resolve_max_new_tokens(self.max_context, len(tokens))
+        assert self._engine is not None
+        self._stop.clear()
+        handle = self._handle = self._engine.submit(tokens, config.sampling_params(max_new))
+        try:
+            return self._consume(handle, token_callback)
+        finally:
+            self._handle = None
 
-    def _generate_tokens(
-        self,
-        prompt: list[int],
-        start: int,
-        max_new: int,
-        config: GenerationConfig,
-        token_callback: TokenCallback | None,
+    def _consume(
+        self, handle: RequestHandle, token_callback: TokenCallback | None
     ) -> GenerationResult:
-        model, kv, stats = self.model, self._kv, self.stats
-        assert kv is not None
-        params = config.sampling_params(max_new)
-        sampler = RequestSampler(params, model.info.vocab_size, prompt)
-        decoder = model.tokenizer.stream_decoder()
-        stops = StopMatcher(params.stop)
-        eos = set() if params.ignore_eos else set(model.tokenizer.eos_ids)
-        self._rewind_to(start)
-        self._pending = []
-        logits = model.prefill(torch.tensor(prompt), StepBatch.single(start, len(prompt)), kv)
-        position = start + len(prompt)
-        stats.prompt_eval_end_ms = now_ms()
         out: list[int] = []
         text: list[str] = []
-        reason = "length"
-        while len(out) < max_new:
+        for event in handle:
             if self._stop.is_set():
-                reason = "cancelled"
-                break
-            sample_start = now_ms()
-            token = sampler.sample(logits[0])
-            sampler.accept(token)
-            stats.aggregate_sampling_time_ms += now_ms() - sample_start
-            if not out:
-                stats.first_token_ms = now_ms()
-            self._pending = [token]
-            if token in eos:
-                reason = "stop"
-                break
-            out.append(token)
-            piece, stopped = stops.push(decoder.push(token))
-            _emit(piece, text, token_callback)
-            if stopped:
-                reason = "stop"
-                break
-            if len(out) == max_new:
-                break
-            logits = model.decode(torch.tensor([token]), StepBatch.single(position, 1), kv)
-            self._pending = []
-            position += 1
-        if not stops.stopped:
-            _emit(stops.push(decoder.flush())[0] + stops.flush(), text, token_callback)
-        return GenerationResult(tokens=out, text="".join(text), finish_reason=reason, stats=stats)
+                handle.cancel(wait=True)
+                return GenerationResult(out, "".join(text), "cancelled", eos_token=None)
+            if isinstance(event, TokenEvent):
+                self._first_token()
+                if event.token_id >= 0:
+                    out.append(event.token_id)
+                if event.text:
+                    text.append(event.text)
+                    if token_callback is not None:
+                        token_callback(event.text)
+            elif isinstance(event, Finished):
+                self._prefill_done(event)
+                return GenerationResult(out, "".join(text), event.reason, event.eos_token)
+        raise AssertionError("the stream ended without a Finished event")
 
+    def _first_token(self) -> None:
+        if not self.stats.first_token_ms:
+            self.stats.first_token_ms = now_ms()
 
-def _emit(piece: str, text: list[str], token_callback: TokenCallback | None) -> None:
-    if piece:
-        text.append(piece)
-        if token_callback is not None:
-            token_callback(piece)
+    def _prefill_done(self, finished: Finished) -> None:
+        # Engine timings are monotonic seconds; Stats keeps ExecuTorch's milliseconds.
+        if finished.timings.prefill_done is not None:
+            age_s = time.monotonic() - finished.timings.prefill_done
+            self.stats.prompt_eval_end_ms = now_ms() - int(age_s * 1000)
+
+    def _remember(self, prompt: list[int], result: GenerationResult) -> None:
+        """The conversation now holds the prompt and the generated tokens; the last
+        sampled token (or the EOS that ended the turn) is fed by the next generate()."""
+        sampled = [*result.tokens, *([result.eos_token] if result.eos_token is not None else [])]
+        if result.finish_reason == "cancelled" or not sampled:
+            self._history, self._pending = prompt + sampled, []
+        else:
+            self._history, self._pending = prompt + sampled[:-1], sampled[-1:]

@@ -121,9 +121,11 @@ class Stats:
 
 @dataclass(frozen=True)
 class GenerationResult:
-    """What a generation produced: token ids (EOS excluded), text, why it ended, stats."""
+    """What a generation produced: token ids (EOS excluded), text, why it ended
+    (stop, length, cancelled), the EOS token that ended it if any, and stats."""
 
     tokens: list[int]
     text: str
     finish_reason: str
+    eos_token: int | None = None
     stats: Stats = field(default_factory=Stats)

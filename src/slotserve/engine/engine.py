@@ -25,13 +25,13 @@ from slotserve.engine.locked_kv import LockedKV
 from slotserve.engine.pressure import PressureSource
 from slotserve.engine.request import Request
 from slotserve.engine.scheduler import Scheduler
-from slotserve.engine.stepper import run_step
 from slotserve.errors import AdmissionRefused, KVExhausted
 from slotserve.executor import Executor, TorchExecutor
 from slotserve.kv.pool import KVPool
 from slotserve.metrics import EngineCounters
 from slotserve.model import Model
 from slotserve.sampling import SamplingParams
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -67,6 +67,11 @@ class Engine:
     ) -> None:
         self.model = model
         self.config = config or EngineConfig()
+        if self.config.max_context > model.info.max_context:
+            raise ValueError(
+                f"max_context={self.config.max_context} exceeds the model's context "
+                f"{model.info.max_context}; use at most {model.info.max_context}"
+            )
         self.plan = self.config.plan(model.info, model.weight_bytes)
         self.plan.check()  # PlanError: refuse to start
         self.pool = KVPool(model.info, self.config.kv_config())

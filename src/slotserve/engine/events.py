@@ -42,6 +42,7 @@ class Finished:
     text: str
     tokens: tuple[int, ...]
     error: str | None = None
+    eos_token: int | None = None  # the end-of-sequence token that ended it, if any
 
 
 @dataclass(frozen=True)

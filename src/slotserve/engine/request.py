@@ -38,6 +38,7 @@ class Request:
     generated: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
     pending_token: int | None = None  # sampled, to be fed by the next decode step
+    eos_token: int | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
     released: threading.Event = field(default_factory=threading.Event)
 
@@ -78,5 +79,6 @@ class Request:
                 text="".join(self.text),
                 tokens=tuple(self.generated),
                 error=error,
+                eos_token=self.eos_token,
             )
         )

@@ -58,6 +58,7 @@ def _sample_and_stream(
     tokens = sample_batch(logits[sampling_rows], [r.sampler for r in sampling])
     for request, token in zip(sampling, tokens, strict=True):
         if token in request.eos_ids:
+            request.eos_token = token
             finished.append((request, "stop"))
         elif request.emit_token(token):
             finished.append((request, "stop" if request.stops.stopped else "length"))
