@@ -58,6 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument(
         "--measure", action="store_true", help="also allocate the pool and measure it"
     )
+    serve = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("--model", default="bundled")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--policy", choices=["isolate", "fifo"], default="isolate")
+    serve.add_argument("--queue-depth", type=int, default=0)
+    serve.add_argument("--queue-timeout", type=float, default=30.0)
+    serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
+    serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    serve.add_argument("--log-level", default="warning")
+    add_engine_args(serve)
     bench = commands.add_parser("bench", help="measure the bundled model")
     bench.add_argument("scenario", choices=["single", "layouts", "all"])
     bench.add_argument("--model", default="bundled")
@@ -85,6 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from slotserve.cli_run import run_inspect
 
             return run_inspect(args)
+        if args.command == "serve":
+            from slotserve.server.run import run_serve
+
+            return run_serve(args)
         if args.command == "plan":
             from slotserve.cli_plan import run_plan
 

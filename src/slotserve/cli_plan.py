@@ -27,14 +27,19 @@ def plan_from_args(args: argparse.Namespace, info: object, weight_bytes: int) ->
         ring_window=args.ring_window,
         sinks=args.sinks,
     )
-    memory_map = None
-    if args.memory_map:
-        parts = args.memory_map.split(",")
-        if len(parts) != 3:
-            raise ValueError(f"--memory-map {args.memory_map!r}: expected weights,kv,activations")
-        memory_map = MemoryMap.parse(*parts)
+    memory_map = memory_map_from(args.memory_map)
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     return CapacityPlan(info, kv, weight_bytes, args.max_batch_tokens, budget, memory_map)
+
+
+def memory_map_from(text: str | None) -> MemoryMap | None:
+    """``"600MiB,256MiB,128MiB"`` (weights,kv,activations) → `MemoryMap`."""
+    if not text:
+        return None
+    parts = text.split(",")
+    if len(parts) != 3:
+        raise ValueError(f"--memory-map {text!r}: expected weights,kv,activations")
+    return MemoryMap.parse(*parts)
 
 
 def run_plan(args: argparse.Namespace) -> int:

@@ -10,8 +10,12 @@ from __future__ import annotations
 import itertools
 import statistics
 from collections import Counter
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from slotserve.engine.engine import EngineStats
 
 
 @dataclass
@@ -95,3 +99,89 @@ class EngineCounters:
     steps_by_class: Counter[str] = field(default_factory=Counter)
     step_seconds: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
+
+
+LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+
+
+class PrometheusMetrics:
+    """Prometheus exposition of request timings (observed as requests end) and engine
+    state (read from ``engine_stats()`` at scrape time). One registry per instance."""
+
+    def __init__(self, engine_stats: Callable[[], EngineStats]) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = CollectorRegistry()
+
+        def histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)
+
+        self.ttft = histogram("slotserve_time_to_first_token_seconds", "TTFT, from submit")
+        self.itl = histogram("slotserve_inter_token_latency_seconds", "Inter-token latency")
+        self.queue = histogram("slotserve_queue_time_seconds", "Submit to admission")
+        self.e2e = histogram("slotserve_request_duration_seconds", "Submit to finish")
+        self.cancel = histogram("slotserve_cancel_release_seconds", "Cancel to KV release")
+        self.prompt_tokens = Counter(
+            "slotserve_prompt_tokens", "Prompt tokens computed", registry=self.registry
+        )
+        self.generated_tokens = Counter(
+            "slotserve_generated_tokens", "Tokens generated", registry=self.registry
+        )
+        self.registry.register(_EngineCollector(engine_stats))
+
+    def observe(self, timings: RequestTimings, generated: int) -> None:
+        """Record one request that ended (called on the engine thread)."""
+        for value, histogram in (
+            (timings.ttft, self.ttft),
+            (timings.queue_time, self.queue),
+            (timings.cancel_to_release, self.cancel),
+        ):
+            if value is not None:
+                histogram.observe(value)
+        for gap in timings.itl:
+            self.itl.observe(gap)
+        if timings.finished is not None:
+            self.e2e.observe(timings.finished - timings.submitted)
+        self.prompt_tokens.inc(timings.prompt_tokens_computed or 0)
+        self.generated_tokens.inc(generated)
+
+    def exposition(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return bytes(generate_latest(self.registry))
+
+
+class _EngineCollector:
+    def __init__(self, engine_stats: Callable[[], EngineStats]) -> None:
+        self.engine_stats = engine_stats
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        stats = self.engine_stats()
+        for name, doc, value in (
+            ("slotserve_slots_in_use", "Live sessions", stats.slots_in_use),
+            ("slotserve_max_seqs", "The slot ceiling", stats.max_seqs),
+            ("slotserve_kv_blocks_used", "KV blocks (or rows) held", stats.kv_blocks_used),
+            ("slotserve_kv_blocks_free", "KV blocks (or rows) free", stats.kv_blocks_free),
+            ("slotserve_queue_length", "Requests waiting for a slot", stats.queue_len),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
+        refusals = CounterMetricFamily(
+            "slotserve_admissions_refused", "Refusals by reason", labels=["reason"]
+        )
+        for reason, count in sorted(stats.refusals.items()):
+            refusals.add_metric([reason], count)
+        yield refusals
+        yield CounterMetricFamily(
+            "slotserve_cancellations", "Requests cancelled", value=stats.cancellations
+        )
+        finished = CounterMetricFamily(
+            "slotserve_requests_finished", "Requests ended, by reason", labels=["reason"]
+        )
+        for reason, count in sorted(stats.finished.items()):
+            finished.add_metric([reason], count)
+        yield finished

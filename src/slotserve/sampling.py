@@ -33,6 +33,7 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k >= 0: the chosen token's and the top k
 
     def __post_init__(self) -> None:
         _check(0.0 <= self.temperature <= 100.0, "temperature", self.temperature, "0..100")
@@ -50,6 +51,8 @@ class SamplingParams:
             "-2..2",
         )
         _check(self.max_new_tokens >= 0, "max_new_tokens", self.max_new_tokens, ">= 0")
+        if self.logprobs is not None:
+            _check(0 <= self.logprobs <= 20, "logprobs", self.logprobs, "0..20")
         if isinstance(self.stop, str) or any(not s for s in self.stop):
             raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
 
@@ -128,6 +131,18 @@ def filter_probs(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.min_p > 0.0:
         probs = torch.where(probs >= params.min_p * probs.max(), probs, 0.0)
     return probs
+
+
+def token_logprobs(
+    logits: torch.Tensor, token: int, top: int
+) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """The model's log-probability of ``token`` and its ``top`` most likely tokens."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    best = torch.topk(logprobs, top) if top else None
+    pairs = (
+        () if best is None else tuple(zip(best.indices.tolist(), best.values.tolist(), strict=True))
+    )
+    return float(logprobs[token]), pairs
 
 
 def sample_batch(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> list[int]:

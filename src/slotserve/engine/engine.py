@@ -14,6 +14,7 @@ import threading
 import time
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NoReturn
 
@@ -64,6 +65,7 @@ class Engine:
         *,
         pressure: PressureSource | None = None,
         executor: Executor | None = None,
+        on_finished: Callable[[Request, str], None] | None = None,
     ) -> None:
         self.model = model
         self.config = config or EngineConfig()
@@ -76,6 +78,7 @@ class Engine:
         self.plan.check()  # PlanError: refuse to start
         self.pool = KVPool(model.info, self.config.kv_config())
         self.pressure = pressure
+        self.on_finished = on_finished  # called on the engine thread after each release
         self.counters = EngineCounters()
         self._executor = executor or TorchExecutor(model)
         self._lock = threading.Condition(threading.RLock())
@@ -223,6 +226,17 @@ class Engine:
                 steps_by_class=dict(self.counters.steps_by_class),
             )
 
+    def slots(self) -> list[dict[str, object]]:
+        """Each slot of the pool: idle, or the request it serves (state, class, tokens, age)."""
+        now = time.monotonic()
+        with self._lock:
+            by_slot = {
+                self.pool.sessions[r.request_id].slot: r
+                for r in self._running.values()
+                if r.request_id in self.pool.sessions
+            }
+            return [_slot_view(i, by_slot.get(i), now) for i in range(self.config.max_seqs)]
+
     def check_integrity(self) -> None:
         """Pool invariants, and every running request bound in the pool."""
         with self._lock:
@@ -238,3 +252,17 @@ class Engine:
         from slotserve.engine.loop import engine_loop
 
         engine_loop(self)
+
+
+def _slot_view(slot: int, request: Request | None, now: float) -> dict[str, object]:
+    if request is None:
+        return {"slot": slot, "state": "idle"}
+    return {
+        "slot": slot,
+        "state": "prefill" if request.in_prefill else "decode",
+        "request_id": request.request_id,
+        "class": request.priority,
+        "prompt_tokens": len(request.prompt),
+        "generated_tokens": len(request.generated),
+        "age_s": round(now - request.timings.submitted, 3),
+    }

@@ -19,6 +19,8 @@ class TokenEvent:
     text: str
     index: int
     time: float
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(frozen=True)

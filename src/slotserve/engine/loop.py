@@ -69,6 +69,8 @@ def _end(engine: Engine, request: Request, reason: str) -> None:
         engine.counters.cancellations += 1
     request.finish(reason, error="the step failed" if reason == "error" else None)
     request.released.set()
+    if engine.on_finished is not None:
+        engine.on_finished(request, reason)
 
 
 def _reap(engine: Engine) -> None:

@@ -51,14 +51,20 @@ class Request:
     def in_prefill(self) -> bool:
         return self.prefilled < len(self.prompt)
 
-    def emit_token(self, token: int) -> bool:
+    def emit_token(
+        self,
+        token: int,
+        logprob: float | None = None,
+        top_logprobs: tuple[tuple[int, float], ...] = (),
+    ) -> bool:
         """Record a sampled token and stream its text; True when the request is done."""
         now = time.monotonic()
         self.timings.token_times.append(now)
         self.generated.append(token)
         piece, stopped = self.stops.push(self.decoder.push(token))
         self.text.append(piece)
-        self.sink.put(TokenEvent(token, piece, len(self.generated) - 1, now))
+        index = len(self.generated) - 1
+        self.sink.put(TokenEvent(token, piece, index, now, logprob, top_logprobs))
         return stopped or len(self.generated) >= self.max_new_tokens
 
     def finish(self, reason: str, error: str | None = None) -> None:

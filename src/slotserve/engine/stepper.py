@@ -14,7 +14,7 @@ from slotserve.engine.request import Request
 from slotserve.executor import Executor
 from slotserve.kv.batch import StepBatch
 from slotserve.kv.store import KVStore
-from slotserve.sampling import sample_batch
+from slotserve.sampling import sample_batch, token_logprobs
 
 
 def run_step(
@@ -55,12 +55,15 @@ def _sample_and_stream(
     finished = [(r, "length") for r, _ in work if r.max_new_tokens == 0 and not r.in_prefill]
     if not sampling:
         return finished
-    tokens = sample_batch(logits[sampling_rows], [r.sampler for r in sampling])
-    for request, token in zip(sampling, tokens, strict=True):
+    rows = logits[sampling_rows]
+    tokens = sample_batch(rows, [r.sampler for r in sampling])
+    for request, token, row in zip(sampling, tokens, rows, strict=True):
+        top = request.params.logprobs
+        logprob, best = token_logprobs(row, token, top) if top is not None else (None, ())
         if token in request.eos_ids:
             request.eos_token = token
             finished.append((request, "stop"))
-        elif request.emit_token(token):
+        elif request.emit_token(token, logprob, best):
             finished.append((request, "stop" if request.stops.stopped else "length"))
         else:
             request.pending_token = token

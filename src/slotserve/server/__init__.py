@@ -1,0 +1,7 @@
+"""OpenAI-compatible HTTP API (FastAPI + uvicorn) with SSE streaming, admission refusals as
+HTTP statuses, Prometheus metrics and a slots view. `create_app` builds it around an engine;
+`serve` runs it."""
+
+from slotserve.server.app import create_app
+
+__all__ = ["create_app"]

@@ -1,0 +1,53 @@
+"""`create_app`: the FastAPI application around one engine."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from slotserve.engine import Engine
+from slotserve.server.errors import (
+    APIError,
+    api_error_handler,
+    http_error_handler,
+    unexpected_handler,
+    validation_handler,
+)
+from slotserve.server.routes import plain, v1
+from slotserve.server.security import BodyLimit
+from slotserve.server.state import DEFAULT_MAX_BODY_BYTES, ServerState
+
+
+def create_app(
+    engine: Engine | None,
+    model_name: str,
+    *,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
+    """The app serving ``engine`` as ``model_name``; closing the app closes the engine."""
+    state = ServerState(None, model_name, api_key, max_body_bytes, created=int(time.time()))
+    if engine is not None:
+        state.attach(engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        if state.engine is not None:
+            state.engine.close()  # cancels what runs: open streams end, slots are freed
+
+    app = FastAPI(title="slotserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.server = state
+    app.include_router(v1)
+    app.include_router(plain)
+    app.add_exception_handler(APIError, api_error_handler)
+    app.add_exception_handler(RequestValidationError, validation_handler)
+    app.add_exception_handler(StarletteHTTPException, http_error_handler)
+    app.add_exception_handler(Exception, unexpected_handler)
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    return app

@@ -1,0 +1,82 @@
+"""OpenAI-shaped errors: every failure is ``{"error": {message, type, param, code}}``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from slotserve.errors import AdmissionRefused
+
+RETRY_AFTER_S = 1
+_REFUSAL_STATUS = {
+    "slots_full": 429,
+    "kv_exhausted": 429,
+    "queue_full": 429,
+    "queue_timeout": 429,
+    "pressure": 429,
+    "context_too_long": 400,
+    "closed": 503,
+}
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+        self.param, self.code, self.headers = param, code, headers
+
+
+def error_body(
+    message: str, kind: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def refusal_error(refusal: AdmissionRefused) -> APIError:
+    status = _REFUSAL_STATUS[refusal.reason]
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    kind = {400: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
+    return APIError(status, str(refusal), kind, code=refusal.reason, headers=headers)
+
+
+async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, APIError)
+    return JSONResponse(
+        error_body(exc.message, exc.kind, exc.param, exc.code), exc.status, headers=exc.headers
+    )
+
+
+async def validation_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    first = exc.errors()[0] if exc.errors() else {}
+    location = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(location) or None
+    detail = first.get("msg", "invalid request")
+    message = f"{param}: {detail}" if param else f"invalid request body: {detail}"
+    return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_value"), 400)
+
+
+async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+    return JSONResponse(error_body(str(exc.detail), kind), exc.status_code, headers=exc.headers)
+
+
+async def unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
+    # Never a stack trace in a response; the log keeps it.
+    import traceback
+
+    traceback.print_exception(exc)
+    return JSONResponse(error_body("internal error", "server_error"), 500)

@@ -1,0 +1,83 @@
+"""Building OpenAI response objects and SSE chunks from engine events."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from slotserve.artifact.tokenizer import Tokenizer
+from slotserve.engine.events import Finished, TokenEvent
+
+FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop", "error": "stop"}
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+def usage(finals: list[Finished]) -> dict[str, Any]:
+    prompt = finals[0].usage.prompt_tokens if finals else 0
+    completion = sum(f.usage.completion_tokens for f in finals)
+    cached = finals[0].usage.cached_tokens if finals else 0
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+def _token_entry(tokenizer: Tokenizer, token: int, logprob: float) -> dict[str, Any]:
+    text = tokenizer.decode([token])
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(tokenizer: Tokenizer, events: list[TokenEvent]) -> dict[str, Any]:
+    content = []
+    for event in events:
+        if event.token_id < 0 or event.logprob is None:
+            continue
+        entry = _token_entry(tokenizer, event.token_id, event.logprob)
+        entry["top_logprobs"] = [_token_entry(tokenizer, t, lp) for t, lp in event.top_logprobs]
+        content.append(entry)
+    return {"content": content, "refusal": None}
+
+
+def text_logprobs(tokenizer: Tokenizer, events: list[TokenEvent], offset: int) -> dict[str, Any]:
+    tokens, logprobs, tops, offsets = [], [], [], []
+    for event in events:
+        if event.token_id < 0 or event.logprob is None:
+            continue
+        text = tokenizer.decode([event.token_id])
+        tokens.append(text)
+        logprobs.append(event.logprob)
+        tops.append({tokenizer.decode([t]): lp for t, lp in event.top_logprobs})
+        offsets.append(offset)
+        offset += len(event.text)
+    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops,
+            "text_offset": offsets}  # fmt: skip
+
+
+def chat_choice(index: int, final: Finished, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": final.text, "refusal": None},
+        "finish_reason": FINISH_REASONS[final.reason],
+        "logprobs": logprobs,
+    }
+
+
+def text_choice(
+    index: int, text: str, final: Finished, logprobs: dict[str, Any] | None
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "text": text,
+        "finish_reason": FINISH_REASONS[final.reason],
+        "logprobs": logprobs,
+    }
+
+
+def envelope(kind: str, request_id: str, created: int, model: str) -> dict[str, Any]:
+    return {"id": request_id, "object": kind, "created": created, "model": model}

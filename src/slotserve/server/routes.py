@@ -1,0 +1,271 @@
+"""The HTTP routes: OpenAI's chat/completions/models, plus health, metrics, slots and
+tokenize/detokenize."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from slotserve.engine import Engine, Finished, TokenEvent
+from slotserve.sampling import SamplingParams
+from slotserve.server import responses as fmt
+from slotserve.server.errors import APIError, error_body
+from slotserve.server.generation import collect, merged, submit_all
+from slotserve.server.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    SamplingFields,
+    TokenizeRequest,
+)
+from slotserve.server.security import require_api_key
+from slotserve.server.state import ServerState
+
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
+plain = APIRouter()
+
+
+def state_of(request: Request) -> ServerState:
+    state: ServerState = request.app.state.server
+    return state
+
+
+def live_engine(state: ServerState) -> Engine:
+    if state.engine is None or state.engine._closing:
+        raise APIError(503, "the model is not ready (loading or shutting down)", "server_error")
+    return state.engine
+
+
+def check_model(state: ServerState, name: str) -> None:
+    if name != state.model_name:
+        raise APIError(
+            404,
+            f"The model '{name}' does not exist; this server serves '{state.model_name}'",
+            "invalid_request_error",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def sampling_params(body: SamplingFields, room: int, choice: int) -> SamplingParams:
+    budget = body.token_budget() if hasattr(body, "token_budget") else None
+    seed = None if body.seed is None else body.seed + choice
+    top_p = body.top_p if body.top_p is not None else 1.0
+    try:
+        return SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=max(top_p, 1e-6),
+            top_k=body.top_k or 0,
+            min_p=body.min_p or 0.0,
+            repetition_penalty=body.repetition_penalty or 1.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            seed=seed,
+            max_new_tokens=budget if budget is not None else max(room, 0),
+            stop=body.stop_strings(),
+            logprobs=body.logprobs_count(),  # type: ignore[attr-defined]
+        )
+    except ValueError as exc:
+        raise APIError(400, str(exc), "invalid_request_error", code="invalid_value") from None
+
+
+def priority_of(body: SamplingFields, request: Request) -> str:
+    header = request.headers.get("x-priority")
+    value = body.priority or header or "normal"
+    if value not in ("interactive", "normal", "background"):
+        raise APIError(400, f"X-Priority {value!r}: use interactive, normal or background",
+                       "invalid_request_error", param="priority")  # fmt: skip
+    return value
+
+
+@v1.post("/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    state = state_of(request)
+    engine = live_engine(state)
+    check_model(state, body.model)
+    try:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        prompt = engine.model.tokenizer.render_chat(messages)
+    except Exception as exc:  # template errors come in many types; all are the caller's
+        raise APIError(400, f"messages: {exc}", "invalid_request_error", param="messages") from None
+    return await _generate(state, engine, body, request, prompt, "chat")
+
+
+@v1.post("/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    state = state_of(request)
+    engine = live_engine(state)
+    check_model(state, body.model)
+    return await _generate(state, engine, body, request, body.prompt_input(), "text")
+
+
+async def _generate(
+    state: ServerState,
+    engine: Engine,
+    body: SamplingFields,
+    request: Request,
+    prompt: str | list[int],
+    kind: str,
+) -> Response:
+    n = body.n or 1
+    if n > engine.config.max_seqs:
+        raise APIError(400, f"n={n} exceeds this server's max_seqs={engine.config.max_seqs}",
+                       "invalid_request_error", param="n")  # fmt: skip
+    length = len(engine.model.tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)
+    room = engine.config.max_context - length
+    params = [sampling_params(body, room, i) for i in range(n)]
+    handles = submit_all(engine, prompt, params, priority_of(body, request))
+    request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        stream = _stream(state, engine, handles, kind, request_id, created, include_usage, body)
+        return StreamingResponse(stream, media_type="text/event-stream")
+    outcomes = await collect(handles, request)
+    return JSONResponse(_complete(state, engine, outcomes, kind, request_id, created, body))
+
+
+def _complete(state: ServerState, engine: Engine, outcomes: list[Any], kind: str,
+              request_id: str, created: int, body: SamplingFields) -> dict[str, Any]:  # fmt: skip
+    tokenizer = engine.model.tokenizer
+    finals: list[Finished] = [o.final for o in outcomes]
+    if any(f.reason == "error" for f in finals):
+        raise APIError(500, "generation failed on the device", "server_error")
+    wants_logprobs = body.logprobs_count() is not None  # type: ignore[attr-defined]
+    choices = []
+    for index, outcome in enumerate(outcomes):
+        final = outcome.final
+        if kind == "chat":
+            logprobs = fmt.chat_logprobs(tokenizer, outcome.events) if wants_logprobs else None
+            choices.append(fmt.chat_choice(index, final, logprobs))
+        else:
+            echo = getattr(body, "echo", False)
+            prefix = body.prompt_input() if echo else ""  # type: ignore[attr-defined]
+            prefix = prefix if isinstance(prefix, str) else tokenizer.decode(prefix)
+            logprobs = (
+                fmt.text_logprobs(tokenizer, outcome.events, len(prefix))
+                if wants_logprobs
+                else None
+            )
+            choices.append(fmt.text_choice(index, prefix + final.text, final, logprobs))
+    kind_name = "chat.completion" if kind == "chat" else "text_completion"
+    return {**fmt.envelope(kind_name, request_id, created, state.model_name),
+            "choices": choices, "usage": fmt.usage(finals)}  # fmt: skip
+
+
+async def _stream(state: ServerState, engine: Engine, handles: list[Any], kind: str,
+                  request_id: str, created: int, include_usage: bool,
+                  body: SamplingFields) -> AsyncIterator[str]:  # fmt: skip
+    tokenizer = engine.model.tokenizer
+    kind_name = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    head = fmt.envelope(kind_name, request_id, created, state.model_name)
+    wants_logprobs = body.logprobs_count() is not None  # type: ignore[attr-defined]
+    finals: list[Finished] = []
+    if kind == "chat":
+        for index in range(len(handles)):
+            delta = {"role": "assistant", "content": ""}
+            yield fmt.sse({**head, "choices": [_chunk_choice(kind, index, delta, None, None)]})
+    try:
+        async for index, event in merged(handles):
+            if isinstance(event, TokenEvent):
+                if not event.text and not (wants_logprobs and event.token_id >= 0):
+                    continue
+                logprobs = _event_logprobs(tokenizer, event, kind) if wants_logprobs else None
+                choice = _chunk_choice(kind, index, {"content": event.text}, None, logprobs)
+            else:
+                finals.append(event)
+                reason = fmt.FINISH_REASONS[event.reason]
+                choice = _chunk_choice(kind, index, {}, reason, None)
+            yield fmt.sse({**head, "choices": [choice]})
+    except APIError as exc:
+        yield fmt.sse(error_body(exc.message, exc.kind, exc.param, exc.code))
+    if include_usage:
+        yield fmt.sse({**head, "choices": [], "usage": fmt.usage(finals)})
+    yield fmt.sse("[DONE]")
+
+
+def _event_logprobs(tokenizer: Any, event: TokenEvent, kind: str) -> dict[str, Any] | None:
+    if event.token_id < 0:
+        return None
+    if kind == "chat":
+        return fmt.chat_logprobs(tokenizer, [event])
+    return fmt.text_logprobs(tokenizer, [event], 0)
+
+
+def _chunk_choice(kind: str, index: int, delta: dict[str, Any], finish: str | None,
+                  logprobs: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+    if kind == "chat":
+        return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+    return {"index": index, "text": delta.get("content", ""), "finish_reason": finish,
+            "logprobs": logprobs}  # fmt: skip
+
+
+@v1.get("/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    state = state_of(request)
+    return {"object": "list", "data": [_model_card(state)]}
+
+
+@v1.get("/models/{model:path}")
+async def retrieve_model(model: str, request: Request) -> dict[str, Any]:
+    state = state_of(request)
+    check_model(state, model)
+    return _model_card(state)
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    return {"id": state.model_name, "object": "model", "created": state.created,
+            "owned_by": "slotserve"}  # fmt: skip
+
+
+@plain.get("/health")
+async def health(request: Request) -> JSONResponse:
+    state = state_of(request)
+    if state.engine is None:
+        return JSONResponse({"status": "loading"}, 503)
+    if state.engine._closing:
+        return JSONResponse({"status": "closed"}, 503)
+    return JSONResponse({"status": "ok", "model": state.model_name})
+
+
+@plain.get("/metrics")
+async def metrics(request: Request) -> Response:
+    state = state_of(request)
+    if state.metrics is None:
+        raise APIError(503, "the model is not ready", "server_error")
+    return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+
+@plain.get("/slots")
+async def slots(request: Request) -> list[dict[str, object]]:
+    return live_engine(state_of(request)).slots()
+
+
+@plain.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+    tokenizer = live_engine(state_of(request)).model.tokenizer
+    if body.messages is not None:
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        text = tokenizer.render_chat(messages, add_generation_prompt=body.add_generation_prompt)
+    elif body.text is not None:
+        text = body.text
+    else:
+        raise APIError(400, "give text or messages", "invalid_request_error", param="text")
+    tokens = tokenizer.encode(text)
+    return {"tokens": tokens, "count": len(tokens)}
+
+
+@plain.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+    engine = live_engine(state_of(request))
+    vocab = engine.model.info.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"tokens: {bad[0]} is not in 0..{vocab - 1}",
+                       "invalid_request_error", param="tokens")  # fmt: skip
+    return {"text": engine.model.tokenizer.decode(body.tokens)}

@@ -1,0 +1,65 @@
+"""``slotserve serve``: load the model, plan and start the engine, run uvicorn.
+
+The engine is built before the port opens, so a plan that does not fit is reported at
+once (exit status 2). SIGINT/SIGTERM stop admitting, cancel what runs, and exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from slotserve.artifact import load
+from slotserve.engine import Engine, EngineConfig
+from slotserve.plan import parse_bytes
+
+BUNDLED_NAME = "SmolLM2-135M-Instruct"
+
+
+def served_name(spec: str) -> str:
+    """The model id clients must send: the bundled model's name, or the file/dir name."""
+    if spec == "bundled":
+        return BUNDLED_NAME
+    path = Path(spec)
+    return path.stem if path.suffix == ".gguf" else path.name
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    from slotserve.cli_plan import memory_map_from
+
+    return EngineConfig(
+        max_seqs=args.max_seqs,
+        max_context=args.max_context,
+        kv_layout=args.kv_layout,
+        kv_dtype=args.kv_dtype,
+        block_size=args.block_size,
+        ring_window=args.ring_window,
+        sinks=args.sinks,
+        memory_budget=parse_bytes(args.memory_budget) if args.memory_budget else None,
+        memory_map=memory_map_from(args.memory_map),
+        policy=args.policy,
+        max_batch_tokens=args.max_batch_tokens,
+        queue_depth=args.queue_depth,
+        queue_timeout_s=args.queue_timeout,
+    )
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from slotserve.server.app import create_app
+
+    model = load(args.model)
+    engine = Engine(model, engine_config(args))
+    name = args.served_model_name or served_name(args.model)
+    app = create_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
+    print(f"slotserve: serving {name} at http://{args.host}:{args.port}/v1", file=sys.stderr)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+    )
+    return 0
