@@ -122,3 +122,16 @@ def test_stop_strings_are_never_emitted(text: str, stops: list[str], cuts: list[
         consumed = text[: min(position, len(text))]
         assert result == consumed
         assert not any(s in consumed for s in stops)
+
+
+def test_degenerate_distributions_fall_back_to_greedy() -> None:
+    tiny_temperature = RequestSampler(SamplingParams(temperature=1e-300, seed=1), 4)
+    assert tiny_temperature.params.greedy
+    assert tiny_temperature.sample(torch.tensor([0.0, 5.0, 1.0, 2.0])) == 1
+    with_inf = RequestSampler(SamplingParams(temperature=1.0, seed=1), 3)
+    assert with_inf.sample(torch.tensor([0.0, float("inf"), 1.0])) == 1
+
+
+def test_seed_must_fit_64_bits() -> None:
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**70)

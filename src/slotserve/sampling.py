@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import torch
 
 
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its tokens. ``temperature == 0`` is greedy.
@@ -53,12 +56,16 @@ class SamplingParams:
         _check(self.max_new_tokens >= 0, "max_new_tokens", self.max_new_tokens, ">= 0")
         if self.logprobs is not None:
             _check(0 <= self.logprobs <= 20, "logprobs", self.logprobs, "0..20")
+        if self.seed is not None:
+            _check(-(2**63) <= self.seed < 2**64, "seed", self.seed, "a 64-bit integer")
         if isinstance(self.stop, str) or any(not s for s in self.stop):
             raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Temperatures this small make every distribution one-hot (and overflow the
+        # division), so they are greedy.
+        return self.temperature < MIN_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:
@@ -98,8 +105,10 @@ class RequestSampler:
             logits = apply_penalties(logits, params, self.seen, self.generated_counts)
         if params.greedy:
             return int(logits.argmax())
-        probs = torch.softmax(logits.float() / params.temperature, dim=-1)
+        probs = torch.softmax(logits.double() / params.temperature, dim=-1)
         probs = filter_probs(probs, params)
+        if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+            return int(logits.argmax())  # degenerate distribution (e.g. inf logits): greedy
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 

@@ -68,6 +68,7 @@ def sampling_params(body: SamplingFields, room: int, choice: int) -> SamplingPar
             seed=seed,
             max_new_tokens=budget if budget is not None else max(room, 0),
             stop=body.stop_strings(),
+            ignore_eos=body.ignore_eos,
             logprobs=body.logprobs_count(),  # type: ignore[attr-defined]
         )
     except ValueError as exc:

@@ -7,7 +7,9 @@ once (exit status 2). SIGINT/SIGTERM stop admitting, cancel what runs, and exit 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+from types import FrameType
 from pathlib import Path
 
 from slotserve.artifact import load
@@ -55,6 +57,11 @@ def run_serve(args: argparse.Namespace) -> int:
     name = args.served_model_name or served_name(args.model)
     app = create_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
     print(f"slotserve: serving {name} at http://{args.host}:{args.port}/v1", file=sys.stderr)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM (the app's lifespan closes the engine)
+    # and then re-raises the signal to the handler that was installed before it: make that
+    # one exit with status 0, since the shutdown was the one asked for.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit_cleanly)
     uvicorn.run(
         app,
         host=args.host,
@@ -63,3 +70,7 @@ def run_serve(args: argparse.Namespace) -> int:
         timeout_graceful_shutdown=5,
     )
     return 0
+
+
+def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(0)

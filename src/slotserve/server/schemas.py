@@ -39,6 +39,7 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     priority: Priority | None = None
+    ignore_eos: bool = False  # extension (as vLLM): generate through end-of-sequence
 
     @field_validator("stop")
     @classmethod
@@ -101,9 +102,9 @@ class CompletionRequest(SamplingFields):
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, value: Any) -> Any:
-        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-            if len(value) != 1:
-                raise ValueError("prompt batches are not supported; send one prompt per request")
+        batch = isinstance(value, list) and value and isinstance(value[0], (str, list))
+        if batch and len(value) != 1:
+            raise ValueError("prompt batches are not supported; send one prompt per request")
         if value in ("", []) or value == [[]]:
             raise ValueError("prompt must not be empty")
         return value

@@ -1,0 +1,172 @@
+"""HTTP behaviour a client relies on: disconnect cancels, refusals as statuses, security,
+health/metrics/slots, tokenize, graceful shutdown."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from tests.server.conftest import ServerProcess
+
+
+def slots_busy(server: ServerProcess) -> int:
+    return sum(s["state"] != "idle" for s in httpx.get(server.url + "/slots").json())
+
+
+def wait_idle(server: ServerProcess, timeout: float = 5.0) -> float:
+    start = time.monotonic()
+    while slots_busy(server):
+        assert time.monotonic() - start < timeout, "slots still busy"
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+def metric(server: ServerProcess, name: str) -> float:
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def bundled_server() -> Iterator[ServerProcess]:
+    server = ServerProcess(
+        "bundled", "--max-seqs", "2", "--queue-depth", "0", "--max-context", "512",
+        "--api-key", "sekret",
+    )  # fmt: skip
+    yield server
+    assert server.stop() == 0  # SIGTERM: graceful, exit status 0
+    assert "Traceback" not in server.output(), server.output()
+
+
+AUTH = {"Authorization": "Bearer sekret"}
+
+
+def long_stream(server: ServerProcess, client: httpx.Client) -> httpx.Response:
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time", "max_tokens": 300,
+            "stream": True, "temperature": 0.8, "seed": 1, "ignore_eos": True}  # fmt: skip
+    request = client.build_request("POST", server.url + "/v1/completions", json=body, headers=AUTH)
+    return client.send(request, stream=True)
+
+
+def test_disconnect_frees_the_slot(bundled_server: ServerProcess) -> None:
+    before = metric(bundled_server, "slotserve_cancellations_total")
+    with httpx.Client(timeout=30) as client:
+        response = long_stream(bundled_server, client)
+        lines = response.iter_lines()
+        chunks = []
+        for line in lines:
+            if line.startswith("data:"):
+                chunks.append(line)
+            if len(chunks) == 2:
+                break
+        assert slots_busy(bundled_server) == 1
+        response.close()
+    waited = wait_idle(bundled_server)
+    assert waited < 2.0  # one step of the bundled model is ~0.1 s; allow scheduling noise
+    assert metric(bundled_server, "slotserve_cancellations_total") == before + 1
+    assert metric(bundled_server, "slotserve_cancel_release_seconds_count") >= 1
+
+
+def test_third_stream_is_429_then_served(bundled_server: ServerProcess) -> None:
+    with httpx.Client(timeout=30) as client:
+        first, second = long_stream(bundled_server, client), long_stream(bundled_server, client)
+        # Keep the line iterators alive: an abandoned httpx iterator closes its response.
+        readers = [response.iter_lines() for response in (first, second)]
+        for response, reader in zip((first, second), readers, strict=True):
+            assert response.status_code == 200
+            next(line for line in reader if line.startswith("data:"))
+        assert slots_busy(bundled_server) == 2, httpx.get(bundled_server.url + "/slots").text
+        third = client.post(
+            bundled_server.url + "/v1/completions", headers=AUTH,
+            json={"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 4},
+        )  # fmt: skip
+        assert third.status_code == 429
+        assert third.headers["Retry-After"] == "1"
+        error = third.json()["error"]
+        assert error["code"] == "slots_full" and "2 slots" in error["message"]
+        first.close()
+        wait_until_slots(bundled_server, 1)
+        fourth = client.post(
+            bundled_server.url + "/v1/completions", headers=AUTH,
+            json={"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 4},
+        )  # fmt: skip
+        assert fourth.status_code == 200
+        second.close()
+    wait_idle(bundled_server)
+    assert metric(bundled_server, 'slotserve_admissions_refused_total{reason="slots_full"}') >= 1
+
+
+def wait_until_slots(server: ServerProcess, busy: int) -> None:
+    deadline = time.monotonic() + 5
+    while slots_busy(server) != busy:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_api_key(bundled_server: ServerProcess) -> None:
+    url = bundled_server.url + "/v1/models"
+    assert httpx.get(url).status_code == 401
+    wrong = httpx.get(url, headers={"Authorization": "Bearer nope"})
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(url, headers=AUTH).status_code == 200
+    assert httpx.get(bundled_server.url + "/health").status_code == 200  # not under /v1
+
+
+def test_errors_are_openai_shaped_and_never_500(tiny_server: ServerProcess) -> None:
+    url = tiny_server.url + "/v1/chat/completions"
+    cases = [
+        b"{not json",
+        b"[]",
+        json.dumps({"model": tiny_server.model_name}).encode(),
+        json.dumps({"model": tiny_server.model_name, "messages": [{"role": "wizard"}]}).encode(),
+        json.dumps(
+            {
+                "model": tiny_server.model_name,
+                "messages": [{"role": "user", "content": "x"}],
+                "stop": ["a", "b", "c", "d", "e"],
+            }
+        ).encode(),  # fmt: skip
+        json.dumps({"model": 3, "messages": []}).encode(),
+    ]
+    for body in cases:
+        response = httpx.post(url, content=body, headers={"content-type": "application/json"})
+        assert response.status_code == 400, (body, response.text)
+        error = response.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["message"]
+        assert "Traceback" not in response.text
+
+
+def test_body_size_limit(tiny_server: ServerProcess) -> None:
+    big = {"model": tiny_server.model_name, "prompt": "x" * (2 << 20)}
+    response = httpx.post(tiny_server.url + "/v1/completions", json=big)
+    assert response.status_code == 413 and "limit" in response.json()["error"]["message"]
+
+
+def test_health_metrics_slots(tiny_server: ServerProcess) -> None:
+    assert httpx.get(tiny_server.url + "/health").json()["status"] == "ok"
+    slots = httpx.get(tiny_server.url + "/slots").json()
+    assert len(slots) == 4 and all(s["state"] == "idle" for s in slots)
+    text = httpx.get(tiny_server.url + "/metrics").text
+    for name in ("slotserve_time_to_first_token_seconds", "slotserve_inter_token_latency_seconds",
+                 "slotserve_queue_time_seconds", "slotserve_request_duration_seconds",
+                 "slotserve_prompt_tokens_total", "slotserve_generated_tokens_total",
+                 "slotserve_slots_in_use", "slotserve_kv_blocks_used", "slotserve_kv_blocks_free",
+                 "slotserve_cancellations_total", "slotserve_cancel_release_seconds"):  # fmt: skip
+        assert name in text, name
+
+
+def test_tokenize_round_trip(tiny_server: ServerProcess) -> None:
+    tokens = httpx.post(tiny_server.url + "/tokenize", json={"text": "héllo"}).json()["tokens"]
+    text = httpx.post(tiny_server.url + "/detokenize", json={"tokens": tokens}).json()["text"]
+    assert text == "héllo"
+    chat = httpx.post(
+        tiny_server.url + "/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}
+    ).json()
+    assert chat["count"] == len(chat["tokens"]) > 2
+    bad = httpx.post(tiny_server.url + "/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and "tokens" in bad.json()["error"]["message"]
