@@ -31,7 +31,7 @@ class ServerProcess:
         command = [sys.executable, "-m", "slotserve.cli", "serve", "--model", model,
                    "--port", str(self.port), *flags]  # fmt: skip
         # Output goes to a file: a pipe nobody reads would block the server once full.
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="slotserve-", suffix=".log")
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="slotserve-", suffix=".log")  # noqa: SIM115 (lives as long as the server)
         self.process = subprocess.Popen(
             command, stdout=self.log, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},

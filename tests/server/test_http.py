@@ -130,7 +130,7 @@ def test_errors_are_openai_shaped_and_never_500(tiny_server: ServerProcess) -> N
                 "messages": [{"role": "user", "content": "x"}],
                 "stop": ["a", "b", "c", "d", "e"],
             }
-        ).encode(),  # fmt: skip
+        ).encode(),
         json.dumps({"model": 3, "messages": []}).encode(),
     ]
     for body in cases:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from types import FrameType
 from pathlib import Path
+from types import FrameType
 
 from slotserve.artifact import load
 from slotserve.engine import Engine, EngineConfig
