@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.events import PRIORITIES
@@ -21,6 +22,7 @@ def build_request(
     prompt: str | list[int],
     params: SamplingParams,
     priority: str,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Request:
     """Tokenise and check a request against the context; raises `ValueError` for bad
     input and `AdmissionRefused("context_too_long")` for a request that cannot fit."""
@@ -52,5 +54,6 @@ def build_request(
         stops=StopMatcher(params.stop),
         eos_ids=eos,
         sink=EventSink(),
-        timings=RequestTimings(submitted=time.monotonic()),
+        timings=RequestTimings(submitted=clock()),
+        clock=clock,
     )

@@ -66,6 +66,7 @@ class Engine:
         pressure: PressureSource | None = None,
         executor: Executor | None = None,
         on_finished: Callable[[Request, str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.model = model
         self.config = config or EngineConfig()
@@ -79,6 +80,7 @@ class Engine:
         self.pool = KVPool(model.info, self.config.kv_config())
         self.pressure = pressure
         self.on_finished = on_finished  # called on the engine thread after each release
+        self.clock = clock  # every timestamp of every request comes from here
         self.counters = EngineCounters()
         self._executor = executor or TorchExecutor(model)
         self._lock = threading.Condition(threading.RLock())
@@ -105,7 +107,9 @@ class Engine:
         """Admit a request, queue it (``queue`` and room in the queue), or raise
         `AdmissionRefused`. Returns the handle to iterate for its events."""
         params = params or SamplingParams()
-        request = build_request(next(self._ids), self.model, self.config, prompt, params, priority)
+        request = build_request(
+            next(self._ids), self.model, self.config, prompt, params, priority, self.clock
+        )
         with self._lock:
             self._admit_or_queue(request, queue)
             self._known[request.request_id] = request
@@ -126,7 +130,7 @@ class Engine:
             self._refuse(reason or "slots_full")
         if len(self._queue) >= self.config.queue_depth:
             self._refuse("queue_full")
-        request.deadline = time.monotonic() + self.config.queue_timeout_s
+        request.deadline = self.clock() + self.config.queue_timeout_s
         self._queue.append(request)
 
     def _queue_ahead_of(self, request: Request) -> bool:
@@ -163,7 +167,7 @@ class Engine:
         """Reserve the slot and the whole worst-case KV (raises KVExhausted, unchanged)."""
         self.pool.reserve(request.request_id, request.reservation)
         request.state = "running"
-        request.timings.admitted = time.monotonic()
+        request.timings.admitted = self.clock()
         self._running[request.request_id] = request
         self.counters.admitted += 1
 
@@ -173,7 +177,7 @@ class Engine:
             if request is None or request.state == "done":
                 return CancelAck(0.0) if wait else None
             if request.timings.cancel_requested is None:
-                request.timings.cancel_requested = time.monotonic()
+                request.timings.cancel_requested = self.clock()
             request.cancelled.set()
             self._lock.notify_all()
         if not wait:
@@ -190,7 +194,7 @@ class Engine:
             self._closing = True
             for request in [*self._queue, *([] if drain else self._running.values())]:
                 if request.timings.cancel_requested is None:
-                    request.timings.cancel_requested = time.monotonic()
+                    request.timings.cancel_requested = self.clock()
                 request.cancelled.set()
             self._lock.notify_all()
         self._thread.join(timeout)
@@ -228,7 +232,7 @@ class Engine:
 
     def slots(self) -> list[dict[str, object]]:
         """Each slot of the pool: idle, or the request it serves (state, class, tokens, age)."""
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             by_slot = {
                 self.pool.sessions[r.request_id].slot: r

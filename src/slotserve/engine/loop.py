@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import time
 import traceback
 from typing import TYPE_CHECKING
 
@@ -33,14 +32,14 @@ def engine_loop(engine: Engine) -> None:
                 continue
             starts = [engine.pool.length(r.request_id) for r, _ in work]
         prompt_tokens = sum(n for request, n in work if request.in_prefill)
-        began = time.monotonic()
+        began = engine.clock()
         try:
             finished = run_step(work, starts, engine._executor, engine._kv)
         except Exception:  # a failing step ends its requests, never the engine
             error = traceback.format_exc(limit=3)
             print(f"slotserve: step failed:\n{error}", file=sys.stderr)
             finished = [(request, "error") for request, _ in work]
-        _count_step(engine, work, prompt_tokens, time.monotonic() - began)
+        _count_step(engine, work, prompt_tokens, engine.clock() - began)
         with engine._lock:
             for request, reason in finished:
                 _end(engine, request, reason)
@@ -63,7 +62,7 @@ def _end(engine: Engine, request: Request, reason: str) -> None:
     if request.request_id in engine._running:
         del engine._running[request.request_id]
         engine.pool.release(request.request_id)
-    request.timings.released = time.monotonic()
+    request.timings.released = engine.clock()
     engine.counters.finished[reason] += 1
     if reason == "cancelled":
         engine.counters.cancellations += 1
@@ -77,7 +76,7 @@ def _reap(engine: Engine) -> None:
     """At the batch boundary: end cancelled requests, refuse expired or closed queue entries."""
     for request in [r for r in engine._running.values() if r.cancelled.is_set()]:
         _end(engine, request, "cancelled")
-    now = time.monotonic()
+    now = engine.clock()
     for request in list(engine._queue):
         if request.cancelled.is_set() and not engine._closing:
             engine._queue.remove(request)

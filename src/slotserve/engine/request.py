@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from slotserve.artifact.tokenizer import StreamDecoder
@@ -32,6 +33,7 @@ class Request:
     eos_ids: frozenset[int]
     sink: EventSink
     timings: RequestTimings
+    clock: Callable[[], float] = time.monotonic
     deadline: float | None = None
     state: str = "queued"
     prefilled: int = 0
@@ -58,7 +60,7 @@ class Request:
         top_logprobs: tuple[tuple[int, float], ...] = (),
     ) -> bool:
         """Record a sampled token and stream its text; True when the request is done."""
-        now = time.monotonic()
+        now = self.clock()
         self.timings.token_times.append(now)
         self.generated.append(token)
         piece, stopped = self.stops.push(self.decoder.push(token))
@@ -73,8 +75,8 @@ class Request:
             tail = self.stops.push(self.decoder.flush())[0] + self.stops.flush()
             if tail:
                 self.text.append(tail)
-                self.sink.put(TokenEvent(-1, tail, len(self.generated), time.monotonic()))
-        self.timings.finished = time.monotonic()
+                self.sink.put(TokenEvent(-1, tail, len(self.generated), self.clock()))
+        self.timings.finished = self.clock()
         self.state = "done"
         usage_tokens = len(self.generated)
         self.sink.put(

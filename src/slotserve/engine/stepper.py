@@ -6,8 +6,6 @@ through `LockedKV`). Returns the requests that finished in this step.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from slotserve.engine.request import Request
@@ -21,7 +19,7 @@ def run_step(
     work: list[tuple[Request, int]], starts: list[int], executor: Executor, kv: KVStore
 ) -> list[tuple[Request, str]]:
     """Advance ``work`` by one step; ``(request, finish reason)`` for those that ended."""
-    now = time.monotonic()
+    now = work[0][0].clock()
     feeds = []
     for request, n in work:
         if request.timings.first_scheduled is None:
@@ -45,7 +43,7 @@ def _sample_and_stream(
             request.prefilled += n
             if request.in_prefill:
                 continue  # more prompt chunks to come; these logits are not needed
-            request.timings.prefill_done = time.monotonic()
+            request.timings.prefill_done = request.clock()
             request.timings.prompt_tokens_computed = len(request.prompt)
         request.pending_token = None
         if request.max_new_tokens == 0:

@@ -1,0 +1,102 @@
+"""Honest accounting: a synthetic clock and executor drive the real engine, and the derived
+TTFT, ITL, queue time and prefill throughput equal hand-computed values."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import slotserve as ss
+from slotserve.kv import KVStore, StepBatch
+
+STEP_COST_PER_TOKEN = 0.010  # synthetic seconds a step takes per token it feeds
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self.lock:
+            return self.now
+
+    def advance(self, seconds: float) -> None:
+        with self.lock:
+            self.now = round(self.now + seconds, 9)
+
+
+class SyntheticExecutor:
+    """Runs a step only when the test ticks; costs 10 ms per fed token; always predicts 7."""
+
+    def __init__(self, clock: FakeClock, vocab: int) -> None:
+        self.clock, self.vocab = clock, vocab
+        self.gate = threading.Semaphore(0)
+
+    def tick(self, steps: int) -> None:
+        for _ in range(steps):
+            self.gate.release()
+
+    def step(self, tokens: torch.Tensor, batch: StepBatch, kv: KVStore) -> torch.Tensor:
+        assert self.gate.acquire(timeout=10), "test did not tick"
+        kv.begin_step(batch)
+        self.clock.advance(STEP_COST_PER_TOKEN * len(tokens))
+        logits = torch.zeros(batch.size, self.vocab)
+        logits[:, 7] = 1.0
+        return logits
+
+
+def test_timings_equal_hand_computed_values(tiny: ss.Model) -> None:
+    clock = FakeClock()
+    executor = SyntheticExecutor(clock, tiny.info.vocab_size)
+    config = ss.EngineConfig(max_seqs=1, max_context=64, prefill_chunk=4, queue_depth=1)
+    engine = ss.Engine(tiny, config, executor=executor, clock=clock)
+    try:
+        params = ss.SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
+        first = engine.submit(list(range(10, 20)), params)  # 10 prompt tokens, at t=0
+        second = engine.submit([10, 11], params)  # queued behind it, at t=0
+        executor.tick(3 + 2)  # first: prefill chunks 4+4+2, then 2 decodes
+        a = first.result().timings
+        executor.tick(1 + 2)  # second: one prefill chunk of 2, then 2 decodes
+        b = second.result().timings
+    finally:
+        engine.close()
+    # First: admitted at once; prefill ends at 0.10 s and samples the first token then.
+    assert a.queue_time == 0.0
+    assert a.first_scheduled == 0.0 and a.prefill_done == pytest.approx(0.10)
+    assert a.ttft == pytest.approx(0.10)
+    assert a.itl == pytest.approx([0.01, 0.01])
+    assert a.tpot == pytest.approx(0.01)
+    assert a.prompt_tokens_computed == 10 and a.prompt_tokens_restored == 0
+    assert a.prefill_tok_s == pytest.approx(10 / 0.10)
+    # Second: waited for the slot until the first ended at 0.12 s.
+    assert b.queue_time == pytest.approx(0.12)
+    assert b.prefill_time == pytest.approx(0.02)
+    assert b.ttft == pytest.approx(0.14)  # from submit: queue 0.12 + prefill 0.02
+    assert b.itl == pytest.approx([0.01, 0.01])
+    assert b.prefill_tok_s == pytest.approx(2 / 0.02)
+
+
+def test_cancel_latency_is_measured_to_the_release(tiny: ss.Model) -> None:
+    clock = FakeClock()
+    executor = SyntheticExecutor(clock, tiny.info.vocab_size)
+    engine = ss.Engine(tiny, ss.EngineConfig(max_seqs=1, max_context=64), executor=executor,
+                       clock=clock)  # fmt: skip
+    try:
+        handle = engine.submit([10, 11], ss.SamplingParams(max_new_tokens=20, ignore_eos=True))
+        executor.tick(2)
+        events = iter(handle)
+        next(events), next(events)
+        clock.advance(0.5)  # the cancel comes 0.5 s after the second token
+        cancelled_at = clock()
+        executor.tick(1)  # one more step may be in flight when the cancel lands
+        ack = handle.cancel(wait=True)
+        assert ack is not None
+        final = handle.result()
+        assert final.reason == "cancelled"
+        assert final.timings.cancel_requested == cancelled_at
+        assert 0.0 <= ack.latency_s <= STEP_COST_PER_TOKEN + 1e-9  # at most one step
+    finally:
+        engine.close()
