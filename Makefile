@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint types bench clean
+.PHONY: run test lint types bench bench-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,8 +30,13 @@ lint: $(STAMP)
 types: $(STAMP)
 	$(BIN)/mypy
 
+# Every scenario, with baselines; rewrites docs/BENCHMARKS.md and docs/img/*.png.
 bench: $(STAMP)
-	$(BIN)/slotserve bench single
+	$(BIN)/slotserve bench all --baselines
+
+# llama-cpp-python for the side-by-side baseline: compiles llama.cpp (~12 min on 2 cores).
+bench-deps: $(STAMP)
+	$(BIN)/python -m pip install llama-cpp-python
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -70,14 +70,20 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
     serve.add_argument("--log-level", default="warning")
     add_engine_args(serve)
-    bench = commands.add_parser("bench", help="measure the bundled model")
-    bench.add_argument("scenario", choices=["single", "layouts", "all"])
+    bench = commands.add_parser("bench", help="measure a model (default: the bundled one)")
+    bench.add_argument(
+        "scenario",
+        choices=["single", "concurrency", "mixed", "bargein", "layouts", "memory", "all"],
+    )
     bench.add_argument("--model", default="bundled")
-    bench.add_argument("--repeats", type=int, default=5)
+    bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--json", dest="json_path", default=None, help="write results as JSON")
+    bench.add_argument("--plot", default=None, metavar="PATH.png", help="write a PNG plot")
     bench.add_argument("--markdown", action="store_true", help="print a markdown report")
     bench.add_argument(
-        "--write-docs", default=None, metavar="PATH", help="also write the report to PATH"
+        "--baselines",
+        action="store_true",
+        help="single: also run transformers / llama-cpp-python on the same weights",
     )
     return parser
 

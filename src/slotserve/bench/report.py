@@ -1,4 +1,4 @@
-"""Markdown report with the machine description, versions and the exact command."""
+"""Markdown report: machine, versions, the exact command, and one section per scenario."""
 
 from __future__ import annotations
 
@@ -8,8 +8,12 @@ from datetime import UTC, datetime
 from importlib.metadata import version
 from typing import Any
 
+from slotserve.plan import format_bytes
+
 
 def machine_description() -> str:
+    import torch
+
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as handle:
@@ -19,8 +23,6 @@ def machine_description() -> str:
         cpu = names[0] if names else cpu
     except OSError:
         pass
-    import torch
-
     return (
         f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
         f"({torch.get_num_threads()} threads), Python {platform.python_version()}, "
@@ -28,11 +30,154 @@ def machine_description() -> str:
     )
 
 
-def _fmt(cell: dict[str, float]) -> str:
-    return f"{cell['median']:.1f} ({cell['min']:.1f}–{cell['max']:.1f})"
+def _fmt(cell: dict[str, float], digits: int = 1) -> str:
+    return f"{cell['median']:.{digits}f} ({cell['min']:.{digits}f}–{cell['max']:.{digits}f})"
 
 
-def markdown_report(results: dict[str, Any], command: str) -> str:
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows] + [""]
+
+
+def _single(r: dict[str, Any]) -> list[str]:
+    lines = [
+        "## single: one stream, bundled model (fp32 weights)",
+        "",
+        f"Greedy; decode rate over {r['decode_tokens']} tokens after the prompt; "
+        f"{r['repeats']} repeats after one warm-up.",
+        "",
+    ]
+    rows = [
+        [str(x["prompt_tokens"]), _fmt(x["prefill_tok_s"]), _fmt(x["decode_tok_s"])]
+        for x in r["rows"]
+    ]
+    lines += _table(["prompt tokens", "prefill tok/s", "decode tok/s"], rows)
+    for name, baseline in r.get("baselines", {}).items():
+        if "skipped" in baseline:
+            lines += [f"Baseline {name}: skipped ({baseline['skipped']}).", ""]
+        else:
+            cells = ", ".join(
+                f"{x['prompt_tokens']}: {x['decode_tok_s']:.1f}" for x in baseline["rows"]
+            )
+            lines += [f"Baseline {name}, decode tok/s by prompt length (same run): {cells}.", ""]
+    return lines
+
+
+def _layouts(r: dict[str, Any]) -> list[str]:
+    rows = r["layouts"]
+    contexts = [p["context"] for p in next(iter(rows.values()))]
+    lines = [
+        "## layouts: decode step time (ms) vs context, one session",
+        "",
+        f"Median (min–max) over {r['steps_per_point']} decode steps at each length. The "
+        "ring keeps its last 1024 positions, so past that its attention is windowed.",
+        "",
+    ]
+    body = [[name] + [_fmt(p["step_ms"]) for p in points] for name, points in rows.items()]
+    return lines + _table(["layout"] + [f"context {c}" for c in contexts], body)
+
+
+def _concurrency(r: dict[str, Any]) -> list[str]:
+    lines = [
+        "## concurrency: aggregate decode throughput and per-request ITL",
+        "",
+        f"Sessions decode {r['decode_tokens']} tokens each, all submitted together; "
+        f"{r['repeats']} repeats. Scaling 8 vs 1: **{r['scaling_8_vs_1']}×**.",
+        "",
+    ]
+    rows = [
+        [
+            str(x["sessions"]),
+            _fmt(x["aggregate_tok_s"]),
+            f"{x['itl_p50_s'] * 1000:.0f}",
+            f"{x['itl_p99_s'] * 1000:.0f}",
+        ]
+        for x in r["rows"]
+    ]
+    return lines + _table(["sessions", "aggregate tok/s", "ITL p50 ms", "ITL p99 ms"], rows)
+
+
+def _mixed(r: dict[str, Any]) -> list[str]:
+    lines = [
+        "## mixed: an interactive chat turn beside a long background job",
+        "",
+        "ITL p50 of the chat turn with a 1024-token background job in flight, divided by "
+        "its ITL p50 alone (same run).",
+        "",
+    ]
+    rows = [
+        [
+            policy,
+            f"{r[policy]['itl_p50_alone_s'] * 1000:.0f}",
+            f"{r[policy]['itl_p50_with_background_s'] * 1000:.0f}",
+            f"**{r[policy]['ratio']}**",
+        ]
+        for policy in ("isolate", "fifo")
+    ]
+    return lines + _table(["policy", "alone ms", "with background ms", "ratio"], rows)
+
+
+def _bargein(r: dict[str, Any]) -> list[str]:
+    lines = [
+        "## bargein: short sessions cancelled at random points",
+        "",
+        f"{r['sessions']} sessions at {r['sessions_per_s']}/s, each cancelled after 1–11 tokens.",
+        "",
+    ]
+    rows = [
+        [
+            f"{r['cancel_release_p50_s'] * 1000:.1f}",
+            f"{r['cancel_release_p99_s'] * 1000:.1f}",
+            f"{r['cancel_release_max_s'] * 1000:.1f}",
+            f"{r['step_p99_s'] * 1000:.1f}",
+            str(r["slots_in_use_end"]),
+            str(r["kv_blocks_leaked"]),
+        ]
+    ]
+    header = [
+        "cancel→release p50 ms",
+        "p99 ms",
+        "max ms",
+        "step p99 ms",
+        "slots in use at end",
+        "KV blocks leaked",
+    ]
+    return lines + _table(header, rows)
+
+
+def _memory(r: dict[str, Any]) -> list[str]:
+    lines = [
+        f"## memory: KV pool at max_seqs={r['max_seqs']}, max_context={r['max_context']}",
+        "",
+        f"Weights: {format_bytes(r['weights_bytes'])} (fp32). RSS growth is measured "
+        "after writing every page of the pool.",
+        "",
+    ]
+    rows = [
+        [
+            name,
+            format_bytes(x["planned_bytes"]),
+            format_bytes(x["measured_pool_bytes"]),
+            format_bytes(x["rss_growth_bytes"]),
+            format_bytes(x["worst_case_bytes"]),
+        ]
+        for name, x in r["layouts"].items()
+    ]
+    header = ["layout", "planned KV", "measured pool", "RSS growth", "plan worst case"]
+    return lines + _table(header, rows)
+
+
+SECTIONS = {
+    "single": _single,
+    "layouts": _layouts,
+    "concurrency": _concurrency,
+    "mixed": _mixed,
+    "bargein": _bargein,
+    "memory": _memory,
+}
+
+
+def markdown_report(results: dict[str, Any], command: str, images: dict[str, str]) -> str:
     lines = [
         "# Benchmarks",
         "",
@@ -40,46 +185,12 @@ def markdown_report(results: dict[str, Any], command: str) -> str:
         "",
         f"Machine: {machine_description()}.",
         "",
-        "Each figure is the median over repeats, with min–max in brackets.",
+        "Figures are medians over repeats with min–max in brackets; ratios are measured "
+        "in the same run. These machines are shared and noisy: compare within a table.",
         "",
     ]
-    single = results.get("single")
-    if single:
-        lines += [
-            "## single: one stream, bundled model (fp32 weights)",
-            "",
-            f"Greedy; decode rate over {single['decode_tokens']} tokens after the prompt; "
-            f"{single['repeats']} repeats after one warm-up.",
-            "",
-            "| prompt tokens | prefill tok/s | decode tok/s |",
-            "|---:|---:|---:|",
-        ]
-        for row in single["rows"]:
-            lines.append(
-                f"| {row['prompt_tokens']} | {_fmt(row['prefill_tok_s'])} | "
-                f"{_fmt(row['decode_tok_s'])} |"
-            )
-        lines.append("")
-    layouts = results.get("layouts")
-    if layouts:
-        lines += _layouts_section(layouts)
+    for name, result in results.items():
+        lines += SECTIONS[name](result)
+        if name in images:
+            lines += [f"![{name}]({images[name]})", ""]
     return "\n".join(lines)
-
-
-def _layouts_section(layouts: dict[str, Any]) -> list[str]:
-    rows = layouts["layouts"]
-    contexts = [point["context"] for point in next(iter(rows.values()))]
-    lines = [
-        "## layouts: decode step time (ms) vs context, one session",
-        "",
-        f"Median (min–max) over {layouts['steps_per_point']} decode steps at each length. "
-        "The ring keeps 1024 positions, so past that its step time stops growing "
-        "(and its attention is windowed).",
-        "",
-        "| layout | " + " | ".join(f"context {c}" for c in contexts) + " |",
-        "|---|" + "---:|" * len(contexts),
-    ]
-    for name, points in rows.items():
-        lines.append(f"| {name} | " + " | ".join(_fmt(p["step_ms"]) for p in points) + " |")
-    lines.append("")
-    return lines

@@ -55,8 +55,12 @@ def text_logprobs(tokenizer: Tokenizer, events: list[TokenEvent], offset: int) -
         tops.append({tokenizer.decode([t]): lp for t, lp in event.top_logprobs})
         offsets.append(offset)
         offset += len(event.text)
-    return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops,
-            "text_offset": offsets}  # fmt: skip
+    return {
+        "tokens": tokens,
+        "token_logprobs": logprobs,
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
 
 
 def chat_choice(index: int, final: Finished, logprobs: dict[str, Any] | None) -> dict[str, Any]:

@@ -79,8 +79,12 @@ def priority_of(body: SamplingFields, request: Request) -> str:
     header = request.headers.get("x-priority")
     value = body.priority or header or "normal"
     if value not in ("interactive", "normal", "background"):
-        raise APIError(400, f"X-Priority {value!r}: use interactive, normal or background",
-                       "invalid_request_error", param="priority")  # fmt: skip
+        raise APIError(
+            400,
+            f"X-Priority {value!r}: use interactive, normal or background",
+            "invalid_request_error",
+            param="priority",
+        )
     return value
 
 
@@ -115,8 +119,12 @@ async def _generate(
 ) -> Response:
     n = body.n or 1
     if n > engine.config.max_seqs:
-        raise APIError(400, f"n={n} exceeds this server's max_seqs={engine.config.max_seqs}",
-                       "invalid_request_error", param="n")  # fmt: skip
+        raise APIError(
+            400,
+            f"n={n} exceeds this server's max_seqs={engine.config.max_seqs}",
+            "invalid_request_error",
+            param="n",
+        )
     length = len(engine.model.tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)
     room = engine.config.max_context - length
     params = [sampling_params(body, room, i) for i in range(n)]
@@ -131,8 +139,15 @@ async def _generate(
     return JSONResponse(_complete(state, engine, outcomes, kind, request_id, created, body))
 
 
-def _complete(state: ServerState, engine: Engine, outcomes: list[Any], kind: str,
-              request_id: str, created: int, body: SamplingFields) -> dict[str, Any]:  # fmt: skip
+def _complete(
+    state: ServerState,
+    engine: Engine,
+    outcomes: list[Any],
+    kind: str,
+    request_id: str,
+    created: int,
+    body: SamplingFields,
+) -> dict[str, Any]:
     tokenizer = engine.model.tokenizer
     finals: list[Finished] = [o.final for o in outcomes]
     if any(f.reason == "error" for f in finals):
@@ -155,13 +170,23 @@ def _complete(state: ServerState, engine: Engine, outcomes: list[Any], kind: str
             )
             choices.append(fmt.text_choice(index, prefix + final.text, final, logprobs))
     kind_name = "chat.completion" if kind == "chat" else "text_completion"
-    return {**fmt.envelope(kind_name, request_id, created, state.model_name),
-            "choices": choices, "usage": fmt.usage(finals)}  # fmt: skip
+    return {
+        **fmt.envelope(kind_name, request_id, created, state.model_name),
+        "choices": choices,
+        "usage": fmt.usage(finals),
+    }
 
 
-async def _stream(state: ServerState, engine: Engine, handles: list[Any], kind: str,
-                  request_id: str, created: int, include_usage: bool,
-                  body: SamplingFields) -> AsyncIterator[str]:  # fmt: skip
+async def _stream(
+    state: ServerState,
+    engine: Engine,
+    handles: list[Any],
+    kind: str,
+    request_id: str,
+    created: int,
+    include_usage: bool,
+    body: SamplingFields,
+) -> AsyncIterator[str]:
     tokenizer = engine.model.tokenizer
     kind_name = "chat.completion.chunk" if kind == "chat" else "text_completion"
     head = fmt.envelope(kind_name, request_id, created, state.model_name)
@@ -198,12 +223,21 @@ def _event_logprobs(tokenizer: Any, event: TokenEvent, kind: str) -> dict[str, A
     return fmt.text_logprobs(tokenizer, [event], 0)
 
 
-def _chunk_choice(kind: str, index: int, delta: dict[str, Any], finish: str | None,
-                  logprobs: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+def _chunk_choice(
+    kind: str,
+    index: int,
+    delta: dict[str, Any],
+    finish: str | None,
+    logprobs: dict[str, Any] | None,
+) -> dict[str, Any]:
     if kind == "chat":
         return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
-    return {"index": index, "text": delta.get("content", ""), "finish_reason": finish,
-            "logprobs": logprobs}  # fmt: skip
+    return {
+        "index": index,
+        "text": delta.get("content", ""),
+        "finish_reason": finish,
+        "logprobs": logprobs,
+    }
 
 
 @v1.get("/models")
@@ -220,8 +254,12 @@ async def retrieve_model(model: str, request: Request) -> dict[str, Any]:
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:
-    return {"id": state.model_name, "object": "model", "created": state.created,
-            "owned_by": "slotserve"}  # fmt: skip
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "slotserve",
+    }
 
 
 @plain.get("/health")
@@ -267,6 +305,10 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any
     vocab = engine.model.info.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
-        raise APIError(400, f"tokens: {bad[0]} is not in 0..{vocab - 1}",
-                       "invalid_request_error", param="tokens")  # fmt: skip
+        raise APIError(
+            400,
+            f"tokens: {bad[0]} is not in 0..{vocab - 1}",
+            "invalid_request_error",
+            param="tokens",
+        )
     return {"text": engine.model.tokenizer.decode(body.tokens)}

@@ -18,8 +18,12 @@ async def require_api_key(request: Request) -> None:
     header = request.headers.get("authorization", "")
     scheme, _, given = header.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), expected.encode()):
-        raise APIError(401, "missing or wrong API key: send Authorization: Bearer <key>",
-                       "invalid_request_error", code="invalid_api_key")  # fmt: skip
+        raise APIError(
+            401,
+            "missing or wrong API key: send Authorization: Bearer <key>",
+            "invalid_request_error",
+            code="invalid_api_key",
+        )
 
 
 class BodyLimit:
