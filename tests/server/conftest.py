@@ -28,14 +28,26 @@ class ServerProcess:
     def __init__(self, model: str, *flags: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "slotserve.cli", "serve", "--model", model,
-                   "--port", str(self.port), *flags]  # fmt: skip
+        command = [
+            sys.executable,
+            "-m",
+            "slotserve.cli",
+            "serve",
+            "--model",
+            model,
+            "--port",
+            str(self.port),
+            *flags,
+        ]
         # Output goes to a file: a pipe nobody reads would block the server once full.
         self.log = tempfile.NamedTemporaryFile("w+", prefix="slotserve-", suffix=".log")  # noqa: SIM115 (lives as long as the server)
         self.process = subprocess.Popen(
-            command, stdout=self.log, stderr=subprocess.STDOUT, text=True,
+            command,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )  # fmt: skip
+        )
         self._wait_ready()
 
     def _wait_ready(self, timeout: float = 120.0) -> None:

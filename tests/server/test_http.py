@@ -35,9 +35,16 @@ def metric(server: ServerProcess, name: str) -> float:
 @pytest.fixture(scope="module")
 def bundled_server() -> Iterator[ServerProcess]:
     server = ServerProcess(
-        "bundled", "--max-seqs", "2", "--queue-depth", "0", "--max-context", "512",
-        "--api-key", "sekret",
-    )  # fmt: skip
+        "bundled",
+        "--max-seqs",
+        "2",
+        "--queue-depth",
+        "0",
+        "--max-context",
+        "512",
+        "--api-key",
+        "sekret",
+    )
     yield server
     assert server.stop() == 0  # SIGTERM: graceful, exit status 0
     assert "Traceback" not in server.output(), server.output()
@@ -47,8 +54,15 @@ AUTH = {"Authorization": "Bearer sekret"}
 
 
 def long_stream(server: ServerProcess, client: httpx.Client) -> httpx.Response:
-    body = {"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time", "max_tokens": 300,
-            "stream": True, "temperature": 0.8, "seed": 1, "ignore_eos": True}  # fmt: skip
+    body = {
+        "model": "SmolLM2-135M-Instruct",
+        "prompt": "Once upon a time",
+        "max_tokens": 300,
+        "stream": True,
+        "temperature": 0.8,
+        "seed": 1,
+        "ignore_eos": True,
+    }
     request = client.build_request("POST", server.url + "/v1/completions", json=body, headers=AUTH)
     return client.send(request, stream=True)
 
@@ -82,9 +96,10 @@ def test_third_stream_is_429_then_served(bundled_server: ServerProcess) -> None:
             next(line for line in reader if line.startswith("data:"))
         assert slots_busy(bundled_server) == 2, httpx.get(bundled_server.url + "/slots").text
         third = client.post(
-            bundled_server.url + "/v1/completions", headers=AUTH,
+            bundled_server.url + "/v1/completions",
+            headers=AUTH,
             json={"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 4},
-        )  # fmt: skip
+        )
         assert third.status_code == 429
         assert third.headers["Retry-After"] == "1"
         error = third.json()["error"]
@@ -92,9 +107,10 @@ def test_third_stream_is_429_then_served(bundled_server: ServerProcess) -> None:
         first.close()
         wait_until_slots(bundled_server, 1)
         fourth = client.post(
-            bundled_server.url + "/v1/completions", headers=AUTH,
+            bundled_server.url + "/v1/completions",
+            headers=AUTH,
             json={"model": "SmolLM2-135M-Instruct", "prompt": "Hi", "max_tokens": 4},
-        )  # fmt: skip
+        )
         assert fourth.status_code == 200
         second.close()
     wait_idle(bundled_server)
@@ -152,11 +168,19 @@ def test_health_metrics_slots(tiny_server: ServerProcess) -> None:
     slots = httpx.get(tiny_server.url + "/slots").json()
     assert len(slots) == 4 and all(s["state"] == "idle" for s in slots)
     text = httpx.get(tiny_server.url + "/metrics").text
-    for name in ("slotserve_time_to_first_token_seconds", "slotserve_inter_token_latency_seconds",
-                 "slotserve_queue_time_seconds", "slotserve_request_duration_seconds",
-                 "slotserve_prompt_tokens_total", "slotserve_generated_tokens_total",
-                 "slotserve_slots_in_use", "slotserve_kv_blocks_used", "slotserve_kv_blocks_free",
-                 "slotserve_cancellations_total", "slotserve_cancel_release_seconds"):  # fmt: skip
+    for name in (
+        "slotserve_time_to_first_token_seconds",
+        "slotserve_inter_token_latency_seconds",
+        "slotserve_queue_time_seconds",
+        "slotserve_request_duration_seconds",
+        "slotserve_prompt_tokens_total",
+        "slotserve_generated_tokens_total",
+        "slotserve_slots_in_use",
+        "slotserve_kv_blocks_used",
+        "slotserve_kv_blocks_free",
+        "slotserve_cancellations_total",
+        "slotserve_cancel_release_seconds",
+    ):
         assert name in text, name
 
 

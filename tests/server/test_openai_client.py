@@ -44,9 +44,13 @@ def test_chat_completion(client: openai.OpenAI, tiny_server: ServerProcess) -> N
 
 def test_chat_stream_with_usage(client: openai.OpenAI, tiny_server: ServerProcess) -> None:
     stream = chat(
-        client, tiny_server.model_name, max_tokens=8, temperature=0, stream=True,
+        client,
+        tiny_server.model_name,
+        max_tokens=8,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
-    )  # fmt: skip
+    )
     chunks = list(stream)  # type: ignore[call-overload]
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     finals = [
@@ -106,8 +110,9 @@ def test_stop_strings(client: openai.OpenAI, tiny_server: ServerProcess) -> None
 
 
 def test_logprobs(client: openai.OpenAI, tiny_server: ServerProcess) -> None:
-    result = chat(client, tiny_server.model_name, max_tokens=4, temperature=0, logprobs=True,
-                  top_logprobs=3)  # fmt: skip
+    result = chat(
+        client, tiny_server.model_name, max_tokens=4, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = result.choices[0].logprobs.content  # type: ignore[attr-defined]
     assert len(content) == 4
     for entry in content:
