@@ -199,6 +199,11 @@ class Engine:
             self._lock.notify_all()
         self._thread.join(timeout)
 
+    @property
+    def closed(self) -> bool:
+        """True once `close` was called: nothing more is admitted."""
+        return self._closing
+
     def __enter__(self) -> Engine:
         return self
 

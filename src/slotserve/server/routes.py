@@ -36,7 +36,7 @@ def state_of(request: Request) -> ServerState:
 
 
 def live_engine(state: ServerState) -> Engine:
-    if state.engine is None or state.engine._closing:
+    if state.engine is None or state.engine.closed:
         raise APIError(503, "the model is not ready (loading or shutting down)", "server_error")
     return state.engine
 
@@ -53,7 +53,7 @@ def check_model(state: ServerState, name: str) -> None:
 
 
 def sampling_params(body: SamplingFields, room: int, choice: int) -> SamplingParams:
-    budget = body.token_budget() if hasattr(body, "token_budget") else None
+    budget = body.token_budget()
     seed = None if body.seed is None else body.seed + choice
     top_p = body.top_p if body.top_p is not None else 1.0
     try:
@@ -69,7 +69,7 @@ def sampling_params(body: SamplingFields, room: int, choice: int) -> SamplingPar
             max_new_tokens=budget if budget is not None else max(room, 0),
             stop=body.stop_strings(),
             ignore_eos=body.ignore_eos,
-            logprobs=body.logprobs_count(),  # type: ignore[attr-defined]
+            logprobs=body.logprobs_count(),
         )
     except ValueError as exc:
         raise APIError(400, str(exc), "invalid_request_error", code="invalid_value") from None
@@ -152,7 +152,7 @@ def _complete(
     finals: list[Finished] = [o.final for o in outcomes]
     if any(f.reason == "error" for f in finals):
         raise APIError(500, "generation failed on the device", "server_error")
-    wants_logprobs = body.logprobs_count() is not None  # type: ignore[attr-defined]
+    wants_logprobs = body.logprobs_count() is not None
     choices = []
     for index, outcome in enumerate(outcomes):
         final = outcome.final
@@ -190,7 +190,7 @@ async def _stream(
     tokenizer = engine.model.tokenizer
     kind_name = "chat.completion.chunk" if kind == "chat" else "text_completion"
     head = fmt.envelope(kind_name, request_id, created, state.model_name)
-    wants_logprobs = body.logprobs_count() is not None  # type: ignore[attr-defined]
+    wants_logprobs = body.logprobs_count() is not None
     finals: list[Finished] = []
     if kind == "chat":
         for index in range(len(handles)):
@@ -267,7 +267,7 @@ async def health(request: Request) -> JSONResponse:
     state = state_of(request)
     if state.engine is None:
         return JSONResponse({"status": "loading"}, 503)
-    if state.engine._closing:
+    if state.engine.closed:
         return JSONResponse({"status": "closed"}, 503)
     return JSONResponse({"status": "ok", "model": state.model_name})
 

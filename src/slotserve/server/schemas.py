@@ -49,6 +49,14 @@ class SamplingFields(BaseModel):
             raise ValueError("stop takes up to 4 non-empty strings")
         return value
 
+    def token_budget(self) -> int | None:
+        """The requested number of new tokens (None: the rest of the context)."""
+        return self.max_tokens
+
+    def logprobs_count(self) -> int | None:
+        """None: no logprobs; k: the chosen token's and the top k alternatives."""
+        return None
+
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
             return ()
