@@ -105,3 +105,21 @@ def test_bundled_cancel_and_drop(bundled: ss.Model, make_engine: Any) -> None:
     assert ack is not None
     wait_until(lambda: engine.stats().slots_in_use == 0)
     assert engine.stats().kv_blocks_used == 0
+
+
+def test_a_crashing_engine_loop_fails_requests_instead_of_hanging(tiny: ss.Model) -> None:
+    engine = ss.Engine(tiny, ss.EngineConfig(max_seqs=2, max_context=256))
+
+    def broken_select(*args: Any) -> Any:
+        raise RuntimeError("scheduler bug")
+
+    handle = None
+    with engine._lock:  # the loop is idle-waiting; break it before it picks the next step
+        engine._scheduler.select = broken_select  # type: ignore[method-assign]
+        handle = engine.submit([5, 6, 7], LONG)
+    final = handle.result()
+    assert final.reason == "error"
+    assert engine.closed and engine.stats().slots_in_use == 0
+    with pytest.raises(ss.AdmissionRefused):
+        engine.submit([5], LONG)
+    engine.close()

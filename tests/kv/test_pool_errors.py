@@ -7,19 +7,7 @@ import torch
 
 from slotserve.errors import ContextOverflow, KVExhausted, SessionError
 from slotserve.kv import KVConfig, KVPool, StepBatch
-from slotserve.model import ModelInfo
-
-INFO = ModelInfo(
-    arch="llama",
-    n_layers=2,
-    dim=16,
-    n_heads=2,
-    n_kv_heads=1,
-    head_dim=4,
-    ffn_dim=32,
-    vocab_size=50,
-    max_context=32,
-)
+from tests.kv.test_pool_state import INFO
 
 
 def cell_pool(num_blocks: int = 8) -> KVPool:

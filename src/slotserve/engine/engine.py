@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import traceback
 import weakref
 from collections import Counter
 from collections.abc import Callable
@@ -258,9 +259,15 @@ class Engine:
         return self.pressure is not None and self.pressure.under_pressure()
 
     def _loop(self) -> None:
-        from slotserve.engine.loop import engine_loop
+        from slotserve.engine.loop import engine_loop, fail_all
 
-        engine_loop(self)
+        try:
+            engine_loop(self)
+        except BaseException:
+            # A bug in the loop must not leave callers waiting forever: end every request
+            # with an error, refuse new ones, and say what happened.
+            traceback.print_exc()
+            fail_all(self)
 
 
 def _slot_view(slot: int, request: Request | None, now: float) -> dict[str, object]:

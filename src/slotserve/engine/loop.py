@@ -86,6 +86,18 @@ def _reap(engine: Engine) -> None:
             _refuse_queued(engine, request, "closed" if engine._closing else "queue_timeout")
 
 
+def fail_all(engine: Engine) -> None:
+    """After the loop died: close, end running requests with an error, refuse the queue."""
+    with engine._lock:
+        engine._closing = True
+        for request in list(engine._running.values()):
+            if request.state != "done":
+                _end(engine, request, "error")
+        for request in list(engine._queue):
+            engine._queue.remove(request)
+            _refuse_queued(engine, request, "closed")
+
+
 def _refuse_queued(engine: Engine, request: Request, reason: str) -> None:
     engine.counters.refusals[reason] += 1
     request.state = "done"
