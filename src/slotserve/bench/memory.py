@@ -1,12 +1,20 @@
-"""Scenario ``memory``: worst-case memory at max_seqs, planned vs measured, per layout."""
+"""Scenario ``memory``: worst-case memory at max_seqs, planned vs measured, per layout.
+
+Each pool is measured in a fresh process, so the resident-size growth is the pool's own and
+not memory the allocator had kept from earlier work.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import subprocess
+import sys
 from typing import Any
 
 from slotserve.kv import KVConfig, KVPool
 from slotserve.memory import peak_rss_bytes, rss_bytes
-from slotserve.model import Model
+from slotserve.model import Model, ModelInfo
 from slotserve.plan import CapacityPlan
 
 LAYOUTS = {
@@ -17,23 +25,49 @@ LAYOUTS = {
 }
 
 
+def probe() -> None:
+    """In a child process: build the pool from stdin's JSON, write every page, report."""
+    request = json.loads(sys.stdin.read())
+    info = ModelInfo.from_json(request["info"])
+    config = KVConfig(**request["config"])
+    before = rss_bytes()
+    pool = KVPool(info, config)
+    for group in pool.groups:  # touch every page, as sessions at full context would
+        for storage in (*group.keys.values(), *group.values.values()):
+            storage.data.fill_(1)
+    print(
+        json.dumps(
+            {
+                "pool_bytes": pool.nbytes,
+                "rss_growth": rss_bytes() - before,
+                "peak_rss": peak_rss_bytes(),
+            }
+        )
+    )
+
+
+def _measure(info: ModelInfo, config: KVConfig) -> dict[str, int]:
+    payload = json.dumps({"info": info.to_json(), "config": dataclasses.asdict(config)})
+    code = "from slotserve.bench.memory import probe; probe()"
+    done = subprocess.run(
+        [sys.executable, "-c", code], input=payload, capture_output=True, text=True, check=True
+    )
+    result: dict[str, int] = json.loads(done.stdout)
+    return result
+
+
 def run_memory(model: Model, repeats: int = 1) -> dict[str, Any]:
     rows = {}
     for name, config in LAYOUTS.items():
         plan = CapacityPlan(model.info, config, model.weight_bytes)
-        before = rss_bytes()
-        pool = KVPool(model.info, config)
-        for group in pool.groups:  # touch every page, as sessions at full context would
-            for storage in (*group.keys.values(), *group.values.values()):
-                storage.data.fill_(1)
+        measured = _measure(model.info, config)
         rows[name] = {
             "planned_bytes": plan.kv_bytes,
-            "measured_pool_bytes": pool.nbytes,
-            "rss_growth_bytes": rss_bytes() - before,
+            "measured_pool_bytes": measured["pool_bytes"],
+            "rss_growth_bytes": measured["rss_growth"],
             "worst_case_bytes": plan.worst_case_bytes,
-            "peak_rss_bytes": peak_rss_bytes(),
+            "peak_rss_bytes": measured["peak_rss"],
         }
-        del pool
     return {
         "max_seqs": 4,
         "max_context": 2048,

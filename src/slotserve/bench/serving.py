@@ -84,9 +84,12 @@ def _interactive_itl(engine: Engine, model: Model, seed: int) -> float:
 
 
 def _mixed_ratio(model: Model, policy: str, repeats: int) -> dict[str, Any]:
+    context = min(1536, model.info.max_context)
+    background_prompt = min(1024, context // 2)
+    background_tokens = min(400, context - background_prompt)
     config = EngineConfig(
         max_seqs=2,
-        max_context=1536,
+        max_context=context,
         kv_layout="cell",
         policy=policy,
         prefill_chunk=256,
@@ -95,10 +98,14 @@ def _mixed_ratio(model: Model, policy: str, repeats: int) -> dict[str, Any]:
     engine = Engine(model, config)
     try:
         alone = [_interactive_itl(engine, model, seed) for seed in range(repeats)]
-        background_params = SamplingParams(max_new_tokens=400, ignore_eos=True, seed=1)
+        background_params = SamplingParams(
+            max_new_tokens=background_tokens, ignore_eos=True, seed=1
+        )
         together = []
         for seed in range(repeats):
-            job = engine.submit(_prompt(model, 1024, 99), background_params, "background")
+            job = engine.submit(
+                _prompt(model, background_prompt, 99), background_params, "background"
+            )
             time.sleep(0.05)  # the job is admitted and prefilling when the chat turn arrives
             together.append(_interactive_itl(engine, model, seed))
             job.cancel(wait=True)

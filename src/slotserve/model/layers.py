@@ -21,6 +21,12 @@ class Linear(Protocol):
     def nbytes(self) -> int: ...
 
 
+# On these CPUs torch multiplies 2 or 3 rows one row at a time (2-3x the cost of one row),
+# while 4 rows take the blocked GEMM path (~1.6x one row). Measured with F.linear on the
+# bundled model's shapes; see docs/BENCHMARKS.md (concurrency).
+SMALL_BATCH_PAD = 4
+
+
 @dataclass(frozen=True)
 class DenseLinear:
     """``y = x @ weight.T + bias`` with dense weights (fp32, fp16 or bf16)."""
@@ -29,6 +35,10 @@ class DenseLinear:
     bias: torch.Tensor | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0] if x.dim() == 2 else 0
+        if 1 < rows < SMALL_BATCH_PAD:
+            padded = torch.cat([x, x.new_zeros(SMALL_BATCH_PAD - rows, x.shape[1])])
+            return F.linear(padded, self.weight, self.bias)[:rows]
         return F.linear(x, self.weight, self.bias)
 
     @property
