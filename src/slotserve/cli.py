@@ -28,7 +28,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--ring-window", type=int, default=1024)
     parser.add_argument("--sinks", type=int, default=0)
-    parser.add_argument("--max-batch-tokens", type=int, default=256)
+    parser.add_argument("--max-batch-tokens", type=int, default=512)
+    parser.add_argument("--policy", choices=["isolate", "fifo"], default="isolate")
+    parser.add_argument("--queue-depth", type=int, default=0)
+    parser.add_argument("--queue-timeout", type=float, default=30.0)
     parser.add_argument("--memory-budget", default=None, help="e.g. 1GiB, 512MB, 1073741824")
     parser.add_argument(
         "--memory-map",
@@ -63,9 +66,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--served-model-name", default=None)
-    serve.add_argument("--policy", choices=["isolate", "fifo"], default="isolate")
-    serve.add_argument("--queue-depth", type=int, default=0)
-    serve.add_argument("--queue-timeout", type=float, default=30.0)
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
     serve.add_argument("--max-body-bytes", type=int, default=1 << 20)
     serve.add_argument("--log-level", default="warning")

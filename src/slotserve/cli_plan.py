@@ -8,28 +8,29 @@ import json
 from rich.console import Console
 from rich.table import Table
 
-from slotserve.kv import KVConfig, KVPool
+from slotserve.engine.config import EngineConfig
+from slotserve.kv import KVPool
 from slotserve.memory import rss_bytes
-from slotserve.plan import CapacityPlan, MemoryMap, format_bytes, parse_bytes
+from slotserve.plan import MemoryMap, format_bytes, parse_bytes
 
 
-def plan_from_args(args: argparse.Namespace, info: object, weight_bytes: int) -> CapacityPlan:
-    """A `CapacityPlan` from the engine flags of `slotserve.cli.add_engine_args`."""
-    from slotserve.model import ModelInfo
-
-    assert isinstance(info, ModelInfo)
-    kv = KVConfig(
-        layout=args.kv_layout,
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """An `EngineConfig` from the flags of `slotserve.cli.add_engine_args`."""
+    return EngineConfig(
         max_seqs=args.max_seqs,
         max_context=args.max_context,
+        kv_layout=args.kv_layout,
+        kv_dtype=args.kv_dtype,
         block_size=args.block_size,
-        dtype=args.kv_dtype,
         ring_window=args.ring_window,
         sinks=args.sinks,
+        memory_budget=parse_bytes(args.memory_budget) if args.memory_budget else None,
+        memory_map=memory_map_from(args.memory_map),
+        policy=args.policy,
+        max_batch_tokens=args.max_batch_tokens,
+        queue_depth=args.queue_depth,
+        queue_timeout_s=args.queue_timeout,
     )
-    memory_map = memory_map_from(args.memory_map)
-    budget = parse_bytes(args.memory_budget) if args.memory_budget else None
-    return CapacityPlan(info, kv, weight_bytes, args.max_batch_tokens, budget, memory_map)
 
 
 def memory_map_from(text: str | None) -> MemoryMap | None:
@@ -46,7 +47,7 @@ def run_plan(args: argparse.Namespace) -> int:
     from slotserve.artifact import load
 
     model = load(args.model)
-    plan = plan_from_args(args, model.info, model.weight_bytes)
+    plan = engine_config(args).plan(model.info, model.weight_bytes)
     report = plan.to_dict()
     if args.measure:
         before = rss_bytes()

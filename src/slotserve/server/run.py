@@ -13,8 +13,8 @@ from pathlib import Path
 from types import FrameType
 
 from slotserve.artifact import load
-from slotserve.engine import Engine, EngineConfig
-from slotserve.plan import parse_bytes
+from slotserve.cli_plan import engine_config
+from slotserve.engine import Engine
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 
@@ -27,33 +27,13 @@ def served_name(spec: str) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    from slotserve.cli_plan import memory_map_from
-
-    return EngineConfig(
-        max_seqs=args.max_seqs,
-        max_context=args.max_context,
-        kv_layout=args.kv_layout,
-        kv_dtype=args.kv_dtype,
-        block_size=args.block_size,
-        ring_window=args.ring_window,
-        sinks=args.sinks,
-        memory_budget=parse_bytes(args.memory_budget) if args.memory_budget else None,
-        memory_map=memory_map_from(args.memory_map),
-        policy=args.policy,
-        max_batch_tokens=args.max_batch_tokens,
-        queue_depth=args.queue_depth,
-        queue_timeout_s=args.queue_timeout,
-    )
-
-
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from slotserve.server.app import create_app
 
     model = load(args.model)
-    engine = Engine(model, engine_config(args))
+    engine = Engine(model, engine_config(args))  # PlanError if it does not fit
     name = args.served_model_name or served_name(args.model)
     app = create_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
     print(f"slotserve: serving {name} at http://{args.host}:{args.port}/v1", file=sys.stderr)
