@@ -26,6 +26,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-layout", choices=["flat", "ring", "cell"], default="flat")
     parser.add_argument("--kv-dtype", choices=["fp32", "fp16", "bf16", "int8"], default="fp32")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--num-blocks", type=int, default=None, help="cell layout: blocks in the pool"
+    )
     parser.add_argument("--ring-window", type=int, default=1024)
     parser.add_argument("--sinks", type=int, default=0)
     parser.add_argument("--max-batch-tokens", type=int, default=512)

@@ -24,6 +24,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         block_size=args.block_size,
         ring_window=args.ring_window,
         sinks=args.sinks,
+        num_blocks=args.num_blocks,
         memory_budget=parse_bytes(args.memory_budget) if args.memory_budget else None,
         memory_map=memory_map_from(args.memory_map),
         policy=args.policy,

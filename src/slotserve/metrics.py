@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -97,8 +97,8 @@ class EngineCounters:
     cancellations: int = 0
     steps_by_batch_size: Counter[int] = field(default_factory=Counter)
     steps_by_class: Counter[str] = field(default_factory=Counter)
-    step_seconds: list[float] = field(default_factory=list)
-    prompt_tokens: int = 0
+    # The latest step times (bounded: a server runs for months).
+    step_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
 
 
 LATENCY_BUCKETS = (

@@ -9,7 +9,6 @@ The conversation's tokens live here; each turn is one engine request over them.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -191,7 +190,6 @@ class TextLLMRunner:
                 handle.cancel(wait=True)
                 return GenerationResult(out, "".join(text), "cancelled", eos_token=None)
             if isinstance(event, TokenEvent):
-                self._first_token()
                 if event.token_id >= 0:
                     out.append(event.token_id)
                 if event.text:
@@ -203,15 +201,13 @@ class TextLLMRunner:
                 return GenerationResult(out, "".join(text), event.reason, event.eos_token)
         raise AssertionError("the stream ended without a Finished event")
 
-    def _first_token(self) -> None:
-        if not self.stats.first_token_ms:
-            self.stats.first_token_ms = now_ms()
-
     def _prefill_done(self, finished: Finished) -> None:
-        # Engine timings are monotonic seconds; Stats keeps ExecuTorch's milliseconds.
-        if finished.timings.prefill_done is not None:
-            age_s = time.monotonic() - finished.timings.prefill_done
-            self.stats.prompt_eval_end_ms = now_ms() - int(age_s * 1000)
+        # The engine's clock is time.monotonic (seconds), the one now_ms reads in ms.
+        timings = finished.timings
+        if timings.prefill_done is not None:
+            self.stats.prompt_eval_end_ms = int(timings.prefill_done * 1000)
+        if timings.token_times:
+            self.stats.first_token_ms = int(timings.token_times[0] * 1000)
 
     def _remember(self, prompt: list[int], result: GenerationResult) -> None:
         """The conversation now holds the prompt and the generated tokens; the last

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from typing import Any
@@ -123,3 +124,71 @@ def test_a_crashing_engine_loop_fails_requests_instead_of_hanging(tiny: ss.Model
     with pytest.raises(ss.AdmissionRefused):
         engine.submit([5], LONG)
     engine.close()
+
+
+def test_kv_exhausted_with_a_small_cell_pool(make_engine: Any) -> None:
+    # 8 blocks of 16 positions: one request of 3 + 100 positions takes 7 of them.
+    engine = make_engine(max_seqs=3, max_context=256, kv_layout="cell", num_blocks=8)
+    params = ss.SamplingParams(temperature=0, max_new_tokens=100, ignore_eos=True)
+    first = engine.submit([5, 6, 7], params)
+    with pytest.raises(ss.AdmissionRefused) as err:
+        engine.submit([5, 6, 7], params)
+    assert err.value.reason == "kv_exhausted"
+    first.cancel(wait=True)
+    engine.submit([5, 6, 7], params).cancel(wait=True)
+    assert engine.stats().refusals == {"kv_exhausted": 1}
+
+
+def test_context_too_long_is_counted(make_engine: Any) -> None:
+    engine = make_engine(max_seqs=1, max_context=64)
+    with pytest.raises(ss.AdmissionRefused):
+        engine.submit(list(range(3, 60)), ss.SamplingParams(max_new_tokens=10))
+    assert engine.stats().refusals == {"context_too_long": 1}
+
+
+def test_a_refused_queued_handle_keeps_raising(make_engine: Any) -> None:
+    engine = make_engine(max_seqs=1, max_context=256, queue_depth=1, queue_timeout_s=0.05)
+    blocker = engine.submit([5, 6, 7], LONG)
+    late = engine.submit([5, 6, 7], LONG)
+    for _ in range(2):  # a second look must raise again, not hang
+        with pytest.raises(ss.AdmissionRefused):
+            late.result()
+    blocker.cancel(wait=True)
+
+
+def test_cancelled_async_consumer_does_not_hurt_the_engine(make_engine: Any) -> None:
+    import asyncio
+
+    engine = make_engine(max_seqs=2, max_context=256)
+    other = engine.submit([8, 9], LONG)
+    handle = engine.submit([5, 6, 7], LONG)
+
+    async def give_up() -> None:
+        events = handle.__aiter__()
+        with contextlib.suppress(TimeoutError):
+            while True:
+                await asyncio.wait_for(events.__anext__(), 0.0001)
+
+    asyncio.run(give_up())  # its loop is closed now; the engine must not touch it
+    handle.cancel(wait=True)
+    assert other.result().reason == "length"
+    assert not engine.closed
+
+
+def test_failing_observer_and_pressure_do_not_stop_the_engine(tiny: ss.Model) -> None:
+    def broken(*args: Any) -> float:
+        raise RuntimeError("observer bug")
+
+    engine = ss.Engine(
+        tiny,
+        ss.EngineConfig(max_seqs=2, max_context=256),
+        pressure=ss.PressureSource(broken),
+        on_finished=broken,
+    )
+    try:
+        for _ in range(2):
+            final = engine.submit([5, 6], ss.SamplingParams(max_new_tokens=3)).result()
+            assert final.reason in ("stop", "length")
+        assert not engine.closed
+    finally:
+        engine.close()

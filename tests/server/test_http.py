@@ -12,9 +12,12 @@ import pytest
 
 from tests.server.conftest import ServerProcess
 
+AUTH = {"Authorization": "Bearer sekret"}
+
 
 def slots_busy(server: ServerProcess) -> int:
-    return sum(s["state"] != "idle" for s in httpx.get(server.url + "/slots").json())
+    slots = httpx.get(server.url + "/slots", headers=AUTH).json()
+    return sum(s["state"] != "idle" for s in slots)
 
 
 def wait_idle(server: ServerProcess, timeout: float = 5.0) -> float:
@@ -48,9 +51,6 @@ def bundled_server() -> Iterator[ServerProcess]:
     yield server
     assert server.stop() == 0  # SIGTERM: graceful, exit status 0
     assert "Traceback" not in server.output(), server.output()
-
-
-AUTH = {"Authorization": "Bearer sekret"}
 
 
 def long_stream(server: ServerProcess, client: httpx.Client) -> httpx.Response:
@@ -94,7 +94,7 @@ def test_third_stream_is_429_then_served(bundled_server: ServerProcess) -> None:
         for response, reader in zip((first, second), readers, strict=True):
             assert response.status_code == 200
             next(line for line in reader if line.startswith("data:"))
-        assert slots_busy(bundled_server) == 2, httpx.get(bundled_server.url + "/slots").text
+        assert slots_busy(bundled_server) == 2
         third = client.post(
             bundled_server.url + "/v1/completions",
             headers=AUTH,
@@ -194,3 +194,30 @@ def test_tokenize_round_trip(tiny_server: ServerProcess) -> None:
     assert chat["count"] == len(chat["tokens"]) > 2
     bad = httpx.post(tiny_server.url + "/detokenize", json={"tokens": [10**9]})
     assert bad.status_code == 400 and "tokens" in bad.json()["error"]["message"]
+
+
+def test_tokenize_bad_content_is_400(tiny_server: ServerProcess) -> None:
+    body = {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}
+    response = httpx.post(tiny_server.url + "/tokenize", json=body)
+    assert response.status_code == 400 and "messages" in response.json()["error"]["message"]
+
+
+def test_streamed_body_over_the_limit_is_413(tiny_server: ServerProcess) -> None:
+    def chunks() -> Iterator[bytes]:
+        yield b'{"model": "x", "prompt": "'
+        for _ in range(64):
+            yield b"x" * (32 << 10)
+        yield b'"}'
+
+    response = httpx.post(
+        tiny_server.url + "/v1/completions",
+        content=chunks(),
+        headers={"content-type": "application/json"},
+    )
+    assert response.status_code == 413
+
+
+def test_slots_and_tokenize_need_the_key(bundled_server: ServerProcess) -> None:
+    assert httpx.get(bundled_server.url + "/slots").status_code == 401
+    assert httpx.get(bundled_server.url + "/slots", headers=AUTH).status_code == 200
+    assert httpx.post(bundled_server.url + "/tokenize", json={"text": "a"}).status_code == 401

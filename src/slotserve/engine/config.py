@@ -15,8 +15,11 @@ POLICIES = ("isolate", "fifo")
 class EngineConfig:
     """Limits and policies of an `Engine`.
 
-    ``max_seqs`` is the hard ceiling on live sessions. ``queue_depth`` requests may wait for
-    a slot (0: refuse at once), each at most ``queue_timeout_s``. ``policy="isolate"`` never
+    ``max_seqs`` is the hard ceiling on live sessions. With the cell layout, ``num_blocks``
+    sizes the shared block pool below ``max_seqs × max_context`` (admission then refuses
+    with ``kv_exhausted`` when a request's worst case does not fit the free blocks).
+    ``queue_depth`` requests may wait for a slot (0: refuse at once), each at most
+    ``queue_timeout_s``. ``policy="isolate"`` never
     co-batches priority classes (interactive first; background gets at least
     ``background_min_share`` of steps when it has work); ``"fifo"`` co-batches everything.
     Prompts are prefilled ``prefill_chunk`` tokens at a time, interleaved with decodes, and a
@@ -30,6 +33,7 @@ class EngineConfig:
     block_size: int = 16
     ring_window: int = 1024
     sinks: int = 0
+    num_blocks: int | None = None
     memory_budget: int | str | None = None
     memory_map: MemoryMap | None = None
     policy: str = "isolate"
@@ -69,6 +73,7 @@ class EngineConfig:
             dtype=self.kv_dtype,
             ring_window=self.ring_window,
             sinks=self.sinks,
+            num_blocks=self.num_blocks,
         )
 
     def plan(self, info: ModelInfo, weight_bytes: int) -> CapacityPlan:

@@ -10,6 +10,7 @@ at the next batch boundary.
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 import time
 import traceback
@@ -92,6 +93,7 @@ class Engine:
         self._known: weakref.WeakValueDictionary[int, Request] = weakref.WeakValueDictionary()
         self._ids = itertools.count()
         self._closing = False
+        self._steps_taken = 0
         self._thread = threading.Thread(target=self._loop, name="slotserve-engine", daemon=True)
         self._thread.start()
 
@@ -108,9 +110,14 @@ class Engine:
         """Admit a request, queue it (``queue`` and room in the queue), or raise
         `AdmissionRefused`. Returns the handle to iterate for its events."""
         params = params or SamplingParams()
-        request = build_request(
-            next(self._ids), self.model, self.config, prompt, params, priority, self.clock
-        )
+        try:
+            request = build_request(
+                next(self._ids), self.model, self.config, prompt, params, priority, self.clock
+            )
+        except AdmissionRefused as refusal:
+            with self._lock:
+                self.counters.refusals[refusal.reason] += 1
+            raise
         with self._lock:
             self._admit_or_queue(request, queue)
             self._known[request.request_id] = request
@@ -185,12 +192,12 @@ class Engine:
             return None
         if not request.released.wait(timeout):
             raise TimeoutError(f"request {request_id} was not released within {timeout}s")
-        assert request.timings.cancel_to_release is not None
-        return CancelAck(request.timings.cancel_to_release)
+        return CancelAck(request.timings.cancel_to_release or 0.0)
 
     def close(self, drain: bool = False, timeout: float = 60.0) -> None:
-        """Stop admitting; cancel (or, with ``drain``, finish) every request; wait for the
-        engine thread. The pool is back at its baseline afterwards."""
+        """Stop admitting; refuse queued requests (``closed``); cancel running ones (or, with
+        ``drain``, let them finish); wait for the engine thread. The pool is back at its
+        baseline afterwards (a warning says so if the thread did not stop in time)."""
         with self._lock:
             self._closing = True
             for request in [*self._queue, *([] if drain else self._running.values())]:
@@ -199,6 +206,8 @@ class Engine:
                 request.cancelled.set()
             self._lock.notify_all()
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            print(f"slotserve: engine did not stop within {timeout}s", file=sys.stderr)
 
     @property
     def closed(self) -> bool:
@@ -256,7 +265,13 @@ class Engine:
     # -- engine thread ---------------------------------------------------------------
 
     def _under_pressure(self) -> bool:
-        return self.pressure is not None and self.pressure.under_pressure()
+        if self.pressure is None:
+            return False
+        try:
+            return self.pressure.under_pressure()
+        except Exception:  # an unreadable signal counts as no pressure
+            traceback.print_exc()
+            return False
 
     def _loop(self) -> None:
         from slotserve.engine.loop import engine_loop, fail_all

@@ -28,10 +28,12 @@ class RequestHandle:
         self._sink = sink
         self._cancel = cancel
         self.finished: Finished | None = None
+        self.refused: AdmissionRefused | None = None
         self._finalizer = weakref.finalize(self, cancel, request_id, False, None)
 
     def _take(self, item: Any) -> Event:
         if isinstance(item, AdmissionRefused):
+            self.refused = item
             self._finalizer.detach()
             raise item
         if isinstance(item, Finished):
@@ -42,10 +44,14 @@ class RequestHandle:
 
     def __iter__(self) -> Iterator[Event]:
         while self.finished is None:
+            if self.refused is not None:
+                raise self.refused
             yield self._take(self._sink.get())
 
     async def __aiter__(self) -> AsyncIterator[Event]:
         while self.finished is None:
+            if self.refused is not None:
+                raise self.refused
             yield self._take(await self._sink.aget())
 
     def result(self) -> Finished:

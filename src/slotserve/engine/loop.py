@@ -31,7 +31,9 @@ def engine_loop(engine: Engine) -> None:
                 engine._lock.wait(IDLE_WAIT_S)
                 continue
             starts = [engine.pool.length(r.request_id) for r, _ in work]
-        prompt_tokens = sum(n for request, n in work if request.in_prefill)
+        engine._steps_taken += 1
+        for request, _ in work:
+            request.last_step = engine._steps_taken
         began = engine.clock()
         try:
             finished = run_step(work, starts, engine._executor, engine._kv)
@@ -39,20 +41,18 @@ def engine_loop(engine: Engine) -> None:
             error = traceback.format_exc(limit=3)
             print(f"slotserve: step failed:\n{error}", file=sys.stderr)
             finished = [(request, "error") for request, _ in work]
-        _count_step(engine, work, prompt_tokens, engine.clock() - began)
+        seconds = engine.clock() - began
         with engine._lock:
+            _count_step(engine, work, seconds)
             for request, reason in finished:
                 _end(engine, request, reason)
 
 
-def _count_step(
-    engine: Engine, work: list[tuple[Request, int]], prompt_tokens: int, seconds: float
-) -> None:
+def _count_step(engine: Engine, work: list[tuple[Request, int]], seconds: float) -> None:
     counters = engine.counters
     counters.steps_by_batch_size[len(work)] += 1
     counters.steps_by_class[work[0][0].priority] += 1
     counters.step_seconds.append(seconds)
-    counters.prompt_tokens += prompt_tokens
 
 
 def _end(engine: Engine, request: Request, reason: str) -> None:
@@ -69,7 +69,10 @@ def _end(engine: Engine, request: Request, reason: str) -> None:
     request.finish(reason, error="the step failed" if reason == "error" else None)
     request.released.set()
     if engine.on_finished is not None:
-        engine.on_finished(request, reason)
+        try:
+            engine.on_finished(request, reason)
+        except Exception:  # an observer's bug must not take the engine down
+            traceback.print_exc()
 
 
 def _reap(engine: Engine) -> None:
@@ -101,6 +104,7 @@ def fail_all(engine: Engine) -> None:
 def _refuse_queued(engine: Engine, request: Request, reason: str) -> None:
     engine.counters.refusals[reason] += 1
     request.state = "done"
+    request.timings.released = engine.clock()
     request.sink.put(AdmissionRefused(reason, engine.refusal_message(reason)))
     request.released.set()
 

@@ -41,6 +41,7 @@ class Request:
     text: list[str] = field(default_factory=list)
     pending_token: int | None = None  # sampled, to be fed by the next decode step
     eos_token: int | None = None
+    last_step: int = -1  # the engine step that last advanced this request (fairness)
     cancelled: threading.Event = field(default_factory=threading.Event)
     released: threading.Event = field(default_factory=threading.Event)
 

@@ -40,6 +40,8 @@ class Scheduler:
         prefill chunks fill what is left of ``max_batch_tokens``.
         """
         ready = [r for r in running if r.state == "running" and not r.cancelled.is_set()]
+        # Least recently stepped first, so that a batch cap (pressure) rotates over sessions.
+        ready.sort(key=lambda r: r.last_step)
         if self.config.policy == "isolate":
             chosen = self.pick_class(ready)
             ready = [r for r in ready if r.priority == chosen]

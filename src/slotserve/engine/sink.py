@@ -22,7 +22,10 @@ class EventSink:
             self._ready.notify_all()
             waiters, self._waiters = self._waiters, []
         for loop, future in waiters:
-            loop.call_soon_threadsafe(_wake, future)
+            try:
+                loop.call_soon_threadsafe(_wake, future)
+            except RuntimeError:  # that consumer's event loop is closed: nobody to wake
+                continue
 
     def get(self, timeout: float | None = None) -> Any:
         with self._ready:
@@ -37,8 +40,14 @@ class EventSink:
                 if self._items:
                     return self._items.popleft()
                 future: asyncio.Future[None] = loop.create_future()
-                self._waiters.append((loop, future))
-            await future
+                waiter = (loop, future)
+                self._waiters.append(waiter)
+            try:
+                await future
+            finally:  # a cancelled consumer must not leave a waiter behind
+                with self._ready:
+                    if waiter in self._waiters:
+                        self._waiters.remove(waiter)
 
 
 def _wake(future: asyncio.Future[None]) -> None:

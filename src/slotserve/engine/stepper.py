@@ -60,6 +60,7 @@ def _sample_and_stream(
         logprob, best = token_logprobs(row, token, top) if top is not None else (None, ())
         if token in request.eos_ids:
             request.eos_token = token
+            request.timings.token_times.append(request.clock())  # it was produced, too
             finished.append((request, "stop"))
         elif request.emit_token(token, logprob, best):
             finished.append((request, "stop" if request.stops.stopped else "length"))

@@ -18,7 +18,7 @@ from slotserve.server.errors import (
     unexpected_handler,
     validation_handler,
 )
-from slotserve.server.routes import plain, v1
+from slotserve.server.routes import guarded, plain, v1
 from slotserve.server.security import BodyLimit
 from slotserve.server.state import DEFAULT_MAX_BODY_BYTES, ServerState
 
@@ -44,6 +44,7 @@ def create_app(
     app = FastAPI(title="slotserve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.server = state
     app.include_router(v1)
+    app.include_router(guarded)
     app.include_router(plain)
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_handler)

@@ -8,6 +8,8 @@ from typing import Any
 from slotserve.artifact.tokenizer import Tokenizer
 from slotserve.engine.events import Finished, TokenEvent
 
+# Requests that end "cancelled" or "error" never reach a client as a normal finish (the
+# routes answer 503/500, or end the stream with an error event); "stop" is their fallback.
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop", "error": "stop"}
 
 

@@ -18,6 +18,7 @@ from slotserve.server.errors import APIError, error_body
 from slotserve.server.generation import collect, merged, submit_all
 from slotserve.server.schemas import (
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
     DetokenizeRequest,
     SamplingFields,
@@ -27,7 +28,8 @@ from slotserve.server.security import require_api_key
 from slotserve.server.state import ServerState
 
 v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
-plain = APIRouter()
+guarded = APIRouter(dependencies=[Depends(require_api_key)])  # live activity, CPU work
+plain = APIRouter()  # health and metrics stay open to local monitoring
 
 
 def state_of(request: Request) -> ServerState:
@@ -50,6 +52,18 @@ def check_model(state: ServerState, name: str) -> None:
             param="model",
             code="model_not_found",
         )
+
+
+def render_messages(
+    engine: Engine, messages: list[ChatMessage], *, add_generation_prompt: bool
+) -> str:
+    """The chat template applied to ``messages``; any failure is the caller's (400)."""
+    try:
+        plain = [{"role": m.role, "content": m.text()} for m in messages]
+        tokenizer = engine.model.tokenizer
+        return tokenizer.render_chat(plain, add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # template errors come in many types; all are the caller's
+        raise APIError(400, f"messages: {exc}", "invalid_request_error", param="messages") from None
 
 
 def sampling_params(body: SamplingFields, room: int, choice: int) -> SamplingParams:
@@ -93,11 +107,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     state = state_of(request)
     engine = live_engine(state)
     check_model(state, body.model)
-    try:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        prompt = engine.model.tokenizer.render_chat(messages)
-    except Exception as exc:  # template errors come in many types; all are the caller's
-        raise APIError(400, f"messages: {exc}", "invalid_request_error", param="messages") from None
+    prompt = render_messages(engine, body.messages, add_generation_prompt=True)
     return await _generate(state, engine, body, request, prompt, "chat")
 
 
@@ -152,6 +162,10 @@ def _complete(
     finals: list[Finished] = [o.final for o in outcomes]
     if any(f.reason == "error" for f in finals):
         raise APIError(500, "generation failed on the device", "server_error")
+    if any(f.reason == "cancelled" for f in finals):
+        raise APIError(
+            503, "the request was cancelled: the server is shutting down", "server_error"
+        )
     wants_logprobs = body.logprobs_count() is not None
     choices = []
     for index, outcome in enumerate(outcomes):
@@ -204,6 +218,8 @@ async def _stream(
                 logprobs = _event_logprobs(tokenizer, event, kind) if wants_logprobs else None
                 choice = _chunk_choice(kind, index, {"content": event.text}, None, logprobs)
             else:
+                if event.reason == "error":
+                    raise APIError(500, "generation failed on the device", "server_error")
                 finals.append(event)
                 reason = fmt.FINISH_REASONS[event.reason]
                 choice = _chunk_choice(kind, index, {}, reason, None)
@@ -280,17 +296,19 @@ async def metrics(request: Request) -> Response:
     return Response(state.metrics.exposition(), media_type="text/plain; version=0.0.4")
 
 
-@plain.get("/slots")
+@guarded.get("/slots")
 async def slots(request: Request) -> list[dict[str, object]]:
     return live_engine(state_of(request)).slots()
 
 
-@plain.post("/tokenize")
+@guarded.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
-    tokenizer = live_engine(state_of(request)).model.tokenizer
+    engine = live_engine(state_of(request))
+    tokenizer = engine.model.tokenizer
     if body.messages is not None:
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        text = tokenizer.render_chat(messages, add_generation_prompt=body.add_generation_prompt)
+        text = render_messages(
+            engine, body.messages, add_generation_prompt=body.add_generation_prompt
+        )
     elif body.text is not None:
         text = body.text
     else:
@@ -299,7 +317,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     return {"tokens": tokens, "count": len(tokens)}
 
 
-@plain.post("/detokenize")
+@guarded.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
     engine = live_engine(state_of(request))
     vocab = engine.model.info.vocab_size

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hmac
 
-from fastapi import Request
+from fastapi import HTTPException, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from slotserve.server.errors import APIError, error_body
@@ -46,8 +46,8 @@ class BodyLimit:
             nonlocal seen
             message = await receive()
             seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise APIError(413, self._message(), "invalid_request_error")
+            if seen > self.limit:  # a streamed (chunked) body: FastAPI passes HTTPException on
+                raise HTTPException(413, self._message())
             return message
 
         await self.app(scope, limited, send)
