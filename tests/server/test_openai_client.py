@@ -156,3 +156,21 @@ def test_unknown_model_is_404(client: openai.OpenAI) -> None:
 def test_context_too_long_is_400(client: openai.OpenAI, tiny_server: ServerProcess) -> None:
     with pytest.raises(openai.BadRequestError, match="context_too_long"):
         client.completions.create(model=tiny_server.model_name, prompt="x" * 300, max_tokens=4)
+
+
+def test_echo_streams_the_prompt_first(client: openai.OpenAI, tiny_server: ServerProcess) -> None:
+    lenient = client.with_options()
+    lenient._strict_response_validation = False  # legacy chunks: see test_completion_and_stream
+    whole = client.completions.create(
+        model=tiny_server.model_name, prompt="abc", max_tokens=4, temperature=0, echo=True
+    )
+    streamed = lenient.completions.create(
+        model=tiny_server.model_name,
+        prompt="abc",
+        max_tokens=4,
+        temperature=0,
+        echo=True,
+        stream=True,
+    )
+    assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
+    assert whole.choices[0].text.startswith("abc")

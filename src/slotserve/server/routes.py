@@ -174,9 +174,7 @@ def _complete(
             logprobs = fmt.chat_logprobs(tokenizer, outcome.events) if wants_logprobs else None
             choices.append(fmt.chat_choice(index, final, logprobs))
         else:
-            echo = getattr(body, "echo", False)
-            prefix = body.prompt_input() if echo else ""  # type: ignore[attr-defined]
-            prefix = prefix if isinstance(prefix, str) else tokenizer.decode(prefix)
+            prefix = _echo_prefix(engine, body)
             logprobs = (
                 fmt.text_logprobs(tokenizer, outcome.events, len(prefix))
                 if wants_logprobs
@@ -206,16 +204,26 @@ async def _stream(
     head = fmt.envelope(kind_name, request_id, created, state.model_name)
     wants_logprobs = body.logprobs_count() is not None
     finals: list[Finished] = []
-    if kind == "chat":
-        for index in range(len(handles)):
+    prefix = _echo_prefix(engine, body) if kind == "text" else ""
+    offsets = [len(prefix)] * len(handles)  # text_offset of each choice's next token
+    for index in range(len(handles)):
+        if kind == "chat":
             delta = {"role": "assistant", "content": ""}
             yield fmt.sse({**head, "choices": [_chunk_choice(kind, index, delta, None, None)]})
+        elif prefix:
+            choice = _chunk_choice(kind, index, {"content": prefix}, None, None)
+            yield fmt.sse({**head, "choices": [choice]})
     try:
         async for index, event in merged(handles):
             if isinstance(event, TokenEvent):
                 if not event.text and not (wants_logprobs and event.token_id >= 0):
                     continue
-                logprobs = _event_logprobs(tokenizer, event, kind) if wants_logprobs else None
+                logprobs = (
+                    _event_logprobs(tokenizer, event, kind, offsets[index])
+                    if wants_logprobs
+                    else None
+                )
+                offsets[index] += len(event.text)
                 choice = _chunk_choice(kind, index, {"content": event.text}, None, logprobs)
             else:
                 if event.reason == "error":
@@ -231,12 +239,22 @@ async def _stream(
     yield fmt.sse("[DONE]")
 
 
-def _event_logprobs(tokenizer: Any, event: TokenEvent, kind: str) -> dict[str, Any] | None:
+def _event_logprobs(
+    tokenizer: Any, event: TokenEvent, kind: str, offset: int
+) -> dict[str, Any] | None:
     if event.token_id < 0:
         return None
     if kind == "chat":
         return fmt.chat_logprobs(tokenizer, [event])
-    return fmt.text_logprobs(tokenizer, [event], 0)
+    return fmt.text_logprobs(tokenizer, [event], offset)
+
+
+def _echo_prefix(engine: Engine, body: SamplingFields) -> str:
+    """The prompt text a completion with ``echo`` repeats before its output."""
+    if not isinstance(body, CompletionRequest) or not body.echo:
+        return ""
+    prompt = body.prompt_input()
+    return prompt if isinstance(prompt, str) else engine.model.tokenizer.decode(prompt)
 
 
 def _chunk_choice(
