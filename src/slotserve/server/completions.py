@@ -1,0 +1,223 @@
+"""Chat and text completions over the engine: parameters, submission, the JSON answer
+and the SSE stream."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from slotserve.engine import Engine, Finished, TokenEvent
+from slotserve.sampling import SamplingParams
+from slotserve.server import responses as fmt
+from slotserve.server.errors import APIError, error_body
+from slotserve.server.generation import collect, merged, submit_all
+from slotserve.server.schemas import ChatMessage, CompletionRequest, SamplingFields
+from slotserve.server.state import ServerState
+
+
+def render_messages(
+    engine: Engine, messages: list[ChatMessage], *, add_generation_prompt: bool
+) -> str:
+    """The chat template applied to ``messages``; any failure is the caller's (400)."""
+    try:
+        plain = [{"role": m.role, "content": m.text()} for m in messages]
+        tokenizer = engine.model.tokenizer
+        return tokenizer.render_chat(plain, add_generation_prompt=add_generation_prompt)
+    except Exception as exc:  # template errors come in many types; all are the caller's
+        raise APIError(400, f"messages: {exc}", "invalid_request_error", param="messages") from None
+
+
+def sampling_params(body: SamplingFields, room: int, choice: int) -> SamplingParams:
+    budget = body.token_budget()
+    seed = None if body.seed is None else body.seed + choice
+    top_p = body.top_p if body.top_p is not None else 1.0
+    try:
+        return SamplingParams(
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=max(top_p, 1e-6),
+            top_k=body.top_k or 0,
+            min_p=body.min_p or 0.0,
+            repetition_penalty=body.repetition_penalty or 1.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            seed=seed,
+            max_new_tokens=budget if budget is not None else max(room, 0),
+            stop=body.stop_strings(),
+            ignore_eos=body.ignore_eos,
+            logprobs=body.logprobs_count(),
+        )
+    except ValueError as exc:
+        raise APIError(400, str(exc), "invalid_request_error", code="invalid_value") from None
+
+
+def priority_of(body: SamplingFields, request: Request) -> str:
+    header = request.headers.get("x-priority")
+    value = body.priority or header or "normal"
+    if value not in ("interactive", "normal", "background"):
+        raise APIError(
+            400,
+            f"X-Priority {value!r}: use interactive, normal or background",
+            "invalid_request_error",
+            param="priority",
+        )
+    return value
+
+
+async def generate(
+    state: ServerState,
+    engine: Engine,
+    body: SamplingFields,
+    request: Request,
+    prompt: str | list[int],
+    kind: str,
+) -> Response:
+    n = body.n or 1
+    if n > engine.config.max_seqs:
+        raise APIError(
+            400,
+            f"n={n} exceeds this server's max_seqs={engine.config.max_seqs}",
+            "invalid_request_error",
+            param="n",
+        )
+    length = len(engine.model.tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)
+    room = engine.config.max_context - length
+    params = [sampling_params(body, room, i) for i in range(n)]
+    handles = submit_all(engine, prompt, params, priority_of(body, request))
+    request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        stream = _stream(state, engine, handles, kind, request_id, created, include_usage, body)
+        return StreamingResponse(stream, media_type="text/event-stream")
+    outcomes = await collect(handles, request)
+    return JSONResponse(_complete(state, engine, outcomes, kind, request_id, created, body))
+
+
+def _complete(
+    state: ServerState,
+    engine: Engine,
+    outcomes: list[Any],
+    kind: str,
+    request_id: str,
+    created: int,
+    body: SamplingFields,
+) -> dict[str, Any]:
+    tokenizer = engine.model.tokenizer
+    finals: list[Finished] = [o.final for o in outcomes]
+    if any(f.reason == "error" for f in finals):
+        raise APIError(500, "generation failed on the device", "server_error")
+    if any(f.reason == "cancelled" for f in finals):
+        raise APIError(
+            503, "the request was cancelled: the server is shutting down", "server_error"
+        )
+    wants_logprobs = body.logprobs_count() is not None
+    choices = []
+    for index, outcome in enumerate(outcomes):
+        final = outcome.final
+        if kind == "chat":
+            logprobs = fmt.chat_logprobs(tokenizer, outcome.events) if wants_logprobs else None
+            choices.append(fmt.chat_choice(index, final, logprobs))
+        else:
+            prefix = _echo_prefix(engine, body)
+            logprobs = (
+                fmt.text_logprobs(tokenizer, outcome.events, len(prefix))
+                if wants_logprobs
+                else None
+            )
+            choices.append(fmt.text_choice(index, prefix + final.text, final, logprobs))
+    kind_name = "chat.completion" if kind == "chat" else "text_completion"
+    return {
+        **fmt.envelope(kind_name, request_id, created, state.model_name),
+        "choices": choices,
+        "usage": fmt.usage(finals),
+    }
+
+
+async def _stream(
+    state: ServerState,
+    engine: Engine,
+    handles: list[Any],
+    kind: str,
+    request_id: str,
+    created: int,
+    include_usage: bool,
+    body: SamplingFields,
+) -> AsyncIterator[str]:
+    tokenizer = engine.model.tokenizer
+    kind_name = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    head = fmt.envelope(kind_name, request_id, created, state.model_name)
+    wants_logprobs = body.logprobs_count() is not None
+    finals: list[Finished] = []
+    prefix = _echo_prefix(engine, body) if kind == "text" else ""
+    offsets = [len(prefix)] * len(handles)  # text_offset of each choice's next token
+    for index in range(len(handles)):
+        if kind == "chat":
+            delta = {"role": "assistant", "content": ""}
+            yield fmt.sse({**head, "choices": [_chunk_choice(kind, index, delta, None, None)]})
+        elif prefix:
+            choice = _chunk_choice(kind, index, {"content": prefix}, None, None)
+            yield fmt.sse({**head, "choices": [choice]})
+    try:
+        async for index, event in merged(handles):
+            if isinstance(event, TokenEvent):
+                if not event.text and not (wants_logprobs and event.token_id >= 0):
+                    continue
+                logprobs = (
+                    _event_logprobs(tokenizer, event, kind, offsets[index])
+                    if wants_logprobs
+                    else None
+                )
+                offsets[index] += len(event.text)
+                choice = _chunk_choice(kind, index, {"content": event.text}, None, logprobs)
+            else:
+                if event.reason == "error":
+                    raise APIError(500, "generation failed on the device", "server_error")
+                finals.append(event)
+                reason = fmt.FINISH_REASONS[event.reason]
+                choice = _chunk_choice(kind, index, {}, reason, None)
+            yield fmt.sse({**head, "choices": [choice]})
+    except APIError as exc:
+        yield fmt.sse(error_body(exc.message, exc.kind, exc.param, exc.code))
+    if include_usage:
+        yield fmt.sse({**head, "choices": [], "usage": fmt.usage(finals)})
+    yield fmt.sse("[DONE]")
+
+
+def _event_logprobs(
+    tokenizer: Any, event: TokenEvent, kind: str, offset: int
+) -> dict[str, Any] | None:
+    if event.token_id < 0:
+        return None
+    if kind == "chat":
+        return fmt.chat_logprobs(tokenizer, [event])
+    return fmt.text_logprobs(tokenizer, [event], offset)
+
+
+def _echo_prefix(engine: Engine, body: SamplingFields) -> str:
+    """The prompt text a completion with ``echo`` repeats before its output."""
+    if not isinstance(body, CompletionRequest) or not body.echo:
+        return ""
+    prompt = body.prompt_input()
+    return prompt if isinstance(prompt, str) else engine.model.tokenizer.decode(prompt)
+
+
+def _chunk_choice(
+    kind: str,
+    index: int,
+    delta: dict[str, Any],
+    finish: str | None,
+    logprobs: dict[str, Any] | None,
+) -> dict[str, Any]:
+    if kind == "chat":
+        return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
+    return {
+        "index": index,
+        "text": delta.get("content", ""),
+        "finish_reason": finish,
+        "logprobs": logprobs,
+    }
