@@ -17,10 +17,21 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=0.9)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--max-context", type=int, default=None)
+    add_weights_arg(parser)
+
+
+def add_weights_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--weights",
+        choices=["fp32", "int8"],
+        default="fp32",
+        help="int8: quantised projections, faster decode, less exact",
+    )
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every command that sizes a KV pool."""
+    add_weights_arg(parser)
     parser.add_argument("--max-seqs", type=int, default=4)
     parser.add_argument("--max-context", type=int, default=2048)
     parser.add_argument("--kv-layout", choices=["flat", "ring", "cell"], default="flat")
@@ -79,6 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["single", "concurrency", "mixed", "bargein", "layouts", "memory", "all"],
     )
     bench.add_argument("--model", default="bundled")
+    add_weights_arg(bench)
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--json", dest="json_path", default=None, help="write results as JSON")
     bench.add_argument("--plot", default=None, metavar="PATH.png", help="write a PNG plot")

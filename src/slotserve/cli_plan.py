@@ -47,7 +47,7 @@ def memory_map_from(text: str | None) -> MemoryMap | None:
 def run_plan(args: argparse.Namespace) -> int:
     from slotserve.artifact import load
 
-    model = load(args.model)
+    model = load(args.model, weights=args.weights)
     plan = engine_config(args).plan(model.info, model.weight_bytes)
     report = plan.to_dict()
     if args.measure:

@@ -26,7 +26,7 @@ def _print_piece(piece: str) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    runner = TextLLMRunner(args.model, max_context=args.max_context)
+    runner = TextLLMRunner(args.model, max_context=args.max_context, weights=args.weights)
     runner.load()
     prompt = args.prompt
     if args.chat:
@@ -57,7 +57,7 @@ def run_generate(args: argparse.Namespace) -> int:
 def run_chat(args: argparse.Namespace) -> int:
     """A terminal chat. Each turn renders the whole conversation and reuses the KV of the
     longest prefix already in the runner's slot, so only the new turn is prefilled."""
-    runner = TextLLMRunner(args.model, max_context=args.max_context)
+    runner = TextLLMRunner(args.model, max_context=args.max_context, weights=args.weights)
     runner.load()
     tokenizer = runner.model.tokenizer
     messages: list[dict[str, Any]] = []

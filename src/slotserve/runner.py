@@ -25,8 +25,15 @@ StatsCallback = Callable[[Stats], None]
 class TextLLMRunner:
     """Load a model and generate text for one caller."""
 
-    def __init__(self, model: str | Path | Model = "bundled", *, max_context: int | None = None):
+    def __init__(
+        self,
+        model: str | Path | Model = "bundled",
+        *,
+        max_context: int | None = None,
+        weights: str = "fp32",
+    ):
         self._spec = model
+        self._weights = weights
         self._model = model if isinstance(model, Model) else None
         self._requested_context = max_context
         self._engine: Engine | None = None
@@ -46,7 +53,7 @@ class TextLLMRunner:
         if self._model is None:
             from slotserve.artifact import load
 
-            self._model = load(self._spec)  # type: ignore[arg-type]
+            self._model = load(self._spec, weights=self._weights)  # type: ignore[arg-type]
         info = self._model.info
         context = min(self._requested_context or min(info.max_context, 4096), info.max_context)
         config = EngineConfig(max_seqs=1, max_context=context, kv_layout="flat")

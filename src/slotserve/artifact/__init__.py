@@ -14,10 +14,24 @@ from slotserve.artifact.hf import load_hf_dir
 from slotserve.artifact.tokenizer import StreamDecoder, Tokenizer
 from slotserve.errors import ArtifactError
 from slotserve.model import Model
+from slotserve.model.quantized import with_weights
 
 
-def load(spec: str | Path, *, progress: bool = True) -> Model:
-    """Load a model: ``"bundled"``, a ``.gguf`` path, or a Hugging Face model directory."""
+def load(spec: str | Path, *, progress: bool = True, weights: str = "fp32") -> Model:
+    """Load a model: ``"bundled"``, a ``.gguf`` path, or a Hugging Face model directory.
+
+    ``weights="int8"`` quantises the projections for ~2.3x faster CPU decode at some cost
+    in accuracy (see `slotserve.model.quantized`); the default keeps fp32.
+    """
+    model = _load(spec, progress)
+    if weights != "fp32":
+        model = Model(
+            model.info, model.tokenizer, with_weights(model.weights, weights), model.source
+        )
+    return model
+
+
+def _load(spec: str | Path, progress: bool) -> Model:
     if str(spec) == "bundled":
         return load_gguf(bundled_gguf_path(), progress=progress)
     path = Path(spec).expanduser()

@@ -35,7 +35,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from slotserve.artifact import load
     from slotserve.bench.plots import plot
 
-    model: Model = load(args.model)
+    model: Model = load(args.model, weights=args.weights)
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
     results = {}
     for name in names:

@@ -51,7 +51,9 @@ def _single(axes: Any, result: dict[str, Any]) -> None:
     rows = result["rows"]
     lengths = [r["prompt_tokens"] for r in rows]
     medians, spread = _errorbars([r["decode_tok_s"] for r in rows])
-    axes.errorbar(lengths, medians, yerr=spread, marker="o", capsize=3, label="slotserve")
+    axes.errorbar(lengths, medians, yerr=spread, marker="o", capsize=3, label="slotserve fp32")
+    medians, spread = _errorbars([r["decode_tok_s_int8"] for r in rows])
+    axes.errorbar(lengths, medians, yerr=spread, marker="o", capsize=3, label="slotserve int8")
     for name, baseline in result.get("baselines", {}).items():
         if "rows" in baseline:
             axes.plot(lengths, [r["decode_tok_s"] for r in baseline["rows"]], "s--", label=name)

@@ -41,17 +41,23 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def _single(r: dict[str, Any]) -> list[str]:
     lines = [
-        "## single: one stream, bundled model (fp32 weights)",
+        "## single: one stream, bundled model (fp32 weights; int8: `--weights int8`)",
         "",
         f"Greedy; decode rate over {r['decode_tokens']} tokens after the prompt; "
         f"{r['repeats']} repeats after one warm-up.",
         "",
     ]
     rows = [
-        [str(x["prompt_tokens"]), _fmt(x["prefill_tok_s"]), _fmt(x["decode_tok_s"])]
+        [
+            str(x["prompt_tokens"]),
+            _fmt(x["prefill_tok_s"]),
+            _fmt(x["decode_tok_s"]),
+            _fmt(x["decode_tok_s_int8"]),
+        ]
         for x in r["rows"]
     ]
-    lines += _table(["prompt tokens", "prefill tok/s", "decode tok/s"], rows)
+    header = ["prompt tokens", "prefill tok/s", "decode tok/s", "decode tok/s, int8 weights"]
+    lines += _table(header, rows)
     for name, baseline in r.get("baselines", {}).items():
         if "skipped" in baseline:
             lines += [f"Baseline {name}: skipped ({baseline['skipped']}).", ""]

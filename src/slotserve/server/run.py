@@ -32,7 +32,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     from slotserve.server.app import create_app
 
-    model = load(args.model)
+    model = load(args.model, weights=args.weights)
     engine = Engine(model, engine_config(args))  # PlanError if it does not fit
     name = args.served_model_name or served_name(args.model)
     app = create_app(engine, name, api_key=args.api_key, max_body_bytes=args.max_body_bytes)
