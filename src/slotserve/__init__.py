@@ -20,9 +20,7 @@ from slotserve.errors import (
     AdmissionRefused,
     ArtifactError,
     ContextOverflow,
-    EngineClosed,
     PlanError,
-    SchemaVersionError,
     SlotserveError,
 )
 from slotserve.model import Model, ModelInfo
@@ -36,7 +34,6 @@ __all__ = [
     "CancelAck",
     "ContextOverflow",
     "Engine",
-    "EngineClosed",
     "EngineConfig",
     "EngineStats",
     "Finished",
@@ -48,7 +45,6 @@ __all__ = [
     "PressureSource",
     "RequestHandle",
     "SamplingParams",
-    "SchemaVersionError",
     "SlotserveError",
     "Stats",
     "TextLLMRunner",

@@ -24,10 +24,6 @@ class ArtifactError(SlotserveError):
         super().__init__(f"{where}: {message}")
 
 
-class SchemaVersionError(ArtifactError):
-    """A slotserve bundle or cache was written by an incompatible schema version."""
-
-
 class ContextOverflow(SlotserveError):
     """A sequence would grow past the context it was given."""
 
@@ -40,10 +36,6 @@ class ContextOverflow(SlotserveError):
 
 class PlanError(SlotserveError):
     """A capacity plan does not fit its memory budget."""
-
-
-class EngineClosed(SlotserveError):
-    """The engine was closed; it takes no more work."""
 
 
 class KVExhausted(SlotserveError):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import pytest
@@ -153,7 +152,6 @@ def test_stats_report_classes_and_states(tiny: ss.Model) -> None:
         assert stats.kv_blocks_used == 2 * 13  # ceil((2 + 200) / 16) blocks each
         assert stats.steps > 0 and stats.admitted == 2
         a.cancel()
-        b.cancel()
-        time.sleep(0.1)
+        b.cancel(wait=True)
     finally:
         engine.close()

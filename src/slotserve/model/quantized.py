@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from slotserve.model.layers import DenseLinear, Linear
-from slotserve.model.weights import LayerWeights, LlamaWeights
+from slotserve.model.weights import LlamaWeights
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,3 @@ def with_weights(weights: LlamaWeights, fmt: str) -> LlamaWeights:
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"weights={fmt!r} is not one of {WEIGHT_FORMATS}")
     return quantize_int8(weights) if fmt == "int8" else weights
-
-
-def is_quantized(layer: LayerWeights) -> bool:
-    return isinstance(layer.qkv, Int8Linear)
