@@ -43,11 +43,42 @@ def test_bundled_int8_agreement(bundled: ss.Model, reference: dict[str, Any]) ->
     assert agree / total >= 0.82, f"{agree}/{total}"
 
 
+PROMPTS = (
+    "What is the capital of France?",
+    "Name three colours.",
+    "Write a haiku about the sea.",
+    "What is 2+2?",
+)
+
+
 def test_int8_model_serves(bundled: ss.Model) -> None:
+    """The int8 model, served by the engine, generates what the fp32 model finds likely.
+
+    fbgemm picks its int8 kernel by CPU (AVX2 on AMD EPYC, AVX-512 VNNI on Intel Xeon), and
+    the kernels round differently, so the exact greedy continuation differs between machines
+    (AMD: "Paris"; Intel: "L'Étoile, ..."). What holds on every kernel path is a tolerance on
+    the fp32 model's own distribution: teacher-forcing the int8 continuation through fp32,
+    every token is among fp32's top 5 and within 2 nats of its best, and most are its argmax.
+    Measured on Intel Xeon (AVX-512 VNNI): 80/96 argmax, worst rank 2, worst gap 0.78 nats.
+    """
     int8 = ss.Model(bundled.info, bundled.tokenizer, quantize_int8(bundled.weights))
-    with ss.Engine(int8, ss.EngineConfig(max_seqs=2, max_context=256)) as engine:
-        prompt = bundled.tokenizer.render_chat(
-            [{"role": "user", "content": "What is the capital of France?"}]
-        )
-        final = engine.submit(prompt, ss.SamplingParams(temperature=0, max_new_tokens=12)).result()
-    assert "Paris" in final.text
+    agree = total = 0
+    with ss.Engine(int8, ss.EngineConfig(max_seqs=4, max_context=256)) as engine:
+        for question in PROMPTS:
+            chat = bundled.tokenizer.render_chat([{"role": "user", "content": question}])
+            prompt = bundled.tokenizer.encode(chat)
+            params = ss.SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+            final = engine.submit(prompt, params).result()
+            assert final.reason == "length" and len(final.tokens) == 24
+            generated = list(final.tokens)
+            logprobs = torch.log_softmax(
+                bundled.logits(prompt + generated[:-1])[len(prompt) - 1 :], dim=-1
+            )
+            chosen = logprobs[torch.arange(len(generated)), generated]
+            ranks = (logprobs > chosen[:, None]).sum(-1)
+            gaps = logprobs.max(-1).values - chosen
+            assert int(ranks.max()) < 5, (question, final.text, ranks.tolist())
+            assert float(gaps.max()) < 2.0, (question, final.text, gaps.tolist())
+            agree += int((ranks == 0).sum())
+            total += len(generated)
+    assert agree / total >= 0.7, f"{agree}/{total}"
