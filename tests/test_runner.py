@@ -8,7 +8,7 @@ import threading
 import pytest
 
 import slotserve as ss
-from slotserve.runner_types import GenerationConfig
+from slotserve.runner import GenerationConfig
 
 
 @pytest.mark.parametrize(

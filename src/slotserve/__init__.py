@@ -4,7 +4,7 @@ Loads a model (GGUF, Hugging Face safetensors) and runs it as pure prefill/decod
 over a KV cache the runtime owns. See the README for the commands and the Python API.
 """
 
-from slotserve.artifact import Tokenizer, load
+from slotserve.artifact import load
 from slotserve.engine import (
     CancelAck,
     Engine,
@@ -23,10 +23,11 @@ from slotserve.errors import (
     PlanError,
     SlotserveError,
 )
-from slotserve.model import Model, ModelInfo
-from slotserve.runner import TextLLMRunner
-from slotserve.runner_types import GenerationConfig, GenerationResult, Stats
+from slotserve.info import ModelInfo
+from slotserve.model import Model
+from slotserve.runner import GenerationConfig, GenerationResult, Stats, TextLLMRunner
 from slotserve.sampling import SamplingParams
+from slotserve.tokenizer import Tokenizer
 
 __all__ = [
     "AdmissionRefused",

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from slotserve.errors import PlanError
+from slotserve.info import ModelInfo
 from slotserve.kv.config import KVConfig
 from slotserve.kv.pool import cells_per_layer, cells_per_session, layer_rules
-from slotserve.model.info import ModelInfo
 
 _UNITS = {
     "": 1,

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 import slotserve as ss
+from slotserve.engine.scheduler import Scheduler
 
 LONG = ss.SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True)
 
@@ -108,16 +109,19 @@ def test_bundled_cancel_and_drop(bundled: ss.Model, make_engine: Any) -> None:
     assert engine.stats().kv_blocks_used == 0
 
 
+class BrokenScheduler(Scheduler):
+    """A scheduler with a bug: it raises as soon as there is running work to pick from."""
+
+    def select(self, running: list[Any], max_batch: int) -> Any:
+        if running:
+            raise RuntimeError("scheduler bug")
+        return []
+
+
 def test_a_crashing_engine_loop_fails_requests_instead_of_hanging(tiny: ss.Model) -> None:
-    engine = ss.Engine(tiny, ss.EngineConfig(max_seqs=2, max_context=256))
-
-    def broken_select(*args: Any) -> Any:
-        raise RuntimeError("scheduler bug")
-
-    handle = None
-    with engine._lock:  # the loop is idle-waiting; break it before it picks the next step
-        engine._scheduler.select = broken_select  # type: ignore[method-assign]
-        handle = engine.submit([5, 6, 7], LONG)
+    config = ss.EngineConfig(max_seqs=2, max_context=256)
+    engine = ss.Engine(tiny, config, scheduler=BrokenScheduler(config))
+    handle = engine.submit([5, 6, 7], LONG)
     final = handle.result()
     assert final.reason == "error"
     assert engine.closed and engine.stats().slots_in_use == 0

@@ -53,6 +53,7 @@ def test_select_respects_every_limit(
             list(range(3, 3 + length)),
             ss.SamplingParams(max_new_tokens=8),
             priority,
+            now=0.0,
         )
         request.state = "running"
         request.prefilled = min(done, length)

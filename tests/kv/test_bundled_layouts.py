@@ -11,11 +11,15 @@ from slotserve.kv import KVConfig, KVPool, StepBatch
 def greedy(model: ss.Model, config: KVConfig, prompt: list[int], n: int) -> list[int]:
     pool = KVPool(model.info, config)
     pool.reserve(0, len(prompt) + n)
-    logits = model.prefill(torch.tensor(prompt), StepBatch.single(0, len(prompt)), pool)
+    batch = StepBatch.single(0, len(prompt))
+    pool.begin_step(batch)
+    logits = model.prefill(torch.tensor(prompt), batch, pool)
     out: list[int] = []
     for position in range(len(prompt), len(prompt) + n):
         out.append(int(logits[0].argmax()))
-        logits = model.decode(torch.tensor(out[-1:]), StepBatch.single(position, 1), pool)
+        batch = StepBatch.single(position, 1)
+        pool.begin_step(batch)
+        logits = model.decode(torch.tensor(out[-1:]), batch, pool)
     pool.release(0)
     pool.check_integrity()
     return out

@@ -10,8 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from slotserve.info import ModelInfo
 from slotserve.kv import KVConfig, KVPool, StepBatch
-from slotserve.model import ModelInfo
 
 INFO = ModelInfo(
     arch="llama",

@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from slotserve.errors import ContextOverflow, KVExhausted, SessionError
+from slotserve.info import ModelInfo
 from slotserve.kv import KVConfig, KVPool, StepBatch
-from slotserve.model import ModelInfo
 
 INFO = ModelInfo(
     arch="llama",

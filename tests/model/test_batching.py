@@ -33,6 +33,7 @@ def test_chunked_prefill_and_decode_equal_one_pass(tiny_dirs: dict[str, Path], k
     outputs = []
     for start, end in [(0, 7), (7, 8), (8, 20), (20, 21), (21, 40)]:
         batch = StepBatch.single(start, end - start, session=1)
+        kv.begin_step(batch)
         outputs.append(model.forward(torch.tensor(ids[start:end]), batch, kv, all_logits=True))
     torch.testing.assert_close(torch.cat(outputs), _alone(model, ids), rtol=0, atol=1e-5)
 
@@ -68,6 +69,7 @@ def test_ragged_batches_equal_sequences_alone(
                 for t in sequences[b][done[b] : done[b] + n]
             ]
         )
+        kv.begin_step(batch)
         logits = model.forward(tokens, batch, kv, all_logits=True).split(lengths)
         for b, n, out in zip(live, lengths, logits, strict=True):
             collected[b].append(out)
@@ -81,10 +83,14 @@ def test_decode_returns_last_token_logits(tiny: ss.Model) -> None:
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     starts = [0, 0, 0]
     tokens = torch.tensor([t for p in prompts for t in p])
-    last = tiny.prefill(tokens, StepBatch([0, 1, 2], starts, [len(p) for p in prompts]), kv)
+    batch = StepBatch([0, 1, 2], starts, [len(p) for p in prompts])
+    kv.begin_step(batch)
+    last = tiny.prefill(tokens, batch, kv)
     for b, p in enumerate(prompts):
         torch.testing.assert_close(last[b], tiny.logits(p)[-1], rtol=0, atol=1e-5)
-    step = tiny.decode(torch.tensor([20, 21, 22]), StepBatch([0, 1, 2], [3, 2, 4], [1, 1, 1]), kv)
+    batch = StepBatch([0, 1, 2], [3, 2, 4], [1, 1, 1])
+    kv.begin_step(batch)
+    step = tiny.decode(torch.tensor([20, 21, 22]), batch, kv)
     for b, p in enumerate(prompts):
         torch.testing.assert_close(step[b], tiny.logits([*p, 20 + b])[-1], rtol=0, atol=1e-5)
 
@@ -93,7 +99,7 @@ def test_overflow_is_refused_without_writing(tiny: ss.Model) -> None:
     kv = _pool(tiny, 1, 8)
     before = kv.groups[0].keys[0].data.clone()
     with pytest.raises(ss.ContextOverflow, match="9 positions"):
-        tiny.prefill(torch.arange(3, 12), StepBatch.single(0, 9), kv)
+        kv.begin_step(StepBatch.single(0, 9))
     assert torch.equal(kv.groups[0].keys[0].data, before)
     with pytest.raises(ValueError, match="one token per sequence"):
         tiny.decode(torch.tensor([3, 4]), StepBatch.single(0, 2), kv)

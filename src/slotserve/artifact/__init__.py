@@ -11,7 +11,6 @@ from pathlib import Path
 from slotserve.artifact.bundled import bundled_gguf_path
 from slotserve.artifact.gguf_load import load_gguf
 from slotserve.artifact.hf import load_hf_dir
-from slotserve.artifact.tokenizer import StreamDecoder, Tokenizer
 from slotserve.errors import ArtifactError
 from slotserve.model import Model
 from slotserve.model.quantized import with_weights
@@ -44,4 +43,4 @@ def _load(spec: str | Path, progress: bool) -> Model:
     )
 
 
-__all__ = ["StreamDecoder", "Tokenizer", "bundled_gguf_path", "load", "load_gguf", "load_hf_dir"]
+__all__ = ["bundled_gguf_path", "load", "load_gguf", "load_hf_dir"]

@@ -18,9 +18,10 @@ from slotserve.artifact.gguf_file import (
     read_metadata,
 )
 from slotserve.artifact.gguf_tokenizer import tokenizer_from_gguf
-from slotserve.artifact.tokenizer import Tokenizer
 from slotserve.errors import ArtifactError
-from slotserve.model import Model, ModelInfo, build_weights
+from slotserve.info import ModelInfo
+from slotserve.model import Model, build_weights
+from slotserve.tokenizer import Tokenizer
 
 
 def load_gguf(path: Path, *, use_cache: bool = True, progress: bool = True) -> Model:

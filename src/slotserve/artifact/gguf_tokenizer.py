@@ -8,8 +8,8 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
-from slotserve.artifact.tokenizer import Tokenizer
 from slotserve.errors import ArtifactError
+from slotserve.tokenizer import Tokenizer
 
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL, _USER_DEFINED = 3, 4

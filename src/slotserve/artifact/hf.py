@@ -13,9 +13,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from slotserve.artifact.hf_config import model_info_from_config
-from slotserve.artifact.tokenizer import Tokenizer
 from slotserve.errors import ArtifactError
-from slotserve.model import Model, ModelInfo, build_weights
+from slotserve.info import ModelInfo
+from slotserve.model import Model, build_weights
+from slotserve.tokenizer import Tokenizer
 
 
 def load_hf_dir(path: Path) -> Model:

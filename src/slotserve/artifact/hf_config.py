@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from slotserve.errors import ArtifactError
-from slotserve.model.info import ModelInfo, RopeConfig
+from slotserve.info import ModelInfo, RopeConfig
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 

@@ -6,9 +6,8 @@ measured in the same run. `docs/BENCHMARKS.md` is written from here, never by ha
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,37 +28,45 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "memory": run_memory,
 }
 DOCS = Path("docs/BENCHMARKS.md")
+log = logging.getLogger("slotserve")
 
 
-def run_bench(args: argparse.Namespace) -> int:
+def run_bench(
+    model_spec: str,
+    scenario: str,
+    *,
+    weights: str = "fp32",
+    repeats: int = 3,
+    baselines: bool = False,
+    json_path: Path | None = None,
+    plot_path: Path | None = None,
+    markdown: bool = False,
+    command: str = "slotserve bench",
+) -> str:
+    """Run ``scenario`` (or ``"all"``, which also rewrites docs/BENCHMARKS.md and its plots)
+    on the model ``model_spec``; returns the report (JSON, or markdown with ``markdown``)."""
     from slotserve.artifact import load
     from slotserve.bench.plots import plot
 
-    model: Model = load(args.model, weights=args.weights)
-    names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
+    model: Model = load(model_spec, weights=weights)
+    names = list(SCENARIOS) if scenario == "all" else [scenario]
     results = {}
     for name in names:
-        print(f"slotserve bench: {name}", file=sys.stderr)
-        results[name] = SCENARIOS[name](model, repeats=args.repeats)
-        if name == "single" and args.baselines:
+        log.info("bench: %s", name)
+        results[name] = SCENARIOS[name](model, repeats=repeats)
+        if name == "single" and baselines:
             from slotserve.bench.baselines import run_baselines
 
-            results[name]["baselines"] = run_baselines(args.model, results[name])
-    command = "slotserve bench " + " ".join(sys.argv[2:])
+            results[name]["baselines"] = run_baselines(model_spec, results[name])
     images: dict[str, str] = {}
-    if args.scenario == "all":
+    if scenario == "all":
         for name, result in results.items():
             if plot(name, result, DOCS.parent / "img" / f"{name}.png"):
                 images[name] = f"img/{name}.png"
         DOCS.write_text(markdown_report(results, command, images))
-        print(f"slotserve bench: wrote {DOCS}", file=sys.stderr)
-    elif args.plot:
-        plot(args.scenario, results[args.scenario], Path(args.plot))
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(results, indent=2))
-    print(
-        markdown_report(results, command, images)
-        if args.markdown
-        else json.dumps(results, indent=2)
-    )
-    return 0
+        log.info("bench: wrote %s", DOCS)
+    elif plot_path is not None:
+        plot(scenario, results[scenario], plot_path)
+    if json_path is not None:
+        json_path.write_text(json.dumps(results, indent=2))
+    return markdown_report(results, command, images) if markdown else json.dumps(results, indent=2)

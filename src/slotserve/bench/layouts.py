@@ -33,7 +33,9 @@ def _prefill_to(model: Model, pool: KVPool, target: int, gen: torch.Generator) -
     while (start := pool.length(0)) < target:
         n = min(PREFILL_CHUNK, target - start)
         tokens = torch.randint(100, model.info.vocab_size, (n,), generator=gen)
-        model.prefill(tokens, StepBatch.single(start, n), pool)
+        batch = StepBatch.single(start, n)
+        pool.begin_step(batch)
+        model.prefill(tokens, batch, pool)
 
 
 def _step_times(model: Model, pool: KVPool, steps: int) -> list[float]:
@@ -41,7 +43,9 @@ def _step_times(model: Model, pool: KVPool, steps: int) -> list[float]:
     token = torch.tensor([100])
     for _ in range(steps):
         start = time.perf_counter()
-        model.decode(token, StepBatch.single(pool.length(0), 1), pool)
+        batch = StepBatch.single(pool.length(0), 1)
+        pool.begin_step(batch)  # inside the timing: the engine pays it every step too
+        model.decode(token, batch, pool)
         times.append((time.perf_counter() - start) * 1000)
     return times
 

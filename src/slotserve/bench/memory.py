@@ -12,9 +12,10 @@ import subprocess
 import sys
 from typing import Any
 
+from slotserve.info import ModelInfo
 from slotserve.kv import KVConfig, KVPool
 from slotserve.memory import peak_rss_bytes, rss_bytes
-from slotserve.model import Model, ModelInfo
+from slotserve.model import Model
 from slotserve.plan import CapacityPlan
 
 LAYOUTS = {

@@ -21,13 +21,17 @@ def _one_run(model: Model, kv: KVPool, prompt: torch.Tensor) -> tuple[float, flo
     """(prefill tok/s, decode tok/s) of one greedy generation from an empty slot."""
     kv.rewind(0, kv.length(0))
     start = time.perf_counter()
-    logits = model.prefill(prompt, StepBatch.single(0, len(prompt)), kv)
+    batch = StepBatch.single(0, len(prompt))
+    kv.begin_step(batch)
+    logits = model.prefill(prompt, batch, kv)
     prefill_s = time.perf_counter() - start
     position = len(prompt)
     start = time.perf_counter()
     for _ in range(DECODE_TOKENS):
         token = logits[0].argmax().view(1)
-        logits = model.decode(token, StepBatch.single(position, 1), kv)
+        batch = StepBatch.single(position, 1)
+        kv.begin_step(batch)
+        logits = model.decode(token, batch, kv)
         position += 1
     decode_s = time.perf_counter() - start
     return len(prompt) / prefill_s, DECODE_TOKENS / decode_s

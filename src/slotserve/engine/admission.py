@@ -1,16 +1,23 @@
-"""Building a `Request` from a submit call, and the refusals that need no engine state."""
+"""`Admission`: who runs and who waits.
+
+It owns the running set (each request bound to a pool session with its whole worst-case
+reservation), the bounded queue with deadlines, re-admission from the queue, and refusals
+by reason. `build_request` turns a submit call into a checked `Request` (or refuses one
+that can never fit the context). The engine calls every `Admission` method under its lock.
+"""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
+from typing import NoReturn
 
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.events import PRIORITIES
+from slotserve.engine.events import PRIORITIES, Priority
 from slotserve.engine.request import Request
 from slotserve.engine.sink import EventSink
-from slotserve.errors import AdmissionRefused
-from slotserve.metrics import RequestTimings
+from slotserve.engine.timings import EngineCounters, RequestTimings
+from slotserve.errors import AdmissionRefused, KVExhausted
+from slotserve.kv.pool import KVPool
 from slotserve.model import Model
 from slotserve.sampling import RequestSampler, SamplingParams, StopMatcher
 
@@ -21,39 +28,170 @@ def build_request(
     config: EngineConfig,
     prompt: str | list[int],
     params: SamplingParams,
-    priority: str,
-    clock: Callable[[], float] = time.monotonic,
+    priority: Priority,
+    now: float,
 ) -> Request:
     """Tokenise and check a request against the context; raises `ValueError` for bad
     input and `AdmissionRefused("context_too_long")` for a request that cannot fit."""
-    if priority not in PRIORITIES:
-        raise ValueError(f"priority={priority!r} is not one of {PRIORITIES}")
-    tokens = model.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    tokenizer, vocab_size, max_context = model.tokenizer, model.info.vocab_size, config.max_context
+    tokens = tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     if not tokens:
         raise ValueError("the prompt is empty")
-    vocab = model.info.vocab_size
-    if any(not 0 <= t < vocab for t in tokens):
-        raise ValueError(f"prompt token ids must be in 0..{vocab - 1}")
+    if any(not 0 <= t < vocab_size for t in tokens):
+        raise ValueError(f"prompt token ids must be in 0..{vocab_size - 1}")
     needed = len(tokens) + params.max_new_tokens
-    if needed > config.max_context:
+    if needed > max_context:
         raise AdmissionRefused(
             "context_too_long",
             f"prompt of {len(tokens)} tokens + max_new_tokens={params.max_new_tokens} = "
-            f"{needed} exceeds max_context={config.max_context}; shorten the prompt or lower "
-            f"max_new_tokens to at most {max(config.max_context - len(tokens), 0)}",
+            f"{needed} exceeds max_context={max_context}; shorten the prompt or lower "
+            f"max_new_tokens to at most {max(max_context - len(tokens), 0)}",
         )
-    eos = frozenset() if params.ignore_eos else frozenset(model.tokenizer.eos_ids)
+    eos = frozenset() if params.ignore_eos else frozenset(tokenizer.eos_ids)
     return Request(
         request_id=request_id,
         prompt=tokens,
         params=params,
         priority=priority,
-        max_new_tokens=params.max_new_tokens,
-        sampler=RequestSampler(params, vocab, tokens),
-        decoder=model.tokenizer.stream_decoder(),
+        sampler=RequestSampler(params, vocab_size, tokens),
+        decoder=tokenizer.stream_decoder(),
         stops=StopMatcher(params.stop),
         eos_ids=eos,
         sink=EventSink(),
-        timings=RequestTimings(submitted=clock()),
-        clock=clock,
+        timings=RequestTimings(submitted=now),
     )
+
+
+class Admission:
+    """The running set and the queue of one engine, over its pool.
+
+    Invariants (`check_integrity`): running requests are exactly the pool's sessions and
+    are ``running``; queued requests are ``queued``, carry a deadline and number at most
+    ``queue_depth``; nothing is both running and queued.
+    """
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        pool: KVPool,
+        counters: EngineCounters,
+        clock: Callable[[], float],
+        under_pressure: Callable[[], bool],
+    ) -> None:
+        self.config, self.pool, self.counters = config, pool, counters
+        self.clock, self.under_pressure = clock, under_pressure
+        self.running: dict[int, Request] = {}
+        self.queue: list[Request] = []
+        self.closing = False
+
+    @property
+    def idle(self) -> bool:
+        return not self.running and not self.queue
+
+    def admit(self, request: Request, may_queue: bool) -> None:
+        """Bind ``request`` now, or queue it (``may_queue`` and room in the queue), or
+        raise `AdmissionRefused` with the reason (counted)."""
+        reason = self._blocker(request)
+        if reason == "closed":
+            self.refuse(reason)
+        if reason is None and not self._queue_ahead_of(request.priority):
+            try:
+                self._bind(request)
+                return
+            except KVExhausted:
+                reason = "kv_exhausted"
+        if not may_queue or self.config.queue_depth == 0:
+            self.refuse(reason or "slots_full")
+        if len(self.queue) >= self.config.queue_depth:
+            self.refuse("queue_full")
+        request.deadline = self.clock() + self.config.queue_timeout_s
+        self.queue.append(request)
+
+    def refuse(self, reason: str) -> NoReturn:
+        """Count a refusal and raise it."""
+        raise self.refusal(reason)
+
+    def refusal(self, reason: str) -> AdmissionRefused:
+        """A counted `AdmissionRefused` with the message that explains ``reason``."""
+        self.counters.refusals[reason] += 1
+        return AdmissionRefused(reason, self._message(reason))
+
+    def readmit(self) -> None:
+        """Bind queued requests in class order, then arrival order; stop at the first that
+        cannot be bound, so a large request is not starved by smaller ones behind it."""
+        for request in sorted(self.queue, key=lambda r: PRIORITIES.index(r.priority)):
+            if self._blocker(request) is not None:
+                if request.priority == "background":
+                    continue  # paused by pressure: others may still go
+                break
+            try:
+                self._bind(request)
+            except KVExhausted:
+                break
+            self.queue.remove(request)
+
+    def take_leaving(self, now: float) -> list[tuple[Request, str]]:
+        """Remove and return the queued requests that leave without running: cancelled
+        (``"cancelled"``), past their deadline (``"queue_timeout"``) or closed out
+        (``"closed"``)."""
+        leaving: list[tuple[Request, str]] = []
+        for request in list(self.queue):
+            if request.cancelled.is_set() and not self.closing:
+                leaving.append((request, "cancelled"))
+            elif self.closing:
+                leaving.append((request, "closed"))
+            elif request.deadline is not None and now >= request.deadline:
+                leaving.append((request, "queue_timeout"))
+            else:
+                continue
+            self.queue.remove(request)
+        return leaving
+
+    def release(self, request: Request) -> None:
+        """Unbind a running request: its slot and KV go back to the pool."""
+        if self.running.pop(request.request_id, None) is not None:
+            self.pool.release(request.request_id)
+
+    def check_integrity(self) -> None:
+        assert set(self.running) == self.pool.session_ids(), "running ≠ pool sessions"
+        assert all(r.state == "running" for r in self.running.values()), "running state"
+        assert all(r.state == "queued" and r.deadline is not None for r in self.queue), "queued"
+        assert len(self.queue) <= self.config.queue_depth, "queue over its depth"
+        queued = {r.request_id for r in self.queue}
+        assert len(queued) == len(self.queue), "a request queued twice"
+        assert not queued & set(self.running), "a request both queued and running"
+        assert len(self.running) <= self.config.max_seqs, "more sessions than max_seqs"
+
+    def _queue_ahead_of(self, priority: Priority) -> bool:
+        """Whether a queued request of the same or a higher class waits already."""
+        rank = PRIORITIES.index(priority)
+        return any(PRIORITIES.index(r.priority) <= rank for r in self.queue)
+
+    def _blocker(self, request: Request) -> str | None:
+        """Why ``request`` cannot be bound now, KV aside (None: it can try)."""
+        if self.closing:
+            return "closed"
+        if request.priority == "background" and self.under_pressure():
+            return "pressure"
+        if len(self.running) >= self.config.max_seqs:
+            return "slots_full"
+        return None
+
+    def _bind(self, request: Request) -> None:
+        """Reserve the slot and the whole worst-case KV (raises KVExhausted, unchanged)."""
+        self.pool.reserve(request.request_id, request.reservation)
+        request.state = "running"
+        request.timings.admitted = self.clock()
+        self.running[request.request_id] = request
+        self.counters.admitted += 1
+
+    def _message(self, reason: str) -> str:
+        config = self.config
+        return {
+            "closed": "the engine is closed",
+            "pressure": "the device is under pressure; background work is paused",
+            "slots_full": f"all {config.max_seqs} slots (max_seqs) are in use",
+            "kv_exhausted": "the KV pool cannot hold this request's worst case now",
+            "queue_full": f"the admission queue is full ({config.queue_depth} waiting)",
+            "queue_timeout": f"no slot freed within queue_timeout_s={config.queue_timeout_s}",
+        }[reason]

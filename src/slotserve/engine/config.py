@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from slotserve.info import ModelInfo
 from slotserve.kv.config import KVConfig
-from slotserve.model.info import ModelInfo
 from slotserve.plan import CapacityPlan, MemoryMap, parse_bytes
 
 POLICIES = ("isolate", "fifo")

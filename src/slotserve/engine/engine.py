@@ -2,38 +2,47 @@
 
 `submit` and `cancel` are safe from any thread. Admission happens in `submit` under the
 engine lock: a request is bound (slot + its whole worst-case KV reservation) at once, or
-waits in the bounded queue, or is refused with a typed reason. The engine thread composes
-each step (`Scheduler`), runs it (`run_step`), and releases what finished or was cancelled
-at the next batch boundary.
+waits in the bounded queue, or is refused with a typed reason (`Admission`). The engine
+thread, each turn: under the lock, ends what was cancelled or expired, re-admits from the
+queue, composes the step (`Scheduler`) and commits it in the pool (`KVPool.begin_step`:
+validation, copy-on-write, lengths); then, without the lock, runs it (`Stepper`); then,
+under the lock, releases what finished. It alone drives the pool's step bookkeeping.
+
+An engine still open when the interpreter exits is closed first (its thread stopped
+between steps), so a script may end while requests run.
 """
 
 from __future__ import annotations
 
+import atexit
 import itertools
-import sys
+import logging
 import threading
 import time
-import traceback
 import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NoReturn
 
-from slotserve.engine.admission import build_request
+from slotserve.engine.admission import Admission, build_request
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.events import PRIORITIES, CancelAck
+from slotserve.engine.events import CancelAck, Finished, FinishReason, check_priority
 from slotserve.engine.handle import RequestHandle
-from slotserve.engine.locked_kv import LockedKV
 from slotserve.engine.pressure import PressureSource
 from slotserve.engine.request import Request
 from slotserve.engine.scheduler import Scheduler
-from slotserve.errors import AdmissionRefused, KVExhausted
+from slotserve.engine.stepper import Stepper, Work
+from slotserve.engine.timings import EngineCounters
+from slotserve.errors import AdmissionRefused
 from slotserve.executor import Executor, TorchExecutor
+from slotserve.kv.batch import StepBatch
 from slotserve.kv.pool import KVPool
-from slotserve.metrics import EngineCounters
 from slotserve.model import Model
 from slotserve.sampling import SamplingParams
+
+log = logging.getLogger("slotserve")
+IDLE_WAIT_S = 0.05
+EXIT_CLOSE_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -58,7 +67,12 @@ class EngineStats:
 
 
 class Engine:
-    """Serves many requests on one model; see the module docstring for the contract."""
+    """Serves many requests on one model; see the module docstring for the contract.
+
+    ``on_finished`` observes every request that ran, with its public `Finished` event, on
+    the engine thread after its release. ``scheduler`` replaces the step policy (default
+    `Scheduler`); ``clock`` stamps every timestamp of every request.
+    """
 
     def __init__(
         self,
@@ -67,7 +81,8 @@ class Engine:
         *,
         pressure: PressureSource | None = None,
         executor: Executor | None = None,
-        on_finished: Callable[[Request, str], None] | None = None,
+        scheduler: Scheduler | None = None,
+        on_finished: Callable[[Finished], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.model = model
@@ -81,20 +96,21 @@ class Engine:
         self.plan.check()  # PlanError: refuse to start
         self.pool = KVPool(model.info, self.config.kv_config())
         self.pressure = pressure
-        self.on_finished = on_finished  # called on the engine thread after each release
-        self.clock = clock  # every timestamp of every request comes from here
+        self.on_finished = on_finished
+        self.clock = clock
         self.counters = EngineCounters()
-        self._executor = executor or TorchExecutor(model)
         self._lock = threading.Condition(threading.RLock())
-        self._kv = LockedKV(self.pool, self._lock)
-        self._scheduler = Scheduler(self.config)
-        self._running: dict[int, Request] = {}
-        self._queue: list[Request] = []
+        self._admission = Admission(
+            self.config, self.pool, self.counters, clock, self._under_pressure
+        )
+        self._scheduler = scheduler or Scheduler(self.config)
+        self._stepper = Stepper(executor or TorchExecutor(model), self.pool, clock)
         self._known: weakref.WeakValueDictionary[int, Request] = weakref.WeakValueDictionary()
         self._ids = itertools.count()
-        self._closing = False
         self._steps_taken = 0
         self._thread = threading.Thread(target=self._loop, name="slotserve-engine", daemon=True)
+        self._close_at_exit = _exit_closer(weakref.ref(self))
+        atexit.register(self._close_at_exit)
         self._thread.start()
 
     # -- caller API (any thread) -----------------------------------------------------
@@ -108,76 +124,28 @@ class Engine:
         queue: bool = True,
     ) -> RequestHandle:
         """Admit a request, queue it (``queue`` and room in the queue), or raise
-        `AdmissionRefused`. Returns the handle to iterate for its events."""
+        `AdmissionRefused`. ``prompt`` is text (tokenised here) or token ids. Returns the
+        handle to iterate for its events."""
         params = params or SamplingParams()
         try:
             request = build_request(
-                next(self._ids), self.model, self.config, prompt, params, priority, self.clock
+                next(self._ids),
+                self.model,
+                self.config,
+                prompt,
+                params,
+                check_priority(priority),
+                self.clock(),
             )
         except AdmissionRefused as refusal:
             with self._lock:
                 self.counters.refusals[refusal.reason] += 1
             raise
         with self._lock:
-            self._admit_or_queue(request, queue)
+            self._admission.admit(request, queue)
             self._known[request.request_id] = request
             self._lock.notify_all()
         return RequestHandle(request.request_id, request.sink, self._cancel)
-
-    def _admit_or_queue(self, request: Request, may_queue: bool) -> None:
-        reason = self._refusal(request)
-        if reason == "closed":
-            self._refuse(reason)
-        if reason is None and not self._queue_ahead_of(request):
-            try:
-                self._bind(request)
-                return
-            except KVExhausted:
-                reason = "kv_exhausted"
-        if not may_queue or self.config.queue_depth == 0:
-            self._refuse(reason or "slots_full")
-        if len(self._queue) >= self.config.queue_depth:
-            self._refuse("queue_full")
-        request.deadline = self.clock() + self.config.queue_timeout_s
-        self._queue.append(request)
-
-    def _queue_ahead_of(self, request: Request) -> bool:
-        """Whether a queued request of the same or a higher class waits already."""
-        rank = PRIORITIES.index(request.priority)
-        return any(PRIORITIES.index(r.priority) <= rank for r in self._queue)
-
-    def _refusal(self, request: Request) -> str | None:
-        """Why ``request`` cannot be bound now, KV aside (None: it can try)."""
-        if self._closing:
-            return "closed"
-        if request.priority == "background" and self._under_pressure():
-            return "pressure"
-        if len(self._running) >= self.config.max_seqs:
-            return "slots_full"
-        return None
-
-    def _refuse(self, reason: str) -> NoReturn:
-        self.counters.refusals[reason] += 1
-        raise AdmissionRefused(reason, self.refusal_message(reason))
-
-    def refusal_message(self, reason: str) -> str:
-        config = self.config
-        return {
-            "closed": "the engine is closed",
-            "pressure": "the device is under pressure; background work is paused",
-            "slots_full": f"all {config.max_seqs} slots (max_seqs) are in use",
-            "kv_exhausted": "the KV pool cannot hold this request's worst case now",
-            "queue_full": f"the admission queue is full ({config.queue_depth} waiting)",
-            "queue_timeout": f"no slot freed within queue_timeout_s={config.queue_timeout_s}",
-        }[reason]
-
-    def _bind(self, request: Request) -> None:
-        """Reserve the slot and the whole worst-case KV (raises KVExhausted, unchanged)."""
-        self.pool.reserve(request.request_id, request.reservation)
-        request.state = "running"
-        request.timings.admitted = self.clock()
-        self._running[request.request_id] = request
-        self.counters.admitted += 1
 
     def _cancel(self, request_id: int, wait: bool, timeout: float | None) -> CancelAck | None:
         with self._lock:
@@ -198,21 +166,24 @@ class Engine:
         """Stop admitting; refuse queued requests (``closed``); cancel running ones (or, with
         ``drain``, let them finish); wait for the engine thread. The pool is back at its
         baseline afterwards (a warning says so if the thread did not stop in time)."""
+        atexit.unregister(self._close_at_exit)
         with self._lock:
-            self._closing = True
-            for request in [*self._queue, *([] if drain else self._running.values())]:
+            self._admission.closing = True
+            running = [] if drain else list(self._admission.running.values())
+            for request in [*self._admission.queue, *running]:
                 if request.timings.cancel_requested is None:
                     request.timings.cancel_requested = self.clock()
                 request.cancelled.set()
             self._lock.notify_all()
-        self._thread.join(timeout)
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
         if self._thread.is_alive():
-            print(f"slotserve: engine did not stop within {timeout}s", file=sys.stderr)
+            log.warning("engine did not stop within %ss", timeout)
 
     @property
     def closed(self) -> bool:
         """True once `close` was called: nothing more is admitted."""
-        return self._closing
+        return self._admission.closing
 
     def __enter__(self) -> Engine:
         return self
@@ -222,45 +193,42 @@ class Engine:
 
     def stats(self) -> EngineStats:
         with self._lock:
-            running = list(self._running.values())
-            cell = bool(self.pool.blocks.total)
+            running = list(self._admission.running.values())
+            usage = self.pool.usage()
+            counters = self.counters
             return EngineStats(
                 slots_in_use=len(running),
                 max_seqs=self.config.max_seqs,
                 sessions_by_class=dict(Counter(r.priority for r in running)),
                 sessions_by_state=dict(
                     Counter("prefill" if r.in_prefill else "decode" for r in running)
-                    + Counter(queued=len(self._queue))
+                    + Counter(queued=len(self._admission.queue))
                 ),
-                kv_blocks_free=self.pool.blocks.n_free if cell else self.pool.free_slots,
-                kv_blocks_used=self.pool.blocks.n_used if cell else len(running),
+                kv_blocks_free=usage.free,
+                kv_blocks_used=usage.used,
                 kv_pool_bytes=self.pool.nbytes,
-                queue_len=len(self._queue),
-                admitted=self.counters.admitted,
-                finished=dict(self.counters.finished),
-                refusals=dict(self.counters.refusals),
-                cancellations=self.counters.cancellations,
-                steps=sum(self.counters.steps_by_batch_size.values()),
-                steps_by_batch_size=dict(self.counters.steps_by_batch_size),
-                steps_by_class=dict(self.counters.steps_by_class),
+                queue_len=len(self._admission.queue),
+                admitted=counters.admitted,
+                finished=dict(counters.finished),
+                refusals=dict(counters.refusals),
+                cancellations=counters.cancellations,
+                steps=sum(counters.steps_by_batch_size.values()),
+                steps_by_batch_size=dict(counters.steps_by_batch_size),
+                steps_by_class=dict(counters.steps_by_class),
             )
 
     def slots(self) -> list[dict[str, object]]:
         """Each slot of the pool: idle, or the request it serves (state, class, tokens, age)."""
         now = self.clock()
         with self._lock:
-            by_slot = {
-                self.pool.sessions[r.request_id].slot: r
-                for r in self._running.values()
-                if r.request_id in self.pool.sessions
-            }
+            by_slot = {self.pool.slot_of(r.request_id): r for r in self._admission.running.values()}
             return [_slot_view(i, by_slot.get(i), now) for i in range(self.config.max_seqs)]
 
     def check_integrity(self) -> None:
-        """Pool invariants, and every running request bound in the pool."""
+        """Pool and admission invariants (every running request bound in the pool)."""
         with self._lock:
             self.pool.check_integrity()
-            assert set(self._running) == set(self.pool.sessions), "running ≠ pool sessions"
+            self._admission.check_integrity()
 
     # -- engine thread ---------------------------------------------------------------
 
@@ -270,19 +238,125 @@ class Engine:
         try:
             return self.pressure.under_pressure()
         except Exception:  # an unreadable signal counts as no pressure
-            traceback.print_exc()
+            log.exception("pressure signal unreadable; taken as no pressure")
             return False
 
     def _loop(self) -> None:
-        from slotserve.engine.loop import engine_loop, fail_all
-
         try:
-            engine_loop(self)
+            while (step := self._next_step()) is not None:
+                self._run(*step)
         except BaseException:
             # A bug in the loop must not leave callers waiting forever: end every request
             # with an error, refuse new ones, and say what happened.
-            traceback.print_exc()
-            fail_all(self)
+            log.exception("engine loop failed; ending every request")
+            self._fail_all()
+
+    def _next_step(self) -> tuple[Work, StepBatch] | None:
+        """Under the lock: reap, re-admit, compose the next step and commit it in the pool
+        (None once closed and idle). Waits while there is nothing to do."""
+        with self._lock:
+            while True:
+                self._reap()
+                self._admission.readmit()
+                if self._admission.closing and self._admission.idle:
+                    return None
+                work = self._scheduler.select(
+                    list(self._admission.running.values()), self._max_batch()
+                )
+                if not work:
+                    self._lock.wait(IDLE_WAIT_S)
+                    continue
+                try:
+                    return work, self._commit(work)
+                except Exception:  # a step the pool refuses ends its requests, not the engine
+                    log.exception("step refused by the KV pool; ending its requests")
+                    for request, _ in work:
+                        self._end(request, "error")
+
+    def _max_batch(self) -> int:
+        max_seqs = self.config.max_seqs
+        return max(1, max_seqs // 2) if self._under_pressure() else max_seqs
+
+    def _commit(self, work: Work) -> StepBatch:
+        """The step's batch, validated and committed in the pool (copy-on-write, lengths)."""
+        batch = StepBatch(
+            [r.request_id for r, _ in work],
+            [self.pool.length(r.request_id) for r, _ in work],
+            [n for _, n in work],
+        )
+        self.pool.begin_step(batch)
+        self._steps_taken += 1
+        for request, _ in work:
+            request.last_step = self._steps_taken
+        return batch
+
+    def _run(self, work: Work, batch: StepBatch) -> None:
+        began = self.clock()
+        try:
+            finished = self._stepper.run(work, batch)
+        except Exception:  # a failing step ends its requests, never the engine
+            log.exception("step failed; ending its %d requests", len(work))
+            finished = [(request, "error") for request, _ in work]
+        seconds = self.clock() - began
+        with self._lock:
+            self.counters.count_step(len(work), work[0][0].priority, seconds)
+            for request, reason in finished:
+                self._end(request, reason)
+
+    def _end(self, request: Request, reason: FinishReason) -> None:
+        """Release the slot and KV first, then send the terminal event."""
+        if request.state == "done":
+            return
+        self._admission.release(request)
+        now = self.clock()
+        request.timings.released = now
+        self.counters.finished[reason] += 1
+        if reason == "cancelled":
+            self.counters.cancellations += 1
+        finished = request.finish(reason, now, "the step failed" if reason == "error" else None)
+        request.released.set()
+        if self.on_finished is not None:
+            try:
+                self.on_finished(finished)
+            except Exception:  # an observer's bug must not take the engine down
+                log.exception("on_finished observer failed")
+
+    def _reap(self) -> None:
+        """At the batch boundary: end cancelled requests; queued ones that leave (cancelled,
+        expired, closed out) end or are refused."""
+        for request in [r for r in self._admission.running.values() if r.cancelled.is_set()]:
+            self._end(request, "cancelled")
+        for request, outcome in self._admission.take_leaving(self.clock()):
+            if outcome == "cancelled":
+                self._end(request, "cancelled")
+            else:
+                self._refuse_queued(request, outcome)
+
+    def _refuse_queued(self, request: Request, reason: str) -> None:
+        request.state = "done"
+        request.timings.released = self.clock()
+        request.sink.put(self._admission.refusal(reason))
+        request.released.set()
+
+    def _fail_all(self) -> None:
+        """After the loop died: close, end running requests with an error, refuse the queue."""
+        with self._lock:
+            self._admission.closing = True
+            for request in list(self._admission.running.values()):
+                self._end(request, "error")
+            for request, _ in self._admission.take_leaving(self.clock()):
+                self._refuse_queued(request, "closed")
+
+
+def _exit_closer(engine_ref: weakref.ref[Engine]) -> Callable[[], None]:
+    """An atexit hook that closes the engine if it still lives (holding no reference)."""
+
+    def close_at_exit() -> None:
+        engine = engine_ref()
+        if engine is not None:
+            engine.close(timeout=EXIT_CLOSE_TIMEOUT_S)
+
+    return close_at_exit
 
 
 def _slot_view(slot: int, request: Request | None, now: float) -> dict[str, object]:

@@ -1,12 +1,24 @@
-"""Typed events a request's handle yields, and the cancel acknowledgement."""
+"""Typed events a request's handle yields, the cancel acknowledgement, and the literal
+types of priorities and finish reasons."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal, get_args
 
-from slotserve.metrics import RequestTimings
+from slotserve.engine.timings import RequestTimings
 
-PRIORITIES = ("interactive", "normal", "background")
+Priority = Literal["interactive", "normal", "background"]
+PRIORITIES: tuple[Priority, ...] = get_args(Priority)  # highest class first
+FinishReason = Literal["stop", "length", "cancelled", "error"]
+
+
+def check_priority(value: str) -> Priority:
+    """``value`` as a `Priority`, or a `ValueError` naming the allowed classes."""
+    for priority in PRIORITIES:
+        if value == priority:
+            return priority
+    raise ValueError(f"priority={value!r} is not one of {PRIORITIES}")
 
 
 @dataclass(frozen=True)
@@ -36,9 +48,9 @@ class Usage:
 
 @dataclass(frozen=True)
 class Finished:
-    """The one terminal event: ``reason`` is stop, length, cancelled or error."""
+    """The one terminal event of a request that ran."""
 
-    reason: str
+    reason: FinishReason
     usage: Usage
     timings: RequestTimings
     text: str

@@ -1,21 +1,23 @@
 """`Request`: everything the engine knows of one request, owned by the engine thread.
 
 It holds the event sink shared with the caller's `RequestHandle`, never the handle itself,
-so a handle its owner drops can be garbage-collected (and then reclaimed).
+so a handle its owner drops can be garbage-collected (and then reclaimed). Timestamps are
+passed in by the engine, whose clock is the only one.
 """
 
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
-from slotserve.artifact.tokenizer import StreamDecoder
-from slotserve.engine.events import Finished, TokenEvent, Usage
+from slotserve.engine.events import Finished, FinishReason, Priority, TokenEvent, Usage
 from slotserve.engine.sink import EventSink
-from slotserve.metrics import RequestTimings
+from slotserve.engine.timings import RequestTimings
 from slotserve.sampling import RequestSampler, SamplingParams, StopMatcher
+from slotserve.tokenizer import StreamDecoder
+
+RequestState = Literal["queued", "running", "done"]
 
 
 @dataclass
@@ -25,17 +27,15 @@ class Request:
     request_id: int
     prompt: list[int]
     params: SamplingParams
-    priority: str
-    max_new_tokens: int
+    priority: Priority
     sampler: RequestSampler
     decoder: StreamDecoder
     stops: StopMatcher
     eos_ids: frozenset[int]
     sink: EventSink
     timings: RequestTimings
-    clock: Callable[[], float] = time.monotonic
     deadline: float | None = None
-    state: str = "queued"
+    state: RequestState = "queued"
     prefilled: int = 0
     generated: list[int] = field(default_factory=list)
     text: list[str] = field(default_factory=list)
@@ -44,6 +44,10 @@ class Request:
     last_step: int = -1  # the engine step that last advanced this request (fairness)
     cancelled: threading.Event = field(default_factory=threading.Event)
     released: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.params.max_new_tokens
 
     @property
     def reservation(self) -> int:
@@ -57,11 +61,11 @@ class Request:
     def emit_token(
         self,
         token: int,
+        now: float,
         logprob: float | None = None,
         top_logprobs: tuple[tuple[int, float], ...] = (),
     ) -> bool:
         """Record a sampled token and stream its text; True when the request is done."""
-        now = self.clock()
         self.timings.token_times.append(now)
         self.generated.append(token)
         piece, stopped = self.stops.push(self.decoder.push(token))
@@ -70,24 +74,23 @@ class Request:
         self.sink.put(TokenEvent(token, piece, index, now, logprob, top_logprobs))
         return stopped or len(self.generated) >= self.max_new_tokens
 
-    def finish(self, reason: str, error: str | None = None) -> None:
-        """Flush held-back text and send the terminal event."""
+    def finish(self, reason: FinishReason, now: float, error: str | None = None) -> Finished:
+        """Flush held-back text, send the terminal event and return it."""
         if not self.stops.stopped and reason != "error":
             tail = self.stops.push(self.decoder.flush())[0] + self.stops.flush()
             if tail:
                 self.text.append(tail)
-                self.sink.put(TokenEvent(-1, tail, len(self.generated), self.clock()))
-        self.timings.finished = self.clock()
+                self.sink.put(TokenEvent(-1, tail, len(self.generated), now))
+        self.timings.finished = now
         self.state = "done"
-        usage_tokens = len(self.generated)
-        self.sink.put(
-            Finished(
-                reason=reason,
-                usage=Usage(len(self.prompt), usage_tokens, self.timings.prompt_tokens_restored),
-                timings=self.timings,
-                text="".join(self.text),
-                tokens=tuple(self.generated),
-                error=error,
-                eos_token=self.eos_token,
-            )
+        finished = Finished(
+            reason=reason,
+            usage=Usage(len(self.prompt), len(self.generated), self.timings.prompt_tokens_restored),
+            timings=self.timings,
+            text="".join(self.text),
+            tokens=tuple(self.generated),
+            error=error,
+            eos_token=self.eos_token,
         )
+        self.sink.put(finished)
+        return finished

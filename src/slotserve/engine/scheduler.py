@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections import deque
 
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.events import PRIORITIES
+from slotserve.engine.events import PRIORITIES, Priority
 from slotserve.engine.request import Request
 
 SHARE_WINDOW = 50  # steps over which background's minimum share is measured
@@ -17,9 +17,9 @@ SHARE_WINDOW = 50  # steps over which background's minimum share is measured
 class Scheduler:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self._recent_classes: deque[str] = deque(maxlen=SHARE_WINDOW)
+        self._recent_classes: deque[Priority] = deque(maxlen=SHARE_WINDOW)
 
-    def pick_class(self, ready: list[Request]) -> str | None:
+    def pick_class(self, ready: list[Request]) -> Priority | None:
         """isolate: the highest class with ready work, except that background takes a
         step when its share of recent steps fell below ``background_min_share``."""
         classes = {r.priority for r in ready}

@@ -10,18 +10,28 @@ only `update_and_attend`.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from slotserve.errors import ContextOverflow, KVExhausted, SessionError
+from slotserve.info import ModelInfo
 from slotserve.kv.allocator import BlockAllocator
 from slotserve.kv.batch import StepBatch
 from slotserve.kv.config import KVConfig
 from slotserve.kv.layouts import CellGroup, FlatGroup, GroupShape, LayerGroup, RingGroup
 from slotserve.kv.session import SessionKV
-from slotserve.model.info import ModelInfo
 
 Rule = tuple[str, int | None]  # (placement, attention window)
+
+
+@dataclass(frozen=True)
+class PoolUsage:
+    """KV units free and in use; ``unit`` is "blocks" (cell layout) or "rows" (slots)."""
+
+    unit: str
+    free: int
+    used: int
 
 
 def layer_rules(info: ModelInfo, config: KVConfig) -> dict[Rule, list[int]]:
@@ -102,6 +112,19 @@ class KVPool:
     @property
     def free_slots(self) -> int:
         return len(self._free_slots)
+
+    def usage(self) -> PoolUsage:
+        """Free and used KV units: cell blocks with the cell layout, else slot rows."""
+        if self._cells:
+            return PoolUsage("blocks", self.blocks.n_free, self.blocks.n_used)
+        return PoolUsage("rows", self.free_slots, len(self.sessions))
+
+    def session_ids(self) -> set[int]:
+        return set(self.sessions)
+
+    def slot_of(self, session: int) -> int:
+        """The slot row ``session`` is bound to."""
+        return self._get(session).slot
 
     def _blocks_for(self, n_tokens: int) -> int:
         return math.ceil(n_tokens / self.config.block_size) if self._cells else 0

@@ -15,12 +15,11 @@ class KVStore(Protocol):
     Implementations write ``k``/``v`` (``[T, kv_heads, head_dim]``, RoPE applied) at the
     positions the batch names and return attention of ``q`` (``[T, heads, head_dim]``)
     over each sequence's visible keys as ``[T, heads * head_dim]``. They own all storage;
-    the model keeps none between calls.
+    the model keeps none between calls. The step was validated and committed before the
+    model runs (`KVPool.begin_step`, by whoever drives the pool: the engine), so a model or
+    an executor never does the pool's bookkeeping.
     """
 
     def update_and_attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch
     ) -> torch.Tensor: ...
-
-    def begin_step(self, batch: StepBatch) -> None:
-        """Validate the step (raising before any write) and commit its positions."""

@@ -9,7 +9,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from slotserve.model.info import RopeConfig
+from slotserve.info import RopeConfig
 
 
 class Linear(Protocol):

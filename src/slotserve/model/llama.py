@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from slotserve.info import ModelInfo
 from slotserve.kv.batch import StepBatch
 from slotserve.kv.store import KVStore
-from slotserve.model.info import ModelInfo
 from slotserve.model.layers import RopeTables, rms_norm
 from slotserve.model.weights import LayerWeights, LlamaWeights
 

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from slotserve.artifact.tokenizer import Tokenizer
+from slotserve.info import ModelInfo
 from slotserve.kv.batch import StepBatch
 from slotserve.kv.config import KVConfig
 from slotserve.kv.pool import KVPool
 from slotserve.kv.store import KVStore
-from slotserve.model.info import ModelInfo
 from slotserve.model.layers import RopeTables
 from slotserve.model.llama import forward_hidden
 from slotserve.model.weights import LlamaWeights
+from slotserve.tokenizer import Tokenizer
 
 
 class Model:
@@ -37,14 +37,16 @@ class Model:
         self, tokens: torch.Tensor, batch: StepBatch, kv: KVStore, *, all_logits: bool = False
     ) -> torch.Tensor:
         """Logits for the step: ``[B, vocab]`` (each sequence's last token) or, with
-        ``all_logits``, ``[T, vocab]`` for every token on the flattened axis."""
+        ``all_logits``, ``[T, vocab]`` for every token on the flattened axis.
+
+        The caller has committed ``batch`` in the KV store (`KVPool.begin_step`); the model
+        only writes and attends through ``update_and_attend``."""
         if tokens.shape != (batch.n_tokens,):
             raise ValueError(f"tokens shape {tuple(tokens.shape)} != ({batch.n_tokens},)")
         if max(batch.ends) > self.info.max_context:
             raise ValueError(
                 f"position {max(batch.ends)} exceeds the model's context {self.info.max_context}"
             )
-        kv.begin_step(batch)
         hidden = forward_hidden(self.weights, self.info, self.rope, tokens, batch, kv)
         if not all_logits:
             hidden = hidden[batch.last_token_rows()]
@@ -65,7 +67,9 @@ class Model:
         (entry i scores the token after ``token_ids[: i + 1]``)."""
         if not token_ids:
             raise ValueError("logits() needs at least one token")
+        # A scratch pool this call owns and drives, as the engine drives its own.
         kv = KVPool(self.info, KVConfig(layout="flat", max_seqs=1, max_context=len(token_ids)))
         kv.reserve(0, len(token_ids))
         batch = StepBatch.single(0, len(token_ids))
+        kv.begin_step(batch)
         return self.forward(torch.tensor(token_ids), batch, kv, all_logits=True)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from slotserve.errors import ArtifactError
-from slotserve.model.info import ModelInfo
+from slotserve.info import ModelInfo
 from slotserve.model.layers import DenseLinear, Linear
 
 

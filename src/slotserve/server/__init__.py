@@ -3,5 +3,6 @@ HTTP statuses, Prometheus metrics and a slots view. `create_app` builds it aroun
 `serve` runs it."""
 
 from slotserve.server.app import create_app
+from slotserve.server.run import serve
 
-__all__ = ["create_app"]
+__all__ = ["create_app", "serve"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from slotserve.artifact.tokenizer import Tokenizer
 from slotserve.engine.events import Finished, TokenEvent
+from slotserve.tokenizer import Tokenizer
 
 # Requests that end "cancelled" or "error" never reach a client as a normal finish (the
 # routes answer 503/500, or end the stream with an error event); "stop" is their fallback.

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from slotserve.engine import Engine
-from slotserve.engine.request import Request
-from slotserve.metrics import PrometheusMetrics
+from slotserve.server.metrics import PrometheusMetrics
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
@@ -24,9 +23,4 @@ class ServerState:
         """Serve ``engine``: its finished requests feed the Prometheus metrics."""
         self.engine = engine
         self.metrics = PrometheusMetrics(engine.stats)
-        metrics = self.metrics
-
-        def observe(request: Request, reason: str) -> None:
-            metrics.observe(request.timings, len(request.generated))
-
-        engine.on_finished = observe
+        engine.on_finished = self.metrics.observe

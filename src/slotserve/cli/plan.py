@@ -4,48 +4,28 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from slotserve.engine.config import EngineConfig
-from slotserve.kv import KVPool
-from slotserve.memory import rss_bytes
-from slotserve.plan import MemoryMap, format_bytes, parse_bytes
+from slotserve.cli.flags import add_engine_args, engine_config
+from slotserve.plan import format_bytes
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """An `EngineConfig` from the flags of `slotserve.cli.add_engine_args`."""
-    return EngineConfig(
-        max_seqs=args.max_seqs,
-        max_context=args.max_context,
-        kv_layout=args.kv_layout,
-        kv_dtype=args.kv_dtype,
-        block_size=args.block_size,
-        ring_window=args.ring_window,
-        sinks=args.sinks,
-        num_blocks=args.num_blocks,
-        memory_budget=parse_bytes(args.memory_budget) if args.memory_budget else None,
-        memory_map=memory_map_from(args.memory_map),
-        policy=args.policy,
-        max_batch_tokens=args.max_batch_tokens,
-        queue_depth=args.queue_depth,
-        queue_timeout_s=args.queue_timeout,
+def register(commands: Any) -> None:
+    parser = commands.add_parser("plan", help="memory plan for a model and engine settings")
+    add_engine_args(parser)
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument(
+        "--measure", action="store_true", help="also allocate the pool and measure it"
     )
 
 
-def memory_map_from(text: str | None) -> MemoryMap | None:
-    """``"600MiB,256MiB,128MiB"`` (weights,kv,activations) → `MemoryMap`."""
-    if not text:
-        return None
-    parts = text.split(",")
-    if len(parts) != 3:
-        raise ValueError(f"--memory-map {text!r}: expected weights,kv,activations")
-    return MemoryMap.parse(*parts)
-
-
-def run_plan(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from slotserve.artifact import load
+    from slotserve.kv import KVPool
+    from slotserve.memory import rss_bytes
 
     model = load(args.model, weights=args.weights)
     plan = engine_config(args).plan(model.info, model.weight_bytes)

@@ -16,7 +16,8 @@ from pathlib import Path
 from slotserve.engine import Engine, EngineConfig, Finished, RequestHandle, TokenEvent
 from slotserve.errors import ContextOverflow
 from slotserve.model import Model
-from slotserve.runner_types import GenerationConfig, GenerationResult, Stats, now_ms
+from slotserve.runner.config import GenerationConfig
+from slotserve.runner.result import GenerationResult, Stats, now_ms
 
 TokenCallback = Callable[[str], None]
 StatsCallback = Callable[[Stats], None]

@@ -1,0 +1,50 @@
+"""The ``slotserve`` command line: one module per command, shared flags in `flags`.
+
+Each command module has ``register(commands)`` (its argparse sub-parser) and ``run(args)``
+(its exit status). Commands import what they need when they run, so ``--help`` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from slotserve.cli import bench, chat, generate, inspect, plan, serve
+from slotserve.errors import SlotserveError
+
+COMMANDS = {
+    "generate": generate,
+    "chat": chat,
+    "inspect": inspect,
+    "plan": plan,
+    "serve": serve,
+    "bench": bench,
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slotserve", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    for module in COMMANDS.values():
+        module.register(commands)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="slotserve: %(message)s")
+    logging.getLogger("slotserve").setLevel(logging.INFO)  # progress lines of our own
+    try:
+        status: int = COMMANDS[args.command].run(args)
+        return status
+    except (SlotserveError, ValueError) as exc:
+        print(f"slotserve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,7 @@
+"""``python -m slotserve.cli``: the same as the ``slotserve`` command."""
+
+import sys
+
+from slotserve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,63 @@
+"""``slotserve chat``: a terminal chat with the model.
+
+Each turn re-renders the conversation and places only its new tokens after the longest
+prefix the runner's conversation already holds (`TextLLMRunner.generate_from_pos`); the
+engine request of a turn still prefills the conversation so far, until a prefix cache
+restores it from the pool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from slotserve.cli.flags import add_sampling_args
+from slotserve.cli.generate import generation_config, print_piece
+
+
+def register(commands: Any) -> None:
+    parser = commands.add_parser("chat", help="interactive terminal chat")
+    parser.add_argument("--system", default=None, help="system message")
+    add_sampling_args(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from slotserve.runner import TextLLMRunner
+
+    runner = TextLLMRunner(args.model, max_context=args.max_context, weights=args.weights)
+    runner.load()
+    tokenizer = runner.model.tokenizer
+    messages: list[dict[str, Any]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    in_conversation: list[int] = []
+    print("slotserve chat: empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        tokens = tokenizer.encode(tokenizer.render_chat(messages))
+        keep = common_prefix(in_conversation, tokens, runner.position)
+        result = runner.generate_from_pos(
+            tokens[keep:], keep, generation_config(args), token_callback=print_piece
+        )
+        print()
+        messages.append({"role": "assistant", "content": result.text})
+        in_conversation = tokens + result.tokens
+    return 0
+
+
+def common_prefix(held: list[int], tokens: list[int], limit: int) -> int:
+    """Length of the common prefix of ``held[:limit]`` and ``tokens``, leaving at least one
+    token of ``tokens`` to feed."""
+    n = 0
+    for a, b in zip(held[:limit], tokens, strict=False):
+        if a != b:
+            break
+        n += 1
+    return min(n, len(tokens) - 1)
