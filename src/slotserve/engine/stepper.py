@@ -62,10 +62,13 @@ class Stepper:
         ]
         if not sampling:
             return finished
+        began = self.clock()
         rows = logits[sampling_rows]
         tokens = sample_batch(rows, [r.sampler for r in sampling])
         now = self.clock()
+        share = (now - began) / len(sampling)
         for request, token, row in zip(sampling, tokens, rows, strict=True):
+            request.timings.sampling_time += share
             top = request.params.logprobs
             logprob, best = token_logprobs(row, token, top) if top is not None else (None, ())
             if token in request.eos_ids:

@@ -28,6 +28,9 @@ class RequestTimings:
     cancel_requested: float | None = None
     prompt_tokens_computed: int = 0
     prompt_tokens_restored: int = 0
+    # Seconds spent choosing this request's tokens from logits (its share of each batched
+    # sampling call, split evenly between the requests sampled together).
+    sampling_time: float = 0.0
 
     @property
     def queue_time(self) -> float | None:
@@ -80,6 +83,7 @@ class RequestTimings:
             "prompt_tokens_computed": self.prompt_tokens_computed,
             "prompt_tokens_restored": self.prompt_tokens_restored,
             "cancel_to_release_s": self.cancel_to_release,
+            "sampling_time_s": self.sampling_time,
         }
 
 
