@@ -6,7 +6,10 @@ A `Tokenizer` is built from a Hugging Face ``tokenizer.json`` or from GGUF metad
 
 from __future__ import annotations
 
+import functools
 import json
+import re
+import secrets
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -67,12 +70,62 @@ class Tokenizer:
 
     def encode(self, text: str, *, add_bos: bool | None = None) -> list[int]:
         """Token ids of ``text``; special tokens written in the text (``<|im_start|>``) are
-        parsed as such. A BOS is prepended when ``add_bos`` (default: the model's rule)."""
+        parsed as such. A BOS is prepended when ``add_bos`` (default: the model's rule).
+
+        Never pass text that holds user input through this to build a chat prompt: a user
+        who types ``<|im_end|>`` would end their turn. Use `encode_chat` for that."""
         ids: list[int] = self.backend.encode(text, add_special_tokens=False).ids
+        return self._with_bos(ids, add_bos)
+
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """Token ids of ``messages`` rendered with the chat template, for the model to read.
+
+        The template's own markers (``<|im_start|>``, ``<|im_end|>``, ``bos_token`` …) are
+        special tokens; special-token text inside the messages (content, names, any string
+        a client sent) is encoded as the plain text it is. For messages without such text
+        the result equals ``encode(render_chat(messages))``. The BOS rule is `encode`'s.
+        """
+        nonce = secrets.token_hex(8)
+        escaped = [_escape_specials(message, self._special_pattern, nonce) for message in messages]
+        rendered = self.render_chat(escaped, add_generation_prompt=add_generation_prompt)
+        ids: list[int] = []
+        for index, piece in enumerate(_split_keeping(self._special_pattern, rendered)):
+            if index % 2:  # a special token the template wrote
+                ids.append(self._special_text_ids[piece])
+            elif piece:
+                text = _unescape(piece, nonce)
+                ids.extend(self._text_backend.encode(text, add_special_tokens=False).ids)
+        return self._with_bos(ids, None)
+
+    def _with_bos(self, ids: list[int], add_bos: bool | None) -> list[int]:
         want_bos = self.add_bos if add_bos is None else add_bos
         if want_bos and self.bos_id is not None and (not ids or ids[0] != self.bos_id):
             ids = [self.bos_id, *ids]
         return ids
+
+    @functools.cached_property
+    def _special_text_ids(self) -> dict[str, int]:
+        decoder = self.backend.get_added_tokens_decoder()
+        return {decoder[index].content: index for index in self._special_ids}
+
+    @functools.cached_property
+    def _special_pattern(self) -> re.Pattern[str] | None:
+        """Matches special-token text leftmost-longest, as the backend's added-token
+        matcher does (longest alternatives first)."""
+        texts = sorted(self._special_text_ids, key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+    @functools.cached_property
+    def _text_backend(self) -> tokenizers.Tokenizer:
+        """A copy of the backend that encodes special-token text as ordinary text.
+
+        A copy, not a toggle of ``encode_special_tokens`` on the shared backend: the
+        tokenizer is used from several threads at once (server, engine, runner)."""
+        backend = tokenizers.Tokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special))
@@ -95,6 +148,53 @@ class Tokenizer:
 
     def stream_decoder(self, *, skip_special: bool = True) -> StreamDecoder:
         return StreamDecoder(self, skip_special=skip_special)
+
+
+# User-typed special-token text is swapped for a marker before the template runs (so the
+# template can trim or split content as it likes) and swapped back after the template's
+# own special tokens have been split off. Markers use private-use characters and a fresh
+# nonce per call, so no user text can forge one.
+_MARK_OPEN, _MARK_CLOSE = "\ue000", "\ue001"
+
+
+def _escape_specials(value: Any, pattern: re.Pattern[str] | None, nonce: str) -> Any:
+    """``value`` (a message, or anything inside one) with special-token text replaced by
+    markers; non-string leaves are kept as they are."""
+    if isinstance(value, str):
+        if pattern is None:
+            return value
+        return pattern.sub(
+            lambda m: f"{_MARK_OPEN}{nonce}{m.group().encode().hex()}{_MARK_CLOSE}", value
+        )
+    if isinstance(value, Mapping):
+        return {key: _escape_specials(item, pattern, nonce) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_escape_specials(item, pattern, nonce) for item in value]
+    return value
+
+
+def _unescape(text: str, nonce: str) -> str:
+    marker = re.compile(f"{_MARK_OPEN}{nonce}([0-9a-f]*){_MARK_CLOSE}")
+    restored = marker.sub(lambda m: bytes.fromhex(m.group(1)).decode(), text)
+    if nonce in restored:
+        raise ValueError(
+            "the chat template cut a message's special-token text apart; encode_chat cannot "
+            "tell template markers from user text here"
+        )
+    return restored
+
+
+def _split_keeping(pattern: re.Pattern[str] | None, text: str) -> list[str]:
+    """``text`` split at ``pattern``: text, match, text, match, …, text."""
+    if pattern is None:
+        return [text]
+    pieces: list[str] = []
+    start = 0
+    for match in pattern.finditer(text):
+        pieces += [text[start : match.start()], match.group()]
+        start = match.end()
+    pieces.append(text[start:])
+    return pieces
 
 
 def _raise_exception(message: str) -> None:
