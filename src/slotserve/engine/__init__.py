@@ -10,6 +10,7 @@ from slotserve.engine.engine import Engine, EngineStats
 from slotserve.engine.events import CancelAck, Finished, TokenEvent, Usage
 from slotserve.engine.handle import RequestHandle
 from slotserve.engine.pressure import PressureSource
+from slotserve.engine.timings import RequestTimings
 
 __all__ = [
     "CancelAck",
@@ -19,6 +20,7 @@ __all__ = [
     "Finished",
     "PressureSource",
     "RequestHandle",
+    "RequestTimings",
     "TokenEvent",
     "Usage",
 ]
