@@ -2,7 +2,9 @@
 
 All times are seconds on the engine's clock (``time.monotonic`` unless a test injects one).
 Derived figures follow DESIGN's rules: TTFT is measured from submit; prefill throughput
-counts only computed (not restored) prompt tokens and its span includes any restoration.
+counts only computed prompt tokens. Nothing restores prompt tokens from a prefix cache yet,
+so ``prompt_tokens_restored`` is 0 and the prefill span is all computation; when a prefix
+cache lands, restored tokens leave the count and their restoration stays inside the span.
 """
 
 from __future__ import annotations
@@ -61,8 +63,8 @@ class RequestTimings:
 
     @property
     def prefill_tok_s(self) -> float | None:
-        """Computed prompt tokens per second over the whole prefill span (restoration
-        included in the span, restored tokens excluded from the count)."""
+        """Computed prompt tokens per second over the whole prefill span (restored tokens,
+        none yet, are left out of the count)."""
         span = self.prefill_time
         return self.prompt_tokens_computed / span if span else None
 

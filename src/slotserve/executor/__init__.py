@@ -1,7 +1,7 @@
 """Backends that run one batch step of a model over the KV pool.
 
-`TorchExecutor` runs the eager PyTorch model (CPU, or CUDA where present). A lowered
-ExecuTorch program would implement the same `step`.
+`TorchExecutor` runs the eager PyTorch model where its weights are (the CPU, as loaded
+today). A lowered ExecuTorch program would implement the same `step`.
 """
 
 from slotserve.executor.torch_executor import Executor, TorchExecutor
