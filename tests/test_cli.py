@@ -6,9 +6,11 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+import slotserve as ss
 from slotserve.cli import main
 
 
@@ -27,7 +29,9 @@ def test_generate_json_on_the_bundled_model(capsys: pytest.CaptureFixture[str]) 
     # llama.cpp's greedy continuation of this prompt starts " Paris.\n\n" (tests/data).
     assert out["tokens"][:4] == [7042, 30, 198, 198]
     assert out["text"].startswith(" Paris.")
-    assert out["stats"]["num_generated_tokens"] == 8
+    assert len(out["tokens"]) == 8
+    # ExecuTorch's stats JSON: the decode steps' tokens, all but the one prefill produced.
+    assert out["stats"]["generated_tokens"] == 7
 
 
 def test_generate_streams_a_chat_answer(capsys: pytest.CaptureFixture[str]) -> None:
@@ -76,3 +80,46 @@ def test_chat_loop_in_a_real_process(tiny_dirs: dict[str, Path]) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("> ") >= 2
+
+
+def _capture_prompts(monkeypatch: pytest.MonkeyPatch, method: str) -> list[Any]:
+    """Record the prompt each call of ``TextLLMRunner.<method>`` gets."""
+    from slotserve.runner import TextLLMRunner
+
+    prompts: list[Any] = []
+    original = getattr(TextLLMRunner, method)
+
+    def recording(self: TextLLMRunner, prompt: Any, *args: Any, **kwargs: Any) -> Any:
+        prompts.append(prompt)
+        return original(self, prompt, *args, **kwargs)
+
+    monkeypatch.setattr(TextLLMRunner, method, recording)
+    return prompts
+
+
+TYPED_MARKER = "hi <|im_end|> there"  # a user typing the template's end-of-turn marker
+
+
+def test_generate_chat_keeps_typed_special_tokens_as_text(
+    tiny_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompts = _capture_prompts(monkeypatch, "generate")
+    argv = ["generate", TYPED_MARKER, "--chat", "--model", str(tiny_dirs["llama"])]
+    assert main([*argv, "--max-new-tokens", "2", "--temperature", "0"]) == 0
+    tokenizer = ss.load(tiny_dirs["llama"]).tokenizer
+    expected = tokenizer.encode_chat([{"role": "user", "content": TYPED_MARKER}])
+    assert prompts == [expected]
+    im_end = tokenizer.token_to_id("<|im_end|>")
+    assert expected.count(im_end) == 1  # the template's own, not the user's
+
+
+def test_chat_keeps_typed_special_tokens_as_text(
+    tiny_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompts = _capture_prompts(monkeypatch, "generate_from_pos")
+    lines = iter([TYPED_MARKER, ""])
+    monkeypatch.setattr("builtins.input", lambda _prompt="": next(lines))
+    argv = ["chat", "--model", str(tiny_dirs["llama"]), "--max-new-tokens", "2"]
+    assert main([*argv, "--temperature", "0"]) == 0
+    tokenizer = ss.load(tiny_dirs["llama"]).tokenizer
+    assert prompts == [tokenizer.encode_chat([{"role": "user", "content": TYPED_MARKER}])]

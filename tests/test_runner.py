@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
+import time
+from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -113,15 +117,18 @@ def test_stats_callback_and_json(tiny: ss.Model) -> None:
     result = runner.generate("hello", GREEDY, stats_callback=got.append)
     stats = got[0]
     assert stats is result.stats
-    assert stats.num_prompt_tokens == 5 and stats.num_generated_tokens == 12
+    # ExecuTorch counts the decode steps' tokens: all 12 but the first, which prefill made.
+    assert len(result.tokens) == 12
+    assert stats.num_prompt_tokens == 5 and stats.num_generated_tokens == 11
     assert (
         stats.inference_start_ms
+        <= stats.token_encode_end_ms
         <= stats.prompt_eval_end_ms
         <= stats.first_token_ms
         <= stats.inference_end_ms
     )
     data = json.loads(stats.to_json())
-    assert data["num_generated_tokens"] == 12
+    assert data["prompt_tokens"] == 5 and data["generated_tokens"] == 11
     assert data["SCALING_FACTOR_UNITS_PER_SECOND"] == 1000
 
 
@@ -168,3 +175,209 @@ def test_seeded_sampling_reproduces(tiny: ss.Model) -> None:
     a = ss.TextLLMRunner(tiny, max_context=64).generate([5, 6], config)
     b = ss.TextLLMRunner(tiny, max_context=64).generate([5, 6], config)
     assert a.tokens == b.tokens
+
+
+# -- issue 9.6: a failing token callback ------------------------------------------------
+
+
+def test_a_raising_token_callback_releases_the_slot(tiny: ss.Model) -> None:
+    runner = ss.TextLLMRunner(tiny, max_context=512)
+    seen: list[str] = []
+
+    def failing(piece: str) -> None:
+        seen.append(piece)
+        if len(seen) == 2:
+            raise RuntimeError("the client went away")
+
+    long_run = GenerationConfig(echo=False, temperature=0, ignore_eos=True)  # ~500 tokens
+    with pytest.raises(RuntimeError, match="went away"):
+        runner.generate([5, 6, 7], long_run, token_callback=failing)
+    assert runner.position == 0  # the failed turn left nothing in the conversation
+    # The one slot is free again at once: no slots_full refusal.
+    assert runner.generate([5, 6, 7], GREEDY).tokens == (
+        ss.TextLLMRunner(tiny, max_context=64).generate([5, 6, 7], GREEDY).tokens
+    )
+
+
+# -- issue 9.10: ExecuTorch's semantics ---------------------------------------------------
+
+# The keys stats_to_json_string (extension/llm/runner/stats.h) writes, in its order.
+EXECUTORCH_JSON_KEYS = [
+    "prefill_token_per_sec",
+    "decode_token_per_sec",
+    "prompt_tokens",
+    "generated_tokens",
+    "model_load_start_ms",
+    "model_load_end_ms",
+    "inference_start_ms",
+    "inference_end_ms",
+    "model_execution_start_ms",
+    "model_execution_end_ms",
+    "prompt_eval_end_ms",
+    "first_token_ms",
+    "aggregate_sampling_time_ms",
+    "aggregate_model_execution_time_ms",
+    "SCALING_FACTOR_UNITS_PER_SECOND",
+]
+
+
+def test_stats_json_is_executorchs() -> None:
+    stats = ss.Stats(
+        model_load_start_ms=1,
+        model_load_end_ms=2,
+        inference_start_ms=10,
+        token_encode_end_ms=11,
+        prompt_eval_end_ms=20,
+        first_token_ms=20,
+        inference_end_ms=70,
+        aggregate_sampling_time_ms=3,
+        num_prompt_tokens=5,
+        num_generated_tokens=10,
+    )
+    data = json.loads(stats.to_json())
+    assert list(data) == EXECUTORCH_JSON_KEYS  # no token_encode_end_ms, no num_* names
+    assert data["prefill_token_per_sec"] == 5 / (20 - 10) * 1000
+    # decode: generated tokens over inference end - prompt eval end
+    assert data["decode_token_per_sec"] == 10 / (70 - 20) * 1000
+    assert data["prompt_tokens"] == 5 and data["generated_tokens"] == 10
+    assert data["aggregate_sampling_time_ms"] == 3
+    assert stats.prefill_tokens_per_s == data["prefill_token_per_sec"]
+    assert stats.decode_tokens_per_s == data["decode_token_per_sec"]
+
+
+def test_stats_json_leaves_out_rates_of_empty_spans_and_unknown_gpu_figures() -> None:
+    data = json.loads(ss.Stats(num_prompt_tokens=3).to_json())
+    assert list(data) == EXECUTORCH_JSON_KEYS[2:]
+    assert ss.Stats().decode_tokens_per_s is None
+    with_gpu = json.loads(ss.Stats(gpu_total_bytes=1000, gpu_peak_usage_mb=1.5).to_json())
+    gpu_keys = [k for k in with_gpu if k.startswith("gpu_")]
+    assert gpu_keys == ["gpu_total_bytes", "gpu_peak_usage_mb"]
+    assert list(with_gpu)[-1] == "SCALING_FACTOR_UNITS_PER_SECOND"
+
+
+def test_inference_starts_before_the_prompt_is_encoded(
+    tiny: ss.Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    encode = tiny.tokenizer.encode
+
+    def slow_encode(text: str, **kwargs: Any) -> list[int]:
+        time.sleep(0.05)
+        return encode(text, **kwargs)
+
+    monkeypatch.setattr(tiny.tokenizer, "encode", slow_encode)
+    stats = ss.TextLLMRunner(tiny, max_context=64).generate("hello", GREEDY).stats
+    assert stats.token_encode_end_ms - stats.inference_start_ms >= 45
+    assert stats.token_encode_end_ms <= stats.prompt_eval_end_ms
+
+
+def test_generation_stats_follow_executorch(tiny: ss.Model) -> None:
+    result = ss.TextLLMRunner(tiny, max_context=64).generate([5, 6, 7], GREEDY)
+    stats = result.stats
+    assert stats.num_prompt_tokens == 3
+    assert stats.num_generated_tokens == len(result.tokens) - 1
+    # Prefill ends when it has sampled the first token; ExecuTorch takes both there.
+    assert stats.prompt_eval_end_ms == stats.first_token_ms
+    data = json.loads(stats.to_json())
+    span = stats.inference_end_ms - stats.prompt_eval_end_ms
+    if span > 0:
+        assert data["decode_token_per_sec"] == stats.num_generated_tokens / span * 1000
+
+
+def test_sampling_time_is_the_engines(tiny: ss.Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    import slotserve.engine.stepper as stepper
+
+    sample = stepper.sample_batch
+
+    def slow_sample(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.005)
+        return sample(*args, **kwargs)
+
+    monkeypatch.setattr(stepper, "sample_batch", slow_sample)
+    stats = ss.TextLLMRunner(tiny, max_context=64).generate([5, 6, 7], GREEDY).stats
+    assert stats.aggregate_sampling_time_ms >= 12 * 5  # 12 sampling calls of >= 5 ms
+    span = stats.inference_end_ms - stats.inference_start_ms
+    assert stats.aggregate_sampling_time_ms <= span + 1  # + 1: whole milliseconds
+
+
+def test_a_prompt_that_fills_the_context_is_refused(tiny: ss.Model) -> None:
+    runner = ss.TextLLMRunner(tiny, max_context=8)
+    # ExecuTorch: pos + num_prompt_tokens must be < max_context_len.
+    with pytest.raises(ss.ContextOverflow, match=r"prompt 8 tokens.*max_context=8"):
+        runner.generate(list(range(3, 11)), GREEDY)
+    assert runner.position == 0
+    one_left = GenerationConfig(echo=False, temperature=0, ignore_eos=True)
+    assert len(runner.generate(list(range(3, 10)), one_left).tokens) == 1
+
+
+def test_a_conversation_that_fills_the_context_is_refused(tiny: ss.Model) -> None:
+    runner = ss.TextLLMRunner(tiny, max_context=16)
+    runner.generate([5, 6, 7], GenerationConfig(echo=False, temperature=0, ignore_eos=True))
+    assert runner.position == 15  # 3 + 13 sampled, the last one fed next turn
+    with pytest.raises(ss.ContextOverflow, match="holds 15 positions and the prompt 2 tokens"):
+        runner.generate([8], GREEDY)
+    assert runner.position == 15  # unchanged by the refusal
+
+
+def test_a_budget_that_resolves_to_zero_is_refused(tiny: ss.Model) -> None:
+    # ExecuTorch refuses when resolve_max_new_tokens gives <= 0 ("Max new tokens ... is
+    # less than or equal to 0"), instead of running a prefill that yields nothing.
+    runner = ss.TextLLMRunner(tiny, max_context=64)
+    with pytest.raises(ValueError, match="max_new_tokens=0"):
+        runner.generate([5, 6, 7], GenerationConfig(echo=False, max_new_tokens=0))
+    with pytest.raises(ss.ContextOverflow, match="seq_len=3"):
+        runner.generate([5, 6, 7], GenerationConfig(echo=False, seq_len=3))
+    assert runner.position == 0
+    one_token = GenerationConfig(echo=False, temperature=0, seq_len=4, ignore_eos=True)
+    assert len(runner.generate([5, 6, 7], one_token).tokens) == 1
+
+
+def _count_submits(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    submits: list[object] = []
+    submit = ss.Engine.submit
+
+    def counting(self: ss.Engine, *args: Any, **kwargs: Any) -> Any:
+        submits.append(args[0])
+        return submit(self, *args, **kwargs)
+
+    monkeypatch.setattr(ss.Engine, "submit", counting)
+    return submits
+
+
+def test_warming_is_one_ordinary_run_without_the_report(
+    tiny: ss.Model, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG, logger="slotserve.runner")
+    submits = _count_submits(monkeypatch)
+    runner = ss.TextLLMRunner(tiny, max_context=64)
+    pieces: list[str] = []
+    got: list[ss.Stats] = []
+    warm_config = replace(GREEDY, warming=True)
+    warm = runner.generate(
+        [5, 6], warm_config, token_callback=pieces.append, stats_callback=got.append
+    )
+    # ExecuTorch's generate() with warming runs the generation once, as any other (the
+    # caller's callbacks included, the position advanced); it only keeps its report quiet.
+    assert len(submits) == 1
+    assert "".join(pieces) == warm.text and got == [warm.stats]
+    assert runner.position == 2 + len(warm.tokens) - 1
+    reports = [r for r in caplog.records if "PyTorchObserver" in r.getMessage()]
+    assert [r.levelno for r in reports] == [logging.DEBUG]
+    caplog.clear()
+    cold = ss.TextLLMRunner(tiny, max_context=64).generate([5, 6], GREEDY)
+    assert warm.tokens == cold.tokens
+    reports = [r for r in caplog.records if "PyTorchObserver" in r.getMessage()]
+    assert [r.levelno for r in reports] == [logging.INFO]
+    assert json.loads(reports[0].getMessage().split(" ", 1)[1]) == cold.stats.to_dict()
+
+
+def test_warmup_runs_once_then_resets(tiny: ss.Model, monkeypatch: pytest.MonkeyPatch) -> None:
+    submits = _count_submits(monkeypatch)
+    runner = ss.TextLLMRunner(tiny, max_context=64)
+    runner.load()
+    runner.warmup([5, 6, 7], 4)
+    assert len(submits) == 1
+    assert runner.position == 0
+    assert runner.stats.model_load_end_ms > 0  # kept, as Stats::reset() keeps it
+    assert runner.stats.inference_start_ms == runner.stats.num_generated_tokens == 0
+    after = runner.generate([5, 6, 7], GREEDY)
+    assert after.tokens == ss.TextLLMRunner(tiny, max_context=64).generate([5, 6, 7], GREEDY).tokens

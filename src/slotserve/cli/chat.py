@@ -1,9 +1,10 @@
 """``slotserve chat``: a terminal chat with the model.
 
-Each turn re-renders the conversation and places only its new tokens after the longest
-prefix the runner's conversation already holds (`TextLLMRunner.generate_from_pos`); the
-engine request of a turn still prefills the conversation so far, until a prefix cache
-restores it from the pool.
+Each turn encodes the whole conversation with `Tokenizer.encode_chat` (special-token text a
+user types stays text) and places only its new tokens after the longest prefix the
+runner's conversation already holds (`TextLLMRunner.generate_from_pos`); the engine request
+of a turn still prefills the conversation so far, until a prefix cache restores it from the
+pool.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
         if not line:
             break
         messages.append({"role": "user", "content": line})
-        tokens = tokenizer.encode(tokenizer.render_chat(messages))
+        tokens = tokenizer.encode_chat(messages)  # typed special-token text stays text
         keep = common_prefix(in_conversation, tokens, runner.position)
         result = runner.generate_from_pos(
             tokens[keep:], keep, generation_config(args), token_callback=print_piece

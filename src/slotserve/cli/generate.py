@@ -41,9 +41,10 @@ def run(args: argparse.Namespace) -> int:
 
     runner = TextLLMRunner(args.model, max_context=args.max_context, weights=args.weights)
     runner.load()
-    prompt = args.prompt
+    prompt: str | list[int] = args.prompt
     if args.chat:
-        prompt = runner.model.tokenizer.render_chat([{"role": "user", "content": prompt}])
+        # Token ids, not rendered text: special-token text the user typed stays text.
+        prompt = runner.model.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     callback = None if args.json else print_piece
     result = runner.generate(prompt, generation_config(args), token_callback=callback)
     if args.json:
@@ -55,10 +56,16 @@ def run(args: argparse.Namespace) -> int:
         }
         print(json.dumps(report, ensure_ascii=False))
     else:
-        stats = result.stats
-        print(
-            f"\n[{stats.num_prompt_tokens} prompt tokens, {stats.num_generated_tokens} generated, "
-            f"{stats.decode_tokens_per_s:.1f} tok/s decode, {result.finish_reason}]",
-            file=sys.stderr,
-        )
+        print(f"\n[{summary(result)}]", file=sys.stderr)
     return 0
+
+
+def summary(result: Any) -> str:
+    """One line on a `GenerationResult`: its token counts, decode rate and finish reason."""
+    stats = result.stats
+    rate = stats.decode_tokens_per_s
+    decode = f"{rate:.1f} tok/s decode" if rate is not None else "decode rate n/a"
+    return (
+        f"{stats.num_prompt_tokens} prompt tokens, {len(result.tokens)} generated, "
+        f"{decode}, {result.finish_reason}"
+    )

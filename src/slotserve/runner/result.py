@@ -1,11 +1,18 @@
-"""What one generation reports: `Stats` (ExecuTorch's runner stats) and `GenerationResult`."""
+"""What one generation reports: `Stats` (ExecuTorch's runner stats) and `GenerationResult`.
+
+`Stats` mirrors ``executorch/extension/llm/runner/stats.h``: the same fields with the same
+meanings, and `Stats.to_json` writes what its ``stats_to_json_string`` writes (names,
+order, the two per-second rates and when they are left out).
+"""
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import ClassVar
+
+from slotserve.engine.timings import RequestTimings
 
 
 def now_ms() -> int:
@@ -13,42 +20,118 @@ def now_ms() -> int:
     return time.monotonic_ns() // 1_000_000
 
 
+def _ms(seconds: float) -> int:
+    """Seconds on the engine's clock (``time.monotonic``) as `now_ms` reads it."""
+    return int(seconds * 1000)
+
+
 @dataclass
 class Stats:
-    """Timestamps (ms, monotonic) and counts of one generation, as ExecuTorch's runner."""
+    """Timestamps (ms, monotonic) and counts of one generation: ExecuTorch's runner
+    ``Stats``.
+
+    As there, ``num_generated_tokens`` counts the tokens of the decode steps: every
+    sampled token (an EOS that ended the turn included) except the first, which prefill
+    produces, so ``len(result.tokens)`` is one more for a run that hit its length.
+    ``prompt_eval_end_ms`` and ``first_token_ms`` are the moment that first token was
+    sampled; the decode rate is ``num_generated_tokens`` over the time after it.
+
+    The engine does not time each request's share of a batched forward pass, so the
+    model-execution fields stay 0; the GPU fields are None ("not available", ExecuTorch's
+    sentinels) and, as there, are then left out of the JSON.
+    """
 
     SCALING_FACTOR_UNITS_PER_SECOND: ClassVar[int] = 1000
     model_load_start_ms: int = 0
     model_load_end_ms: int = 0
+    # Before the prompt is tokenised: inference time includes encoding, as ExecuTorch's.
     inference_start_ms: int = 0
     token_encode_end_ms: int = 0
+    model_execution_start_ms: int = 0
+    model_execution_end_ms: int = 0
     prompt_eval_end_ms: int = 0
     first_token_ms: int = 0
     inference_end_ms: int = 0
     aggregate_sampling_time_ms: int = 0
+    aggregate_model_execution_time_ms: int = 0
     num_prompt_tokens: int = 0
     num_generated_tokens: int = 0
+    gpu_total_bytes: int | None = None
+    gpu_free_before_load_bytes: int | None = None
+    gpu_free_after_load_bytes: int | None = None
+    gpu_free_after_generate_bytes: int | None = None
+    gpu_peak_usage_mb: float | None = None
 
     @property
-    def prefill_tokens_per_s(self) -> float:
+    def prefill_tokens_per_s(self) -> float | None:
+        """Prompt tokens over inference start → prompt eval end; None for an empty span."""
         span = self.prompt_eval_end_ms - self.inference_start_ms
-        return self.num_prompt_tokens * 1000 / span if span > 0 else float("inf")
+        if span <= 0:
+            return None
+        return self.num_prompt_tokens / span * self.SCALING_FACTOR_UNITS_PER_SECOND
 
     @property
-    def decode_tokens_per_s(self) -> float:
-        """Tokens after the first, over the time after the first."""
-        span = self.inference_end_ms - self.first_token_ms
-        n = self.num_generated_tokens - 1
-        return n * 1000 / span if span > 0 and n > 0 else 0.0
+    def decode_tokens_per_s(self) -> float | None:
+        """Generated (decode-step) tokens over prompt eval end → inference end; None for an
+        empty span."""
+        span = self.inference_end_ms - self.prompt_eval_end_ms
+        if span <= 0:
+            return None
+        return self.num_generated_tokens / span * self.SCALING_FACTOR_UNITS_PER_SECOND
+
+    def record_engine_timings(self, timings: RequestTimings) -> None:
+        """Fill what the engine measured for the request: prompt eval end and first token
+        (when the first token was sampled, or the prefill's end if none was) and the
+        request's share of the batched sampling time."""
+        first = timings.token_times[0] if timings.token_times else timings.prefill_done
+        if first is not None:
+            self.prompt_eval_end_ms = self.first_token_ms = _ms(first)
+        self.aggregate_sampling_time_ms = round(timings.sampling_time * 1000)
 
     def to_dict(self) -> dict[str, float | int]:
-        data: dict[str, float | int] = asdict(self)
+        """The object ``stats_to_json_string`` writes, key for key and in its order."""
+        data: dict[str, float | int] = {}
+        if (prefill := self.prefill_tokens_per_s) is not None:
+            data["prefill_token_per_sec"] = prefill
+        if (decode := self.decode_tokens_per_s) is not None:
+            data["decode_token_per_sec"] = decode
+        data.update(
+            prompt_tokens=self.num_prompt_tokens,
+            generated_tokens=self.num_generated_tokens,
+            model_load_start_ms=self.model_load_start_ms,
+            model_load_end_ms=self.model_load_end_ms,
+            inference_start_ms=self.inference_start_ms,
+            inference_end_ms=self.inference_end_ms,
+            model_execution_start_ms=self.model_execution_start_ms,
+            model_execution_end_ms=self.model_execution_end_ms,
+            prompt_eval_end_ms=self.prompt_eval_end_ms,
+            first_token_ms=self.first_token_ms,
+            aggregate_sampling_time_ms=self.aggregate_sampling_time_ms,
+            aggregate_model_execution_time_ms=self.aggregate_model_execution_time_ms,
+        )
+        data.update(self._gpu_fields())
         data["SCALING_FACTOR_UNITS_PER_SECOND"] = self.SCALING_FACTOR_UNITS_PER_SECOND
         return data
 
+    def _gpu_fields(self) -> dict[str, float | int]:
+        # ExecuTorch writes the GPU figures only when the total is known, each one only
+        # when it was measured.
+        if self.gpu_total_bytes is None:
+            return {}
+        fields: dict[str, float | int | None] = {
+            "gpu_total_bytes": self.gpu_total_bytes,
+            "gpu_free_before_load_bytes": self.gpu_free_before_load_bytes,
+            "gpu_free_after_load_bytes": self.gpu_free_after_load_bytes,
+            "gpu_free_after_generate_bytes": self.gpu_free_after_generate_bytes,
+            "gpu_peak_usage_mb": self.gpu_peak_usage_mb,
+        }
+        return {name: value for name, value in fields.items() if value is not None}
+
     def to_json(self) -> str:
-        """The stats as one JSON object (ExecuTorch's field names)."""
-        return json.dumps(self.to_dict())
+        """The stats as ExecuTorch's ``stats_to_json_string`` writes them: its field names
+        (``prompt_tokens``, ``generated_tokens``, the timestamps, the per-second rates,
+        ``SCALING_FACTOR_UNITS_PER_SECOND``) in its order, compact."""
+        return json.dumps(self.to_dict(), separators=(",", ":"))
 
 
 @dataclass(frozen=True)

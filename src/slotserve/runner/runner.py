@@ -4,10 +4,16 @@ One caller, one conversation. ``generate`` continues after the conversation so f
 (multi-turn), ``generate_from_pos`` places the prompt at an explicit position, ``reset``
 starts over, ``stop`` (from any thread) ends the running generation before its next token.
 The conversation's tokens live here; each turn is one engine request over them.
+
+Where ExecuTorch's ``TextLLMRunner`` (extension/llm/runner/text_llm_runner.cpp) defines a
+behaviour, this one follows it: the refusals of a prompt that leaves no room to generate,
+``GenerationConfig.warming`` (a warm-up run: its report is logged at debug level, not
+info), ``warmup`` (a warm-up run, then ``reset``) and `Stats`.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -18,6 +24,8 @@ from slotserve.errors import ContextOverflow
 from slotserve.model import Model
 from slotserve.runner.config import GenerationConfig
 from slotserve.runner.result import GenerationResult, Stats, now_ms
+
+log = logging.getLogger("slotserve.runner")
 
 TokenCallback = Callable[[str], None]
 StatsCallback = Callable[[Stats], None]
@@ -94,8 +102,19 @@ class TextLLMRunner:
             handle.cancel()
 
     def reset(self) -> None:
-        """Forget the conversation; the next ``generate`` starts at position 0."""
+        """Forget the conversation and the stats (all but the model load times, as
+        ExecuTorch's ``Stats::reset()``); the next ``generate`` starts at position 0."""
         self._history, self._pending = [], []
+        self.stats = self._fresh_stats()
+
+    def warmup(self, prompt: str | Sequence[int], max_new_tokens: int) -> None:
+        """Run one warm-up generation of ``prompt``, then `reset` (ExecuTorch's
+        ``TextLLMRunner::warmup``): nothing of it stays in the conversation or the stats."""
+        config = GenerationConfig(echo=False, max_new_tokens=max_new_tokens, warming=True)
+        try:
+            self.generate(prompt, config)
+        finally:
+            self.reset()
 
     # -- generation ------------------------------------------------------------------
 
@@ -137,25 +156,64 @@ class TextLLMRunner:
     ) -> GenerationResult:
         config = config or GenerationConfig()
         self.load()
+        stats = self.stats = self._fresh_stats()
+        stats.inference_start_ms = now_ms()  # before encoding, as ExecuTorch's runner
         new = [*(self._pending if feed_pending else []), *self._prompt_tokens(prompt, config)]
-        if config.warming:
-            self._run(self._history[:start], new, replace(config, max_new_tokens=2), None)
-        stats = self.stats = Stats(
-            model_load_start_ms=self.stats.model_load_start_ms,
-            model_load_end_ms=self.stats.model_load_end_ms,
-            inference_start_ms=now_ms(),
-            token_encode_end_ms=now_ms(),
-            num_prompt_tokens=len(new),
-        )
+        stats.token_encode_end_ms = now_ms()
+        stats.num_prompt_tokens = len(new)
+        kept = self._history[:start]
+        max_new = self._resolve_max_new_tokens(config, len(kept), len(new))
         if config.echo and token_callback is not None and isinstance(prompt, str):
             token_callback(prompt)
-        result = self._run(self._history[:start], new, config, token_callback)
-        self._remember(self._history[:start] + new, result)
-        stats.num_generated_tokens = len(result.tokens)
+        result = self._run(kept + new, max_new, config, token_callback)
+        self._remember(kept + new, result)
+        stats.num_generated_tokens = _decode_step_tokens(result)
         stats.inference_end_ms = now_ms()
+        self._report(stats, config.warming)
         if stats_callback is not None:
             stats_callback(stats)
         return replace(result, stats=stats)
+
+    def _fresh_stats(self) -> Stats:
+        """Zeroed stats that keep the model load times."""
+        return Stats(
+            model_load_start_ms=self.stats.model_load_start_ms,
+            model_load_end_ms=self.stats.model_load_end_ms,
+        )
+
+    def _resolve_max_new_tokens(self, config: GenerationConfig, kept: int, new: int) -> int:
+        """How many tokens this turn may generate, or the error ExecuTorch's runner gives:
+        the conversation plus the prompt must leave a free position (``pos + prompt <
+        max_context``), and the resolved budget must be > 0. Checked before anything runs
+        (ExecuTorch checks the budget after prefill), so a refusal changes nothing."""
+        if new == 0:
+            raise ValueError("the prompt is empty and the conversation has nothing to continue")
+        context, occupied = self.max_context, kept + new
+        if occupied >= context:
+            raise ContextOverflow(
+                occupied + 1,
+                context,
+                f"the conversation holds {kept} positions and the prompt {new} tokens, "
+                f"leaving none of max_context={context} to generate into; "
+                "shorten the prompt or reset()",
+            )
+        max_new = config.resolve_max_new_tokens(context, occupied)
+        if max_new > 0:
+            return max_new
+        if config.max_new_tokens == 0:
+            raise ValueError("max_new_tokens=0: a generation must be allowed at least 1 token")
+        limit = min(config.seq_len, context)
+        raise ContextOverflow(
+            occupied + 1,
+            limit,
+            f"seq_len={config.seq_len} leaves no room after {occupied} positions "
+            f"(conversation {kept} + prompt {new}); raise seq_len or reset()",
+        )
+
+    def _report(self, stats: Stats, warming: bool) -> None:
+        # ExecuTorch prints its report only for a run that is not a warm-up one; a warm-up
+        # run logs at debug level instead of info.
+        log.log(logging.DEBUG if warming else logging.INFO, "PyTorchObserver %s", stats.to_json())
 
     def _prompt_tokens(self, prompt: str | Sequence[int], config: GenerationConfig) -> list[int]:
         if not isinstance(prompt, str):
@@ -168,23 +226,22 @@ class TextLLMRunner:
 
     def _run(
         self,
-        kept: list[int],
-        new: list[int],
+        tokens: list[int],
+        max_new: int,
         config: GenerationConfig,
         token_callback: TokenCallback | None,
     ) -> GenerationResult:
         """One engine request over the conversation; streams until done or stopped."""
-        tokens = kept + new
-        if not new:
-            raise ValueError("the prompt is empty and the conversation has nothing to continue")
-        if len(tokens) > self.max_context:
-            raise ContextOverflow(len(tokens), self.max_context, "shorten the prompt or reset()")
-        max_new = config.resolve_max_new_tokens(self.max_context, len(tokens))
         assert self._engine is not None
         self._stop.clear()
         handle = self._handle = self._engine.submit(tokens, config.sampling_params(max_new))
         try:
             return self._consume(handle, token_callback)
+        except BaseException:
+            # A callback raised (or Ctrl-C): stop the request and release its slot before
+            # the exception leaves, or the next generate() is refused with slots_full.
+            handle.cancel(wait=True)
+            raise
         finally:
             self._handle = None
 
@@ -196,6 +253,8 @@ class TextLLMRunner:
         for event in handle:
             if self._stop.is_set():
                 handle.cancel(wait=True)
+                # Released, so its Finished (with the engine's timings) is already queued.
+                self.stats.record_engine_timings(handle.result().timings)
                 return GenerationResult(out, "".join(text), "cancelled", eos_token=None)
             if isinstance(event, TokenEvent):
                 if event.token_id >= 0:
@@ -205,17 +264,9 @@ class TextLLMRunner:
                     if token_callback is not None:
                         token_callback(event.text)
             elif isinstance(event, Finished):
-                self._prefill_done(event)
+                self.stats.record_engine_timings(event.timings)
                 return GenerationResult(out, "".join(text), event.reason, event.eos_token)
         raise AssertionError("the stream ended without a Finished event")
-
-    def _prefill_done(self, finished: Finished) -> None:
-        # The engine's clock is time.monotonic (seconds), the one now_ms reads in ms.
-        timings = finished.timings
-        if timings.prefill_done is not None:
-            self.stats.prompt_eval_end_ms = int(timings.prefill_done * 1000)
-        if timings.token_times:
-            self.stats.first_token_ms = int(timings.token_times[0] * 1000)
 
     def _remember(self, prompt: list[int], result: GenerationResult) -> None:
         """The conversation now holds the prompt and the generated tokens; the last
@@ -225,3 +276,10 @@ class TextLLMRunner:
             self._history, self._pending = prompt + sampled, []
         else:
             self._history, self._pending = prompt + sampled[:-1], sampled[-1:]
+
+
+def _decode_step_tokens(result: GenerationResult) -> int:
+    """ExecuTorch's ``num_generated_tokens``: the sampled tokens (an EOS that ended the turn
+    included) less the first, which prefill produced."""
+    sampled = len(result.tokens) + (result.eos_token is not None)
+    return max(0, sampled - 1)
