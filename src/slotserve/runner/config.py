@@ -12,7 +12,9 @@ class GenerationConfig:
     """Per-call generation settings, as ExecuTorch's ``GenerationConfig``.
 
     ``max_new_tokens`` and ``seq_len`` use -1 for "unset"; see `resolve_max_new_tokens`.
-    ``temperature == 0`` is greedy.
+    ``temperature == 0`` is greedy. ``warming`` marks a warm-up run, as in ExecuTorch: it
+    runs like any other (callbacks, position, stats) but its report is logged at debug
+    level, not info; `TextLLMRunner.warmup` runs one and then resets the runner.
     """
 
     echo: bool = True
