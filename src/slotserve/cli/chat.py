@@ -10,6 +10,7 @@ pool.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from typing import Any
 
@@ -26,6 +27,8 @@ def register(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from slotserve.runner import TextLLMRunner
 
+    # The runner's per-turn stats report (an info log line) would interleave with the chat.
+    logging.getLogger("slotserve.runner").setLevel(logging.WARNING)
     runner = TextLLMRunner(args.model, max_context=args.max_context, weights=args.weights)
     runner.load()
     tokenizer = runner.model.tokenizer
