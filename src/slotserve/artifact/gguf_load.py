@@ -1,9 +1,15 @@
-"""Load a `Model` from a GGUF file, through the dequantised-weight cache."""
+"""Load a `Model` from a GGUF file, through the dequantised-weight cache.
+
+The cache is only ever a faster way to the same weights: an entry that fails its checks
+(see `weight_cache`) or whose tensors do not fit its `ModelInfo` is rebuilt from the GGUF
+with a warning naming the cache file; errors about the GGUF itself name the GGUF.
+"""
 
 from __future__ import annotations
 
+import logging
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 import torch
@@ -23,23 +29,50 @@ from slotserve.info import ModelInfo
 from slotserve.model import Model, build_weights
 from slotserve.tokenizer import Tokenizer
 
+log = logging.getLogger("slotserve")
+
 
 def load_gguf(path: Path, *, use_cache: bool = True, progress: bool = True) -> Model:
     """Load ``path``; the first load dequantises (with a progress bar) and fills the cache."""
     if not path.is_file():
         raise ArtifactError(path, "no such file; pass a path to a .gguf file")
     digest = weight_cache.file_digest(path)
-    cached = weight_cache.read_entry(digest) if use_cache else None
-    if cached is not None:
-        tensors, meta = cached
-        info = ModelInfo.from_json(meta["model_info"])
-        tokenizer = Tokenizer.from_json(meta["tokenizer"])
-    else:
-        info, tokenizer, tensors = _read_gguf(path, progress)
-        if use_cache:
-            _try_write_cache(digest, tensors, info, tokenizer)
+    if use_cache and (model := _load_cached(path, digest)) is not None:
+        return model
+    info, tokenizer, tensors = _read_gguf(path, progress)
     weights = build_weights(info, tensors, str(path))
+    # Written only once the weights were built from it, so a GGUF whose tensors do not
+    # fit its metadata never leaves an entry behind.
+    if use_cache:
+        _try_write_cache(digest, tensors, info, tokenizer)
     return Model(info, tokenizer, weights, source=str(path))
+
+
+def _load_cached(path: Path, digest: str) -> Model | None:
+    """The model from the cache entry for ``digest``, or None when there is none or it is
+    unusable (then a warning names the entry, and the caller rebuilds it)."""
+    try:
+        cached = weight_cache.read_entry(digest)
+        if cached is None:
+            return None
+        tensors, meta = cached
+        entry = weight_cache.entry_path(digest)
+        info, tokenizer = _decode_entry_meta(meta, entry)
+        weights = build_weights(info, tensors, str(entry))
+    except ArtifactError as exc:
+        log.warning("weight cache entry is unusable, rebuilding it from %s: %s", path, exc)
+        return None
+    return Model(info, tokenizer, weights, source=str(path))
+
+
+def _decode_entry_meta(meta: Mapping[str, str], entry: Path) -> tuple[ModelInfo, Tokenizer]:
+    for key in ("model_info", "tokenizer"):
+        if key not in meta:
+            raise ArtifactError(entry, "cache entry lacks this metadata key", key)
+    try:
+        return ModelInfo.from_json(meta["model_info"]), Tokenizer.from_json(meta["tokenizer"])
+    except Exception as exc:  # json, dataclass checks and tokenizers (a bare Exception)
+        raise ArtifactError(entry, f"cache entry metadata unreadable ({exc})", "metadata") from exc
 
 
 def _read_gguf(path: Path, progress: bool) -> tuple[ModelInfo, Tokenizer, dict[str, torch.Tensor]]:
@@ -68,4 +101,4 @@ def _try_write_cache(
         meta = {"model_info": info.to_json(), "tokenizer": tokenizer.to_json()}
         weight_cache.write_entry(digest, tensors, meta)
     except OSError as exc:
-        print(f"slotserve: weight cache not written ({exc})", file=sys.stderr)
+        log.warning("weight cache not written to %s (%s)", weight_cache.entry_path(digest), exc)
