@@ -154,8 +154,9 @@ def test_unknown_model_is_404(client: openai.OpenAI) -> None:
 
 
 def test_context_too_long_is_400(client: openai.OpenAI, tiny_server: ServerProcess) -> None:
-    with pytest.raises(openai.BadRequestError, match="context_too_long"):
+    with pytest.raises(openai.BadRequestError, match="max_context=256") as err:
         client.completions.create(model=tiny_server.model_name, prompt="x" * 300, max_tokens=4)
+    assert err.value.code == "context_length_exceeded" and err.value.param == "prompt"
 
 
 def test_echo_streams_the_prompt_first(client: openai.OpenAI, tiny_server: ServerProcess) -> None:

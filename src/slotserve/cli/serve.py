@@ -12,17 +12,31 @@ from typing import Any
 
 from slotserve.cli.flags import add_engine_args, engine_config
 
+# The server's default, repeated so that `--help` does not import the HTTP stack.
+DEFAULT_HEADER_TIMEOUT_S = 5.0
+
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 
 
 def register(commands: Any) -> None:
     parser = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
     add_engine_args(parser)
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default loopback; any other warns unless --api-key is given)",
+    )
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    parser.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds a connection may take to send a whole request head "
+        f"(default {DEFAULT_HEADER_TIMEOUT_S:g}); slower ones are closed",
+    )
     parser.add_argument("--log-level", default="warning")
 
 
@@ -49,4 +63,5 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
         log_level=args.log_level,
+        header_timeout_s=args.header_timeout,
     )

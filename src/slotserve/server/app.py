@@ -38,10 +38,17 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        if state.engine is not None:
-            state.engine.close()  # cancels what runs: open streams end, slots are freed
+        await state.finish_shutdown()  # cancels what runs: open streams end, slots are freed
 
-    app = FastAPI(title="slotserve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # No trailing-slash redirects: Starlette builds their Location from the client's Host
+    # header, so "/v1/models/" would send a client to any host its request named.
+    app = FastAPI(
+        title="slotserve",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        redirect_slashes=False,
+    )
     app.state.server = state
     app.include_router(v1)
     app.include_router(guarded)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import Request
@@ -14,22 +15,42 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from slotserve.engine import Engine, Finished, TokenEvent
 from slotserve.sampling import SamplingParams
 from slotserve.server import responses as fmt
-from slotserve.server.errors import APIError, error_body
+from slotserve.server.errors import CONTEXT_LENGTH_EXCEEDED, APIError, error_body
 from slotserve.server.generation import collect, merged, submit_all
 from slotserve.server.schemas import ChatMessage, CompletionRequest, SamplingFields
 from slotserve.server.state import ServerState
 
 
-def render_messages(
+def chat_tokens(
     engine: Engine, messages: list[ChatMessage], *, add_generation_prompt: bool
-) -> str:
-    """The chat template applied to ``messages``; any failure is the caller's (400)."""
+) -> list[int]:
+    """``messages`` through the chat template, as token ids: the template's markers are
+    special tokens, special-token text a client typed stays text. Any failure is the
+    caller's (400)."""
     try:
         plain = [{"role": m.role, "content": m.text()} for m in messages]
         tokenizer = engine.model.tokenizer
-        return tokenizer.render_chat(plain, add_generation_prompt=add_generation_prompt)
+        return tokenizer.encode_chat(plain, add_generation_prompt=add_generation_prompt)
     except Exception as exc:  # template errors come in many types; all are the caller's
         raise APIError(400, f"messages: {exc}", "invalid_request_error", param="messages") from None
+
+
+def prompt_tokens(engine: Engine, prompt: str | list[int], param: str) -> list[int]:
+    """The prompt as token ids, tokenised once here (the engine takes the ids as they are);
+    a prompt that leaves no room to generate is refused as OpenAI does (400
+    ``context_length_exceeded``, ``param`` naming the prompt's field)."""
+    tokens = engine.model.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    limit = engine.config.max_context
+    if len(tokens) >= limit:
+        raise APIError(
+            400,
+            f"{param}: the prompt is {len(tokens)} tokens, which leaves no room to generate "
+            f"within max_context={limit}; shorten it to at most {limit - 1} tokens",
+            "invalid_request_error",
+            param=param,
+            code=CONTEXT_LENGTH_EXCEEDED,
+        )
+    return tokens
 
 
 def sampling_params(body: SamplingFields, room: int, choice: int) -> SamplingParams:
@@ -76,6 +97,7 @@ async def generate(
     prompt: str | list[int],
     kind: str,
 ) -> Response:
+    """Run ``prompt`` (text, or token ids) for ``body``: a JSON answer or an SSE stream."""
     n = body.n or 1
     if n > engine.config.max_seqs:
         raise APIError(
@@ -84,10 +106,11 @@ async def generate(
             "invalid_request_error",
             param="n",
         )
-    length = len(engine.model.tokenizer.encode(prompt)) if isinstance(prompt, str) else len(prompt)
-    room = engine.config.max_context - length
+    param = "messages" if kind == "chat" else "prompt"
+    tokens = prompt_tokens(engine, prompt, param)
+    room = engine.config.max_context - len(tokens)
     params = [sampling_params(body, room, i) for i in range(n)]
-    handles = submit_all(engine, prompt, params, priority_of(body, request))
+    handles = submit_all(engine, tokens, params, priority_of(body, request), param)
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     if body.stream:
@@ -96,6 +119,18 @@ async def generate(
         return StreamingResponse(stream, media_type="text/event-stream")
     outcomes = await collect(handles, request)
     return JSONResponse(_complete(state, engine, outcomes, kind, request_id, created, body))
+
+
+def check_finish(final: Finished) -> None:
+    """Raise the HTTP error for a request that did not end normally: an engine failure is
+    500; a cancellation reaching a live response only comes from the server's shutdown
+    (a client that went away has no response left), so it is 503."""
+    if final.reason == "error":
+        raise APIError(500, "generation failed on the device", "server_error")
+    if final.reason == "cancelled":
+        raise APIError(
+            503, "the request was cancelled: the server is shutting down", "server_error"
+        )
 
 
 def _complete(
@@ -109,12 +144,8 @@ def _complete(
 ) -> dict[str, Any]:
     tokenizer = engine.model.tokenizer
     finals: list[Finished] = [o.final for o in outcomes]
-    if any(f.reason == "error" for f in finals):
-        raise APIError(500, "generation failed on the device", "server_error")
-    if any(f.reason == "cancelled" for f in finals):
-        raise APIError(
-            503, "the request was cancelled: the server is shutting down", "server_error"
-        )
+    for final in finals:
+        check_finish(final)
     wants_logprobs = body.logprobs_count() is not None
     choices = []
     for index, outcome in enumerate(outcomes):
@@ -162,27 +193,28 @@ async def _stream(
         elif prefix:
             choice = _chunk_choice(kind, index, {"content": prefix}, None, None)
             yield fmt.sse({**head, "choices": [choice]})
-    try:
-        async for index, event in merged(handles):
-            if isinstance(event, TokenEvent):
-                if not event.text and not (wants_logprobs and event.token_id >= 0):
-                    continue
-                logprobs = (
-                    _event_logprobs(tokenizer, event, kind, offsets[index])
-                    if wants_logprobs
-                    else None
-                )
-                offsets[index] += len(event.text)
-                choice = _chunk_choice(kind, index, {"content": event.text}, None, logprobs)
-            else:
-                if event.reason == "error":
-                    raise APIError(500, "generation failed on the device", "server_error")
-                finals.append(event)
-                reason = fmt.FINISH_REASONS[event.reason]
-                choice = _chunk_choice(kind, index, {}, reason, None)
-            yield fmt.sse({**head, "choices": [choice]})
-    except APIError as exc:
-        yield fmt.sse(error_body(exc.message, exc.kind, exc.param, exc.code))
+    # aclosing: the handles are cancelled as soon as the stream stops, even on an error.
+    async with aclosing(merged(handles)) as events:
+        try:
+            async for index, event in events:
+                if isinstance(event, TokenEvent):
+                    if not event.text and not (wants_logprobs and event.token_id >= 0):
+                        continue
+                    logprobs = (
+                        _event_logprobs(tokenizer, event, kind, offsets[index])
+                        if wants_logprobs
+                        else None
+                    )
+                    offsets[index] += len(event.text)
+                    choice = _chunk_choice(kind, index, {"content": event.text}, None, logprobs)
+                else:
+                    check_finish(event)  # a cut-short stream ends with an error event, not a finish
+                    finals.append(event)
+                    reason = fmt.FINISH_REASONS[event.reason]
+                    choice = _chunk_choice(kind, index, {}, reason, None)
+                yield fmt.sse({**head, "choices": [choice]})
+        except APIError as exc:
+            yield fmt.sse(error_body(exc.message, exc.kind, exc.param, exc.code))
     if include_usage:
         yield fmt.sse({**head, "choices": [], "usage": fmt.usage(finals)})
     yield fmt.sse("[DONE]")

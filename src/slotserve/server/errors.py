@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import Request
@@ -11,7 +12,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slotserve.errors import AdmissionRefused
 
+log = logging.getLogger("slotserve")
+
 RETRY_AFTER_S = 1
+# OpenAI's code for a prompt (plus its token budget) that does not fit the context.
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 _REFUSAL_STATUS = {
     "slots_full": 429,
     "kv_exhausted": 429,
@@ -44,10 +49,15 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def refusal_error(refusal: AdmissionRefused) -> APIError:
+def refusal_error(refusal: AdmissionRefused, prompt_param: str | None = None) -> APIError:
+    """The HTTP answer to an engine refusal. A prompt too long for the context gets OpenAI's
+    ``context_length_exceeded`` with ``param`` = ``prompt_param`` ("prompt" or "messages");
+    other refusals keep the engine's reason as their code."""
     status = _REFUSAL_STATUS[refusal.reason]
     headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
     kind = {400: "invalid_request_error", 429: "rate_limit_error"}.get(status, "server_error")
+    if refusal.reason == "context_too_long":
+        return APIError(status, str(refusal), kind, prompt_param, CONTEXT_LENGTH_EXCEEDED)
     return APIError(status, str(refusal), kind, code=refusal.reason, headers=headers)
 
 
@@ -61,9 +71,20 @@ async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
 async def validation_handler(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     first = exc.errors()[0] if exc.errors() else {}
+    if first.get("type") == "json_invalid":
+        # Its location is a character offset, not a field: say so in the message instead.
+        where = [p for p in first.get("loc", ()) if p != "body"]
+        reason = first.get("ctx", {}).get("error", "JSON decode error")
+        at = f" at character {where[0]}" if where else ""
+        message = f"the request body is not valid JSON: {reason}{at}"
+        return JSONResponse(error_body(message, "invalid_request_error"), 400)
     location = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(location) or None
     detail = first.get("msg", "invalid request")
+    if first.get("type") == "value_error" and "ctx" in first:
+        cause = first["ctx"]["error"]
+        detail = str(cause)  # our own validator's message, without pydantic's prefix
+        location += [str(p) for p in getattr(cause, "path", ())]  # InvalidText: where inside
+    param = ".".join(location) or None
     message = f"{param}: {detail}" if param else f"invalid request body: {detail}"
     return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_value"), 400)
 
@@ -76,7 +97,5 @@ async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:
 
 async def unexpected_handler(request: Request, exc: Exception) -> JSONResponse:
     # Never a stack trace in a response; the log keeps it.
-    import traceback
-
-    traceback.print_exception(exc)
+    log.error("internal error serving %s %s", request.method, request.url.path, exc_info=exc)
     return JSONResponse(error_body("internal error", "server_error"), 500)

@@ -7,7 +7,7 @@ runs) cancels its requests; the engine frees their slots at the next batch bound
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -29,9 +29,14 @@ class Outcome:
 
 
 def submit_all(
-    engine: Engine, prompt: str | list[int], params: list[SamplingParams], priority: str
+    engine: Engine,
+    prompt: str | list[int],
+    params: list[SamplingParams],
+    priority: str,
+    prompt_param: str | None = None,
 ) -> list[RequestHandle]:
-    """Submit one request per choice; all are admitted, or none stays admitted."""
+    """Submit one request per choice; all are admitted, or none stays admitted.
+    ``prompt_param`` names the request field a too-long prompt came from."""
     handles: list[RequestHandle] = []
     try:
         for choice_params in params:
@@ -39,7 +44,7 @@ def submit_all(
     except AdmissionRefused as refusal:
         for handle in handles:
             handle.cancel()
-        raise refusal_error(refusal) from None
+        raise refusal_error(refusal, prompt_param) from None
     except ValueError as exc:
         for handle in handles:
             handle.cancel()
@@ -47,7 +52,9 @@ def submit_all(
     return handles
 
 
-async def merged(handles: list[RequestHandle]) -> AsyncIterator[tuple[int, TokenEvent | Finished]]:
+async def merged(
+    handles: list[RequestHandle],
+) -> AsyncGenerator[tuple[int, TokenEvent | Finished], None]:
     """Events of all handles as they come, tagged with the choice index."""
     queue: asyncio.Queue[tuple[int, TokenEvent | Finished | BaseException]] = asyncio.Queue()
 

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from slotserve.engine import Engine
-from slotserve.server.completions import generate, render_messages
+from slotserve.server.completions import chat_tokens, generate
 from slotserve.server.errors import APIError
 from slotserve.server.schemas import (
     ChatCompletionRequest,
@@ -20,9 +20,12 @@ from slotserve.server.schemas import (
 from slotserve.server.security import require_api_key
 from slotserve.server.state import ServerState
 
-v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)])
-guarded = APIRouter(dependencies=[Depends(require_api_key)])  # live activity, CPU work
-plain = APIRouter()  # health and metrics stay open to local monitoring
+# redirect_slashes=False everywhere: see create_app. `guarded` holds live activity and CPU
+# work; health and metrics stay open to local monitoring.
+_KEY = [Depends(require_api_key)]
+v1 = APIRouter(prefix="/v1", dependencies=_KEY, redirect_slashes=False)
+guarded = APIRouter(dependencies=_KEY, redirect_slashes=False)
+plain = APIRouter(redirect_slashes=False)
 
 
 def state_of(request: Request) -> ServerState:
@@ -31,8 +34,11 @@ def state_of(request: Request) -> ServerState:
 
 
 def live_engine(state: ServerState) -> Engine:
-    if state.engine is None or state.engine.closed:
-        raise APIError(503, "the model is not ready (loading or shutting down)", "server_error")
+    """The engine, if it takes requests now; else 503 (loading, or shutting down)."""
+    if state.shutting_down or (state.engine is not None and state.engine.closed):
+        raise APIError(503, "the server is shutting down; retry elsewhere", "server_error")
+    if state.engine is None:
+        raise APIError(503, "the model is not ready (still loading)", "server_error")
     return state.engine
 
 
@@ -52,7 +58,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     state = state_of(request)
     engine = live_engine(state)
     check_model(state, body.model)
-    prompt = render_messages(engine, body.messages, add_generation_prompt=True)
+    prompt = chat_tokens(engine, body.messages, add_generation_prompt=True)
     return await generate(state, engine, body, request, prompt, "chat")
 
 
@@ -91,7 +97,7 @@ async def health(request: Request) -> JSONResponse:
     state = state_of(request)
     if state.engine is None:
         return JSONResponse({"status": "loading"}, 503)
-    if state.engine.closed:
+    if state.shutting_down or state.engine.closed:
         return JSONResponse({"status": "closed"}, 503)
     return JSONResponse({"status": "ok", "model": state.model_name})
 
@@ -114,14 +120,13 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     engine = live_engine(state_of(request))
     tokenizer = engine.model.tokenizer
     if body.messages is not None:
-        text = render_messages(
+        tokens = chat_tokens(
             engine, body.messages, add_generation_prompt=body.add_generation_prompt
         )
     elif body.text is not None:
-        text = body.text
+        tokens = tokenizer.encode(body.text)
     else:
         raise APIError(400, "give text or messages", "invalid_request_error", param="text")
-    tokens = tokenizer.encode(text)
     return {"tokens": tokens, "count": len(tokens)}
 
 

@@ -1,17 +1,34 @@
 """`serve`: run the OpenAI-compatible app around an engine with uvicorn.
 
-SIGINT/SIGTERM stop admitting, cancel what runs, and exit 0.
+Shutdown cancels rather than waits. On SIGINT/SIGTERM the app stops admitting at once (new
+requests get 503 with an OpenAI error body), the engine is closed (running requests are
+cancelled at the next step boundary: open streams end with an error event and ``[DONE]``,
+non-streamed requests get 503), uvicorn then has a short grace period to send those last
+bytes, and `serve` returns 0. A second SIGINT skips the grace period.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import signal
+import socket
 from types import FrameType
 
+import uvicorn
+
 from slotserve.engine import Engine
+from slotserve.server.app import create_app
+from slotserve.server.protocol import DEFAULT_HEADER_TIMEOUT_S, protocol_with_header_timeout
+from slotserve.server.state import ServerState
 
 log = logging.getLogger("slotserve")
+
+# After the engine is closed, open responses need only their last chunks sent; a client
+# that does not read them is not waited for longer than this.
+SHUTDOWN_GRACE_S = 1
+# How long an idle kept-alive connection stays open between requests.
+KEEP_ALIVE_S = 5
 
 
 def serve(
@@ -23,28 +40,67 @@ def serve(
     api_key: str | None = None,
     max_body_bytes: int = 1 << 20,
     log_level: str = "warning",
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
 ) -> int:
-    """Serve ``engine`` as ``model_name`` until a signal; returns the exit status."""
-    import uvicorn
+    """Serve ``engine`` as ``model_name`` until SIGINT/SIGTERM; returns the exit status (0).
 
-    from slotserve.server.app import create_app
-
+    ``header_timeout_s`` bounds how long a connection may take to send a request head."""
     app = create_app(engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes)
-    log.info("serving %s at http://%s:%s/v1", model_name, host, port)
-    # uvicorn shuts down gracefully on SIGINT/SIGTERM (the app's lifespan closes the engine)
-    # and then re-raises the signal to the handler that was installed before it: make that
-    # one exit with status 0, since the shutdown was the one asked for.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _exit_cleanly)
-    uvicorn.run(
+    warn_if_exposed(host, api_key)
+    config = uvicorn.Config(
         app,
         host=host,
         port=port,
         log_level=log_level,
-        timeout_graceful_shutdown=5,
+        http=protocol_with_header_timeout(header_timeout_s),
+        timeout_keep_alive=KEEP_ALIVE_S,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
+    log.info("serving %s at http://%s:%s/v1", model_name, host, port)
+    CancellingServer(config, app.state.server).run()
     return 0
 
 
-def _exit_cleanly(signum: int, frame: FrameType | None) -> None:
-    raise SystemExit(0)
+class CancellingServer(uvicorn.Server):
+    """uvicorn's server whose shutdown closes the engine first, instead of waiting for
+    running requests to finish on their own."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A signal handler: it only sets flags; the event loop acts on them within a tick.
+        # The signal is not kept for uvicorn to re-raise after serving (its default), since
+        # the shutdown was the one asked for and the process should exit 0.
+        self.state.stop_admitting()
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.state.begin_shutdown()  # cancels running requests; their responses end now
+        await super().shutdown(sockets)
+
+
+def warn_if_exposed(host: str, api_key: str | None) -> bool:
+    """Warn, loudly, when ``host`` accepts connections from other machines and no API key
+    guards the server; returns whether it warned."""
+    if api_key is not None or _is_loopback(host):
+        return False
+    log.warning(
+        "WARNING: serving on %r, reachable from other machines, with no API key: anyone who "
+        "can reach this port can run the model and see /slots. Pass --api-key KEY, or bind "
+        "--host 127.0.0.1.",
+        host,
+    )
+    return True
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name other than localhost: assume it is reachable
+        return False

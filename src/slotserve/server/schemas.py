@@ -1,7 +1,10 @@
 """Request bodies of the OpenAI-compatible routes, validated with pydantic.
 
 Unknown fields are ignored (clients send more than we use); every known field is checked
-with a message that names it and its limit.
+with a message that names it and its limit. Every string a known field carries must be
+valid Unicode: JSON can spell a lone UTF-16 surrogate (``"\\ud800"``), which no tokenizer
+or UTF-8 response can carry, so it is refused here (400 naming the field) and never reaches
+them.
 """
 
 from __future__ import annotations
@@ -13,15 +16,60 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 Priority = Literal["interactive", "normal", "background"]
 
 
-class StreamOptions(BaseModel):
+class InvalidText(ValueError):
+    """A string that cannot be UTF-8; ``path`` says where it is inside the field's value
+    (list indices and object keys), so the error can name the exact place."""
+
+    def __init__(self, message: str, path: tuple[str | int, ...]) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+def check_unicode(value: Any, path: tuple[str | int, ...] = ()) -> None:
+    """Raise `InvalidText` if a string inside ``value`` (a decoded JSON value: str, list,
+    dict) cannot be encoded as UTF-8."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            bad = value[exc.start]  # repr() spells it as an escape: the message stays ASCII
+            raise InvalidText(
+                f"the string holds a lone UTF-16 surrogate {bad!r} at index {exc.start}; "
+                "send valid Unicode (a surrogate pair, or the character itself)",
+                path,
+            ) from None
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            check_unicode(item, (*path, index))
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_unicode(key, path)
+            check_unicode(item, (*path, key))
+
+
+class Body(BaseModel):
+    """A JSON object of a request: unknown fields ignored, every string valid Unicode.
+
+    The check runs on the raw value of each field, before its type, so a failure is
+    reported at the string itself (``messages.0.content``; `InvalidText.path`), never at
+    a member of a type union.
+    """
+
     model_config = ConfigDict(extra="ignore")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        check_unicode(value)
+        return value
+
+
+class StreamOptions(Body):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(Body):
     """Fields shared by chat and text completions."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -63,14 +111,12 @@ class SamplingFields(BaseModel):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ContentPart(Body):
     type: str
     text: str | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
 
@@ -135,13 +181,11 @@ class CompletionRequest(SamplingFields):
         return self.logprobs
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class TokenizeRequest(Body):
     text: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class DetokenizeRequest(Body):
     tokens: list[int]

@@ -1,8 +1,11 @@
-"""`ServerState`: what the routes share (engine, model name, metrics, settings)."""
+"""`ServerState`: what the routes share (engine, model name, metrics, settings), and the
+server's shutdown: stop admitting, then close the engine off the event loop."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import threading
+from dataclasses import dataclass, field
 
 from slotserve.engine import Engine
 from slotserve.server.metrics import PrometheusMetrics
@@ -18,9 +21,34 @@ class ServerState:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     metrics: PrometheusMetrics | None = None
     created: int = 0
+    shutting_down: bool = False
+    _closer: threading.Thread | None = field(default=None, repr=False)
 
     def attach(self, engine: Engine) -> None:
         """Serve ``engine``: its finished requests feed the Prometheus metrics."""
         self.engine = engine
         self.metrics = PrometheusMetrics(engine.stats)
         engine.on_finished = self.metrics.observe
+
+    def stop_admitting(self) -> None:
+        """New requests get 503 from now on. Only sets a flag: safe in a signal handler."""
+        self.shutting_down = True
+
+    def begin_shutdown(self) -> None:
+        """Stop admitting and close the engine, which cancels running requests at its next
+        step boundary (their handles end with a ``cancelled`` Finished). The close runs in a
+        thread of its own, since it waits for the engine thread; returns at once."""
+        self.stop_admitting()
+        if self.engine is None or self._closer is not None:
+            return
+        self._closer = threading.Thread(
+            target=self.engine.close, name="slotserve-shutdown", daemon=True
+        )
+        self._closer.start()
+
+    async def finish_shutdown(self) -> None:
+        """`begin_shutdown`, then wait (without blocking the event loop) for the engine to
+        be closed and its pool back at baseline."""
+        self.begin_shutdown()
+        if self._closer is not None:
+            await asyncio.to_thread(self._closer.join)
