@@ -6,7 +6,8 @@ quantisation or architecture) becomes an `ArtifactError` naming the file and the
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import math
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,10 @@ from slotserve.errors import ArtifactError
 from slotserve.info import ModelInfo, RopeConfig
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+# RoPE tables for the whole context are built at load, so a corrupt context length would
+# allocate without bound; 2**24 positions is beyond every model we read.
+MAX_CONTEXT = 1 << 24
+_MAX_DIMS = 4  # GGML_MAX_DIMS
 SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
 
 _LAYER_NAMES = {
@@ -42,33 +47,53 @@ _GLOBAL_NAMES = {
 
 
 class _CheckedReader(GGUFReader):
-    """gguf-py's reader, but a tensor whose data lies past the end of the file (or has an
-    unknown type) is reported by name before numpy fails to reshape it."""
+    """gguf-py's reader, but every tensor's table entry is checked before numpy maps it: a
+    known type, one to four dimensions each at least 1, whole quantisation blocks, and
+    data inside the file. A failure names the tensor, not a numpy reshape."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         super().__init__(path)
 
     def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
-        size = len(self.data)
         for field in fields:
             _, name_data, _, dims, raw_dtype, offset = field.parts
             name = bytes(name_data).decode("utf-8", "replace")
-            try:
-                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(raw_dtype[0]))]
-            except (ValueError, KeyError):
-                raise ArtifactError(
-                    self.path, f"unknown ggml tensor type {int(raw_dtype[0])}", name
-                ) from None
-            end = start_offs + int(offset[0]) + int(np.prod(dims)) * type_size // block
-            if end > size:
-                raise ArtifactError(
-                    self.path,
-                    f"tensor data ends at byte {end} but the file has {size} bytes "
-                    "(truncated file?)",
-                    name,
-                )
+            self._check_tensor(
+                name, [int(n) for n in dims], int(raw_dtype[0]), start_offs + int(offset[0])
+            )
         super()._build_tensors(start_offs, fields)
+
+    def _check_tensor(self, name: str, dims: list[int], raw_type: int, start: int) -> None:
+        try:
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(raw_type)]
+        except (ValueError, KeyError):
+            raise ArtifactError(self.path, f"unknown ggml tensor type {raw_type}", name) from None
+        if not 1 <= len(dims) <= _MAX_DIMS:
+            raise ArtifactError(
+                self.path, f"has {len(dims)} dimensions; GGUF tensors have 1 to {_MAX_DIMS}", name
+            )
+        for axis, size in enumerate(dims):
+            if size < 1:
+                raise ArtifactError(
+                    self.path, f"dimension {axis} is {size}; must be at least 1", name
+                )
+        if dims[0] % block:
+            raise ArtifactError(
+                self.path,
+                f"rows of {dims[0]} values are not a whole number of "
+                f"{GGMLQuantizationType(raw_type).name} blocks of {block}",
+                name,
+            )
+        # Python integers: a numpy product of huge dimensions would wrap to a small number.
+        end = start + math.prod(dims) // block * type_size
+        if end > len(self.data):
+            raise ArtifactError(
+                self.path,
+                f"tensor data ends at byte {end} but the file has {len(self.data)} bytes "
+                f"(truncated file, or corrupt dimensions {dims}?)",
+                name,
+            )
 
 
 def open_gguf(path: Path) -> GGUFReader:
@@ -102,15 +127,25 @@ def read_metadata(reader: GGUFReader) -> dict[str, Any]:
     return meta
 
 
-def _meta(meta: dict[str, Any], key: str, path: Path, kind: type = int) -> Any:
-    value = meta.get(key)
-    if value is None or not isinstance(value, (int, float) if kind is float else kind):
-        raise ArtifactError(path, f"missing or not a {kind.__name__}", key)
-    return value
+def tensor_shapes(reader: GGUFReader) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape, outermost dimension first (as torch and Hugging Face order it)."""
+    return {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
 
 
-def model_info_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: Path) -> ModelInfo:
-    """`ModelInfo` from ``{arch}.*`` keys (tied embeddings: no ``output.weight`` tensor)."""
+def model_info_from_gguf(
+    meta: dict[str, Any],
+    tensor_names: Collection[str],
+    path: Path,
+    *,
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+) -> ModelInfo:
+    """`ModelInfo` from ``{arch}.*`` keys (tied embeddings: no ``output.weight`` tensor).
+
+    Every value is checked before anything is sized from it: counts at least 1, heads that
+    divide, finite positive floats, token ids inside the vocabulary, a block count that
+    matches the ``blk.N`` tensors and (given ``shapes``) an embedding table of the stated
+    width and vocabulary. A failure is an `ArtifactError` naming the key.
+    """
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise ArtifactError(
@@ -118,40 +153,149 @@ def model_info_from_gguf(meta: dict[str, Any], tensor_names: set[str], path: Pat
             f"architecture {arch!r} is not supported; expected one of {SUPPORTED_ARCHS}",
             "general.architecture",
         )
-    n_layers = _meta(meta, f"{arch}.block_count", path)
-    n_heads = _meta(meta, f"{arch}.attention.head_count", path)
-    dim = _meta(meta, f"{arch}.embedding_length", path)
-    head_dim = meta.get(f"{arch}.attention.key_length") or dim // n_heads
-    window = meta.get(f"{arch}.attention.sliding_window")
-    eos = meta.get("tokenizer.ggml.eos_token_id")
+    n_layers = _count(meta, f"{arch}.block_count", path)
+    _check_blocks(n_layers, tensor_names, f"{arch}.block_count", path)
+    dim = _count(meta, f"{arch}.embedding_length", path)
+    n_heads, n_kv_heads, head_dim = _heads(meta, arch, dim, path)
     tokens = meta.get("tokenizer.ggml.tokens") or []
+    vocab_key = f"{arch}.vocab_size" if f"{arch}.vocab_size" in meta else "tokenizer.ggml.tokens"
+    vocab_size = _count(meta, f"{arch}.vocab_size", path, len(tokens))
+    if shapes is not None:
+        _check_embedding(shapes, dim, (vocab_key, vocab_size), f"{arch}.embedding_length", path)
+    window = meta.get(f"{arch}.attention.sliding_window")
+    if window is not None:
+        window = _count(meta, f"{arch}.attention.sliding_window", path)
+    eos = _token_id(meta, "tokenizer.ggml.eos_token_id", vocab_size, path)
+    _token_id(meta, "tokenizer.ggml.eot_token_id", vocab_size, path)
     return ModelInfo(
         arch=str(arch),
         n_layers=n_layers,
         dim=dim,
         n_heads=n_heads,
-        n_kv_heads=meta.get(f"{arch}.attention.head_count_kv") or n_heads,
+        n_kv_heads=n_kv_heads,
         head_dim=head_dim,
-        ffn_dim=_meta(meta, f"{arch}.feed_forward_length", path),
-        vocab_size=meta.get(f"{arch}.vocab_size") or len(tokens),
-        max_context=_meta(meta, f"{arch}.context_length", path),
-        norm_eps=float(_meta(meta, f"{arch}.attention.layer_norm_rms_epsilon", path, float)),
-        rope=_rope_from_gguf(meta, arch),
+        ffn_dim=_count(meta, f"{arch}.feed_forward_length", path),
+        vocab_size=vocab_size,
+        max_context=_count(meta, f"{arch}.context_length", path, ceiling=MAX_CONTEXT),
+        norm_eps=_positive(meta, f"{arch}.attention.layer_norm_rms_epsilon", path),
+        rope=_rope_from_gguf(meta, arch, path),
         tied_embeddings="output.weight" not in tensor_names,
         qkv_bias=arch == "qwen2",
         qk_norm=arch == "qwen3",
         sliding_window=(window,) * n_layers if window else (),
-        bos_id=meta.get("tokenizer.ggml.bos_token_id"),
+        bos_id=_token_id(meta, "tokenizer.ggml.bos_token_id", vocab_size, path),
         eos_ids=(eos,) if eos is not None else (),
         name=str(meta.get("general.name", path.stem)),
     )
 
 
-def _rope_from_gguf(meta: dict[str, Any], arch: str) -> RopeConfig:
-    theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
+def _count(
+    meta: Mapping[str, Any], key: str, path: Path, default: int | None = None, *, ceiling: int = 0
+) -> int:
+    """An integer at least 1 (and at most ``ceiling`` when given); absent: ``default``."""
+    value = meta.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ArtifactError(path, f"missing or not an integer (got {value!r})", key)
+    if value < 1:
+        raise ArtifactError(path, f"is {value}; must be at least 1", key)
+    if ceiling and value > ceiling:
+        raise ArtifactError(
+            path, f"is {value}; at most {ceiling} is supported (corrupt file?)", key
+        )
+    return value
+
+
+def _positive(meta: Mapping[str, Any], key: str, path: Path, default: float | None = None) -> float:
+    """A finite float > 0; absent: ``default``."""
+    value = meta.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArtifactError(path, f"missing or not a number (got {value!r})", key)
+    if not math.isfinite(value) or value <= 0:
+        raise ArtifactError(path, f"is {value}; must be > 0 and finite", key)
+    return float(value)
+
+
+def _heads(meta: Mapping[str, Any], arch: str, dim: int, path: Path) -> tuple[int, int, int]:
+    """``(n_heads, n_kv_heads, head_dim)``: KV heads divide the heads, and without an
+    explicit key length the heads divide the width."""
+    n_heads = _count(meta, f"{arch}.attention.head_count", path)
+    n_kv_heads = _count(meta, f"{arch}.attention.head_count_kv", path, n_heads)
+    if n_heads % n_kv_heads:
+        raise ArtifactError(
+            path,
+            f"head_count_kv={n_kv_heads} does not divide head_count={n_heads}",
+            f"{arch}.attention.head_count_kv",
+        )
+    key_length = f"{arch}.attention.key_length"
+    if key_length in meta:
+        return n_heads, n_kv_heads, _count(meta, key_length, path)
+    if dim % n_heads:
+        raise ArtifactError(
+            path,
+            f"head_count={n_heads} does not divide embedding_length={dim} and there is no "
+            f"{key_length} to give the head width",
+            f"{arch}.attention.head_count",
+        )
+    return n_heads, n_kv_heads, dim // n_heads
+
+
+def _check_blocks(n_layers: int, tensor_names: Collection[str], key: str, path: Path) -> None:
+    """The ``blk.N`` tensors are exactly blocks 0 .. n_layers-1."""
+    blocks = {int(name.split(".")[1]) for name in tensor_names if _is_block_tensor(name)}
+    beyond = sorted(b for b in blocks if b >= n_layers)
+    if beyond:
+        raise ArtifactError(
+            path, f"is {n_layers} but the file has tensors for blk.{beyond[0]}", key
+        )
+    if len(blocks) < n_layers:
+        raise ArtifactError(
+            path,
+            f"is {n_layers} but the file has tensors for {len(blocks)} blocks",
+            key,
+        )
+
+
+def _is_block_tensor(name: str) -> bool:
+    parts = name.split(".")
+    return len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit()
+
+
+def _check_embedding(
+    shapes: Mapping[str, tuple[int, ...]],
+    dim: int,
+    vocab: tuple[str, int],
+    dim_key: str,
+    path: Path,
+) -> None:
+    """``token_embd.weight`` is ``[vocabulary, width]`` as the metadata states them."""
+    shape = shapes.get("token_embd.weight")
+    if shape is None:
+        raise ArtifactError(path, "tensor missing", "token_embd.weight")
+    if len(shape) != 2 or shape[1] != dim:
+        raise ArtifactError(path, f"is {dim} but token_embd.weight has shape {shape}", dim_key)
+    vocab_key, vocab_size = vocab
+    if shape[0] != vocab_size:
+        raise ArtifactError(
+            path, f"vocabulary of {vocab_size} but token_embd.weight has shape {shape}", vocab_key
+        )
+
+
+def _token_id(meta: Mapping[str, Any], key: str, vocab_size: int, path: Path) -> int | None:
+    value = meta.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
+        raise ArtifactError(
+            path, f"token id {value!r} is outside the vocabulary of {vocab_size}", key
+        )
+    return value
+
+
+def _rope_from_gguf(meta: Mapping[str, Any], arch: str, path: Path) -> RopeConfig:
+    theta = _positive(meta, f"{arch}.rope.freq_base", path, 10000.0)
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
     if kind == "linear":
-        return RopeConfig(theta, "linear", float(meta[f"{arch}.rope.scaling.factor"]))
+        return RopeConfig(theta, "linear", _positive(meta, f"{arch}.rope.scaling.factor", path))
     return RopeConfig(theta)
 
 

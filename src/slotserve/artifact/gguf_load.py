@@ -22,6 +22,7 @@ from slotserve.artifact.gguf_file import (
     model_info_from_gguf,
     open_gguf,
     read_metadata,
+    tensor_shapes,
 )
 from slotserve.artifact.gguf_tokenizer import tokenizer_from_gguf
 from slotserve.errors import ArtifactError
@@ -78,7 +79,8 @@ def _decode_entry_meta(meta: Mapping[str, str], entry: Path) -> tuple[ModelInfo,
 def _read_gguf(path: Path, progress: bool) -> tuple[ModelInfo, Tokenizer, dict[str, torch.Tensor]]:
     reader = open_gguf(path)
     meta = read_metadata(reader)
-    info = model_info_from_gguf(meta, {t.name for t in reader.tensors}, path)
+    shapes = tensor_shapes(reader)
+    info = model_info_from_gguf(meta, shapes.keys(), path, shapes=shapes)
     tokenizer = tokenizer_from_gguf(meta, str(path))
     tensors: Iterable[tuple[str, torch.Tensor]] = iter_tensors(reader, info, path)
     if progress:
