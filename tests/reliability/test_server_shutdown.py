@@ -1,4 +1,5 @@
-"""SIGTERM while requests run: the server cancels them, answers every client, exits 0 fast.
+"""SIGTERM or SIGINT while requests run: the server cancels them, answers every client and
+exits 0 fast.
 
 Before, uvicorn waited its grace period for the running requests (which the engine kept
 generating), then cut them: streams ended mid-body with no finish and no ``[DONE]``, a
@@ -84,7 +85,8 @@ def assert_ends_cleanly(log: StreamLog) -> None:
 
 
 @pytest.mark.slow
-def test_sigterm_cancels_open_requests_and_exits_0() -> None:
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_cancels_open_requests_and_exits_0(signum: signal.Signals) -> None:
     server = ServerProcess("bundled", "--max-seqs", "3", "--max-context", "512")
     streams = [StreamLog(), StreamLog()]
     answers: list[httpx.Response] = []
@@ -103,7 +105,7 @@ def test_sigterm_cancels_open_requests_and_exits_0() -> None:
         wait_for(lambda: all(len(s.events) >= 3 for s in streams), "tokens on both streams")
         wait_for(lambda: busy_slots(server) == 3, "the non-streamed request to run")
         signalled = time.monotonic()
-        server.process.send_signal(signal.SIGTERM)
+        server.process.send_signal(signum)
         status = server.process.wait(30)
         exited_after = time.monotonic() - signalled
         for thread in threads:
@@ -113,7 +115,7 @@ def test_sigterm_cancels_open_requests_and_exits_0() -> None:
             server.process.kill()
     output = server.output()
     assert status == 0, output
-    assert exited_after < EXIT_WITHIN_S, f"exited {exited_after:.2f}s after SIGTERM"
+    assert exited_after < EXIT_WITHIN_S, f"exited {exited_after:.2f}s after {signum.name}"
     for log in streams:
         assert_ends_cleanly(log)
     (answer,) = answers

@@ -197,27 +197,35 @@ async def _stream(
     async with aclosing(merged(handles)) as events:
         try:
             async for index, event in events:
-                if isinstance(event, TokenEvent):
-                    if not event.text and not (wants_logprobs and event.token_id >= 0):
-                        continue
-                    logprobs = (
-                        _event_logprobs(tokenizer, event, kind, offsets[index])
-                        if wants_logprobs
-                        else None
-                    )
-                    offsets[index] += len(event.text)
-                    choice = _chunk_choice(kind, index, {"content": event.text}, None, logprobs)
-                else:
-                    check_finish(event)  # a cut-short stream ends with an error event, not a finish
+                if isinstance(event, Finished):
+                    check_finish(event)  # a cut-short stream ends with an error event instead
                     finals.append(event)
                     reason = fmt.FINISH_REASONS[event.reason]
                     choice = _chunk_choice(kind, index, {}, reason, None)
+                elif event.text or (wants_logprobs and event.token_id >= 0):
+                    choice = _token_choice(tokenizer, kind, index, event, offsets, wants_logprobs)
+                else:
+                    continue  # a token that completes no character yet
                 yield fmt.sse({**head, "choices": [choice]})
         except APIError as exc:
             yield fmt.sse(error_body(exc.message, exc.kind, exc.param, exc.code))
     if include_usage:
         yield fmt.sse({**head, "choices": [], "usage": fmt.usage(finals)})
     yield fmt.sse("[DONE]")
+
+
+def _token_choice(
+    tokenizer: Any,
+    kind: str,
+    index: int,
+    event: TokenEvent,
+    offsets: list[int],
+    wants_logprobs: bool,
+) -> dict[str, Any]:
+    """The chunk choice for one token of choice ``index``; advances its text offset."""
+    logprobs = _event_logprobs(tokenizer, event, kind, offsets[index]) if wants_logprobs else None
+    offsets[index] += len(event.text)
+    return _chunk_choice(kind, index, {"content": event.text}, None, logprobs)
 
 
 def _event_logprobs(
