@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slotserve.sampling import (
+    Grammar,
+    GrammarError,
     RequestSampler,
     SamplingParams,
     StopMatcher,
@@ -15,6 +20,8 @@ from slotserve.sampling import (
     filter_probs,
     sample_batch,
 )
+from slotserve.testing import TINY_VOCAB, tiny_tokenizer
+from slotserve.tokenizer import Tokenizer
 
 
 def test_greedy_takes_argmax() -> None:
@@ -135,3 +142,131 @@ def test_degenerate_distributions_fall_back_to_greedy() -> None:
 def test_seed_must_fit_64_bits() -> None:
     with pytest.raises(ValueError, match="seed"):
         SamplingParams(seed=2**70)
+
+
+# --- logit bias and grammar constraints -------------------------------------------------
+
+TINY_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "kind": {"const": "point"},
+        "color": {"enum": ["red", "green", "blue"]},
+        "name": {"type": "string", "maxLength": 6},
+        "x": {"type": "integer", "minimum": 0, "maximum": 99},
+    },
+    "required": ["kind", "color", "name", "x"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def byte_tokenizer() -> Tokenizer:
+    """The tiny models' byte-level tokenizer (259 tokens, end-of-sequence id 2)."""
+    return Tokenizer(tiny_tokenizer(), bos_id=None, eos_ids=[2], chat_template=None)
+
+
+def test_logit_bias_removes_and_forces_tokens() -> None:
+    logits = torch.tensor([0.0, 3.0, 2.5, -1.0])
+    banned = RequestSampler(SamplingParams(temperature=0, logit_bias=((1, -100.0),)), 4)
+    assert banned.sample(logits) == 2
+    forced = RequestSampler(SamplingParams(temperature=1.0, logit_bias=((3, 100.0),)), 4)
+    assert {forced.sample(logits) for _ in range(50)} == {3}
+    assert logits.tolist() == [0.0, 3.0, 2.5, -1.0]  # the caller's logits are untouched
+
+
+@pytest.mark.parametrize("bias", [((0, 100.5),), ((0, -101.0),), ((-1, 1.0),)])
+def test_logit_bias_values_are_checked(bias: tuple[tuple[int, float], ...]) -> None:
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_outside_the_vocabulary_names_it() -> None:
+    with pytest.raises(ValueError, match=r"token id 9 .*0\.\.3"):
+        RequestSampler(SamplingParams(logit_bias=((9, 1.0),)), 4)
+
+
+def test_unsupported_schema_keyword_is_named(byte_tokenizer: Tokenizer) -> None:
+    schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    with pytest.raises(GrammarError, match="uniqueItems"):
+        Grammar.json_schema(schema, byte_tokenizer, TINY_VOCAB)
+
+
+def test_grammar_must_match_the_logits_width(byte_tokenizer: Tokenizer) -> None:
+    grammar = Grammar.json_schema(None, byte_tokenizer, TINY_VOCAB)
+    with pytest.raises(ValueError, match="vocab_size"):
+        RequestSampler(SamplingParams(grammar=grammar), TINY_VOCAB + 1)
+
+
+def test_constrained_and_free_rows_share_a_batch(byte_tokenizer: Tokenizer) -> None:
+    """Each row keeps its own rule: the free row is the plain argmax, the constrained row
+    starts the JSON object, and the caller's logits are not changed."""
+    grammar = Grammar.json_schema(TINY_SCHEMA, byte_tokenizer, TINY_VOCAB)
+    logits = torch.randn(2, TINY_VOCAB, generator=torch.Generator().manual_seed(0))
+    before = logits.clone()
+    free = RequestSampler(SamplingParams(temperature=0), TINY_VOCAB)
+    constrained = RequestSampler(SamplingParams(temperature=0, grammar=grammar), TINY_VOCAB)
+    tokens = sample_batch(logits, [free, constrained])
+    assert tokens[0] == int(before[0].argmax())
+    assert byte_tokenizer.decode([tokens[1]]) == "{"
+    assert torch.equal(logits, before)
+
+
+def _run_constrained(
+    sampler: RequestSampler, seed: int, eos: int, limit: int
+) -> tuple[list[int], bool]:
+    """Draw up to ``limit`` tokens from random logits; (tokens before EOS, reached EOS)."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens: list[int] = []
+    for _ in range(limit):
+        # Spiky logits, like a model's: the mask must hold against strong preferences.
+        logits = torch.randn(TINY_VOCAB, generator=generator) * 4
+        token = sample_batch(logits.unsqueeze(0), [sampler])[0]
+        if token == eos:
+            return tokens, True
+        tokens.append(token)
+    return tokens, False
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), temperature=st.sampled_from([0.0, 0.8, 1.5]))
+def test_constrained_output_is_always_valid_json(
+    byte_tokenizer: Tokenizer, seed: int, temperature: float
+) -> None:
+    """Whatever the logits say, the grammar's state advances with each drawn token and the
+    output is valid: complete JSON that validates when the request ended at EOS, and always
+    a prefix of such a document (the schema bounds its length, so EOS comes in time)."""
+    grammar = Grammar.json_schema(TINY_SCHEMA, byte_tokenizer, TINY_VOCAB)
+    params = SamplingParams(temperature=temperature, top_k=40, seed=seed, grammar=grammar)
+    sampler = RequestSampler(params, TINY_VOCAB)
+    tokens, ended = _run_constrained(sampler, seed, eos=2, limit=120)
+    assert sampler.matcher is not None and sampler.matcher.error is None
+    assert ended, byte_tokenizer.decode(tokens)
+    document = json.loads(byte_tokenizer.decode(tokens))
+    jsonschema.validate(document, TINY_SCHEMA)
+
+
+def test_any_json_object_mode(byte_tokenizer: Tokenizer) -> None:
+    grammar = Grammar.json_schema(None, byte_tokenizer, TINY_VOCAB)
+    sampler = RequestSampler(SamplingParams(temperature=0, grammar=grammar), TINY_VOCAB)
+    # Steer the free-form object shut: bias towards "}" so that it ends, as a model would.
+    close = byte_tokenizer.encode("}")[0]
+    generator = torch.Generator().manual_seed(1)
+    tokens: list[int] = []
+    while len(tokens) < 200:
+        logits = torch.randn(TINY_VOCAB, generator=generator)
+        logits[close] += 6.0
+        token = sampler.sample(logits)
+        if token == 2:
+            break
+        sampler.accept(token)
+        tokens.append(token)
+    assert isinstance(json.loads(byte_tokenizer.decode(tokens)), dict)
+
+
+def test_a_forbidden_token_ends_the_request(byte_tokenizer: Tokenizer) -> None:
+    """A token drawn around the mask puts the matcher in error; from then on only EOS."""
+    grammar = Grammar.json_schema(TINY_SCHEMA, byte_tokenizer, TINY_VOCAB)
+    sampler = RequestSampler(SamplingParams(temperature=0, grammar=grammar), TINY_VOCAB)
+    sampler.accept(byte_tokenizer.encode("x")[0])
+    assert sampler.matcher is not None and sampler.matcher.error is not None
+    assert sampler.sample(torch.randn(TINY_VOCAB)) == 2

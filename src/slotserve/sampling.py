@@ -1,19 +1,32 @@
-"""Sampling: `SamplingParams`, a per-request seeded sampler, a batched entry point, and
-stop-string matching that never emits part of a stop string.
+"""Sampling: `SamplingParams`, a per-request seeded sampler, a batched entry point, grammar
+constraints (`Grammar`, llguidance), and stop-string matching that never emits part of a
+stop string.
 
-The sampler is a chain of small logit transforms (penalties → temperature → top-k →
-top-p → min-p → draw), each a function of its inputs.
+The sampler is a chain of small logit transforms (logit bias → grammar mask → penalties →
+temperature → top-k → top-p → min-p → draw), each a function of its inputs. Bias and mask
+are per request, applied row by row inside the batched sampler, so constrained and free
+requests share a batch step.
 """
 
 from __future__ import annotations
 
+import logging
 import random
-from collections.abc import Sequence
+import threading
+import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
+from slotserve.tokenizer import Tokenizer
+
+log = logging.getLogger("slotserve")
+
 MIN_TEMPERATURE = 1e-5
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass(frozen=True)
@@ -36,6 +49,10 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: the chosen token's and the top k
+    # (token id, bias) pairs added to the logits, as OpenAI's logit_bias (-100..100).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Only tokens this grammar allows next may be drawn (structured outputs).
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         _check(0.0 <= self.temperature <= 100.0, "temperature", self.temperature, "0..100")
@@ -59,6 +76,9 @@ class SamplingParams:
             _check(-(2**63) <= self.seed < 2**64, "seed", self.seed, "a 64-bit integer")
         if isinstance(self.stop, str) or any(not s for s in self.stop):
             raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
+        for token, bias in self.logit_bias:
+            _check(token >= 0, "logit_bias token id", token, ">= 0")
+            _check(-MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS, "logit_bias", bias, "-100..100")
 
     @property
     def greedy(self) -> bool:
@@ -81,7 +101,10 @@ def _check(ok: bool, name: str, value: object, allowed: str) -> None:
 
 
 class RequestSampler:
-    """Sampling state of one request: its RNG and the token counts penalties need."""
+    """Sampling state of one request: its RNG, the token counts penalties need, its logit
+    bias and its grammar matcher (which advances with every token the request produces).
+
+    Used by one thread at a time (the engine thread, once the request runs)."""
 
     def __init__(self, params: SamplingParams, vocab_size: int, prompt: Sequence[int] = ()):
         self.params = params
@@ -91,14 +114,39 @@ class RequestSampler:
         self.generated_counts = torch.zeros(vocab_size, dtype=torch.float32)
         if prompt:
             self.seen[torch.tensor(list(prompt))] = True
+        self.bias = _bias_tensors(params.logit_bias, vocab_size)
+        self.matcher = params.grammar.matcher(vocab_size) if params.grammar is not None else None
+
+    @property
+    def restricts(self) -> bool:
+        """Whether this request changes its logits before drawing (bias or grammar)."""
+        return self.bias is not None or self.matcher is not None
+
+    def restrict(self, logits: torch.Tensor) -> None:
+        """Add the logit bias to ``logits[vocab]`` and mask what the grammar forbids, in
+        place (the caller owns the row)."""
+        if self.bias is not None:
+            ids, values = self.bias
+            logits.index_add_(0, ids, values)
+        if self.matcher is not None:
+            self.matcher.restrict(logits)
 
     def accept(self, token: int) -> None:
-        """Record a token the request produced (feeds the penalties)."""
+        """Record a token the request produced (feeds the penalties and the grammar)."""
         self.seen[token] = True
         self.generated_counts[token] += 1
+        if self.matcher is not None:
+            self.matcher.accept(token)
 
     def sample(self, logits: torch.Tensor) -> int:
-        """Pick the next token from ``logits[vocab]``."""
+        """Pick the next token from ``logits[vocab]`` (bias and grammar applied here)."""
+        if self.restricts:
+            logits = logits.clone()
+            self.restrict(logits)
+        return self.draw(logits)
+
+    def draw(self, logits: torch.Tensor) -> int:
+        """Pick the next token from ``logits[vocab]`` that bias and grammar already shaped."""
         params = self.params
         if params.has_penalties:
             logits = apply_penalties(logits, params, self.seen, self.generated_counts)
@@ -154,14 +202,181 @@ def token_logprobs(
 
 
 def sample_batch(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> list[int]:
-    """One token per row of ``logits[B, vocab]``; all-greedy batches take one argmax."""
+    """One token per row of ``logits[B, vocab]``; all-greedy batches take one argmax.
+
+    Each request's bias and grammar mask shape its own row only (on a copy: the caller's
+    logits stay as the model gave them), so constrained and free requests share a batch."""
+    if any(s.restricts for s in samplers):
+        logits = logits.clone()
+        for sampler, row in zip(samplers, logits, strict=True):
+            if sampler.restricts:
+                sampler.restrict(row)
     if all(s.params.greedy and not s.params.has_penalties for s in samplers):
         tokens: list[int] = logits.argmax(-1).tolist()
     else:
-        tokens = [s.sample(row) for s, row in zip(samplers, logits, strict=True)]
+        tokens = [s.draw(row) for s, row in zip(samplers, logits, strict=True)]
     for sampler, token in zip(samplers, tokens, strict=True):
         sampler.accept(token)
     return tokens
+
+
+def _bias_tensors(
+    logit_bias: Sequence[tuple[int, float]], vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``logit_bias`` as (ids, values) tensors for ``index_add_``; None when empty."""
+    if not logit_bias:
+        return None
+    ids = [token for token, _ in logit_bias]
+    bad = [token for token in ids if not 0 <= token < vocab_size]
+    if bad:
+        raise ValueError(
+            f"logit_bias token id {bad[0]} is not in this model's vocabulary (0..{vocab_size - 1})"
+        )
+    values = [bias for _, bias in logit_bias]
+    return torch.tensor(ids), torch.tensor(values, dtype=torch.float32)
+
+
+class GrammarError(ValueError):
+    """A grammar or JSON schema that cannot constrain decoding: invalid, or using a
+    feature the grammar engine does not implement (the message names it)."""
+
+
+# JSON output uses fixed separators and no other whitespace: a small model offered free
+# whitespace can emit newlines until its budget runs out, and compact output stays short.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_TOKENIZERS: weakref.WeakKeyDictionary[Tokenizer, dict[int, Any]] = weakref.WeakKeyDictionary()
+_TOKENIZERS_LOCK = threading.Lock()
+
+
+def _grammar_tokenizer(tokenizer: Tokenizer, vocab_size: int) -> Any:
+    """llguidance's view of ``tokenizer`` over ``vocab_size`` logits; built once per
+    tokenizer (it walks the whole vocabulary: ~0.2 s for 49k tokens) and shared."""
+    import llguidance
+
+    with _TOKENIZERS_LOCK:
+        by_size = _TOKENIZERS.setdefault(tokenizer, {})
+        if vocab_size not in by_size:
+            by_size[vocab_size] = llguidance.LLTokenizer(
+                tokenizer.backend.to_str(), n_vocab=vocab_size, eos_token=list(tokenizer.eos_ids)
+            )
+        return by_size[vocab_size]
+
+
+class Grammar:
+    """A compiled token grammar for one tokenizer and logits width: which tokens may come
+    next. Immutable and shared by the requests that use it; each request advances a
+    `GrammarMatcher` of its own (`matcher`).
+
+    Built with llguidance (the grammar engine of llama.cpp and vLLM): its per-token mask
+    costs tens of microseconds on a 49k vocabulary, and it names the JSON Schema keywords
+    it does not implement instead of ignoring them.
+    """
+
+    def __init__(
+        self, grammar: str, tokenizer: Tokenizer, vocab_size: int, description: str
+    ) -> None:
+        import llguidance
+
+        self.description = description
+        self.vocab_size = vocab_size
+        self.eos_ids = tuple(tokenizer.eos_ids)
+        # log_level=0: a request's grammar failure is reported through GrammarError or our
+        # own log, not printed by the library.
+        template = llguidance.LLMatcher(
+            _grammar_tokenizer(tokenizer, vocab_size), grammar, log_level=0
+        )
+        if template.is_error():
+            raise GrammarError(f"{description}: {_first_line(template.get_error())}")
+        self._template = template
+        self._lock = threading.Lock()  # matchers are copied from any submitting thread
+
+    @classmethod
+    def json_schema(
+        cls, schema: Mapping[str, Any] | None, tokenizer: Tokenizer, vocab_size: int
+    ) -> Grammar:
+        """Output that parses as JSON and validates against ``schema``; ``None``: any JSON
+        object (OpenAI's ``json_object`` mode). Raises `GrammarError` for a schema that
+        uses a keyword llguidance does not implement (named), or an invalid one."""
+        import llguidance
+
+        if schema is None:
+            schema = {"type": "object"}
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(
+                dict(schema),
+                defaults=_JSON_OPTIONS,  # type: ignore[arg-type]
+            )
+        except ValueError as exc:
+            raise GrammarError(f"the JSON schema is not usable: {exc}") from None
+        return cls(grammar, tokenizer, vocab_size, "JSON schema")
+
+    def matcher(self, vocab_size: int) -> GrammarMatcher:
+        """A fresh matcher at the start of the grammar, for a request whose logits have
+        ``vocab_size`` columns (which must be the grammar's)."""
+        if vocab_size != self.vocab_size:
+            raise ValueError(
+                f"grammar built for {self.vocab_size} logits, the model has {vocab_size}: "
+                "build it with the model's info.vocab_size"
+            )
+        with self._lock:
+            matcher = self._template.deep_copy()
+        return GrammarMatcher(matcher, vocab_size, self.eos_ids)
+
+
+def _first_line(message: str) -> str:
+    return message.strip().splitlines()[0] if message.strip() else "invalid grammar"
+
+
+class GrammarMatcher:
+    """One request's place in a `Grammar`: the mask of allowed next tokens, advanced by
+    each token the request produces. Buffers are allocated once, not per step."""
+
+    def __init__(self, matcher: Any, vocab_size: int, eos_ids: Sequence[int]) -> None:
+        self._matcher = matcher
+        self.vocab_size = vocab_size
+        self._words = torch.zeros((vocab_size + 31) // 32, dtype=torch.int32)
+        self._blocked = torch.empty(vocab_size, dtype=torch.bool)
+        self._eos = torch.tensor(list(eos_ids), dtype=torch.long)
+        self._warned = False
+
+    def allowed(self) -> torch.Tensor:
+        """``bool[vocab]``: the tokens the grammar allows next (end-of-sequence tokens once
+        the grammar is complete)."""
+        self._matcher.unsafe_compute_mask_ptr(self._words.data_ptr(), self._words.numel() * 4)
+        # Bit i of 32-bit word w is token 32*w + i; on a little-endian host the words'
+        # bytes unpack in that order.
+        bits = np.unpackbits(self._words.numpy().view(np.uint8), bitorder="little")
+        return torch.from_numpy(bits[: self.vocab_size].view(np.bool_))
+
+    def restrict(self, logits: torch.Tensor) -> None:
+        """Set the logits of every token the grammar forbids to -inf, in place."""
+        allowed = self.allowed()
+        if not bool(allowed.any()):  # a matcher in error: end the request, never draw junk
+            allowed[self._eos] = True
+        torch.logical_not(allowed, out=self._blocked)
+        logits.masked_fill_(self._blocked, float("-inf"))
+
+    def accept(self, token: int) -> None:
+        """Advance past ``token``. A token the grammar forbids (only possible when the
+        caller drew without the mask) leaves the matcher in error: only end-of-sequence
+        is allowed from then on, so the request ends."""
+        if not self._matcher.consume_token(token) and not self._warned:
+            self._warned = True
+            log.warning("grammar refused token %d: %s", token, self.error)
+
+    @property
+    def is_accepting(self) -> bool:
+        """Whether the output so far is a complete match (it may still go on)."""
+        return bool(self._matcher.is_accepting())
+
+    @property
+    def is_stopped(self) -> bool:
+        """Whether the grammar allows nothing more but end-of-sequence."""
+        return bool(self._matcher.is_stopped())
+
+    @property
+    def error(self) -> str | None:
+        return _first_line(self._matcher.get_error()) if self._matcher.is_error() else None
 
 
 class StopMatcher:
