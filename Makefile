@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint types bench bench-deps clean
+.PHONY: run test lint types browser bench bench-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,8 +23,13 @@ run: $(STAMP)
 	$(BIN)/slotserve generate --chat --max-new-tokens 48 "Say hello in one sentence."
 	$(BIN)/slotserve serve --model bundled --max-seqs 4 --kv-layout cell
 
-test: $(STAMP) lint types
+test: $(STAMP) lint types browser
 	$(BIN)/python -m pytest -q
+
+# The web page's browser test drives Debian's Chromium (playwright uses it in place;
+# never `playwright install`, which downloads a browser build this network refuses).
+browser:
+	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check src tests

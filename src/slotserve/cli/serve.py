@@ -38,6 +38,7 @@ def register(commands: Any) -> None:
         f"(default {DEFAULT_HEADER_TIMEOUT_S:g}); slower ones are closed",
     )
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument("--no-web", action="store_true", help="no web page at / (chat, dashboard)")
 
 
 def served_name(spec: str) -> str:
@@ -64,4 +65,5 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         log_level=args.log_level,
         header_timeout_s=args.header_timeout,
+        web=not args.no_web,
     )

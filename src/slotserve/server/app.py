@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slotserve.engine import Engine
+from slotserve.server import dashboard
 from slotserve.server.errors import (
     APIError,
     api_error_handler,
@@ -29,8 +30,10 @@ def create_app(
     *,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    web: bool = True,
 ) -> FastAPI:
-    """The app serving ``engine`` as ``model_name``; closing the app closes the engine."""
+    """The app serving ``engine`` as ``model_name``; closing the app closes the engine.
+    ``web``: serve the page at ``/`` and its dashboard feed (`dashboard`)."""
     state = ServerState(None, model_name, api_key, max_body_bytes, created=int(time.time()))
     if engine is not None:
         state.attach(engine)
@@ -53,6 +56,8 @@ def create_app(
     app.include_router(v1)
     app.include_router(guarded)
     app.include_router(plain)
+    if web:
+        app.include_router(dashboard.router)
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)

@@ -41,11 +41,12 @@ def serve(
     max_body_bytes: int = 1 << 20,
     log_level: str = "warning",
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+    web: bool = True,
 ) -> int:
     """Serve ``engine`` as ``model_name`` until SIGINT/SIGTERM; returns the exit status (0).
 
     ``header_timeout_s`` bounds how long a connection may take to send a request head."""
-    app = create_app(engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes)
+    app = create_app(engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes, web=web)
     warn_if_exposed(host, api_key)
     config = uvicorn.Config(
         app,

@@ -1,0 +1,198 @@
+// The live dashboard: one SSE feed (/dashboard/events) of engine snapshots, drawn as tiles,
+// the slot table, the KV pool map, per-class latency charts, the memory plan and the
+// Prometheus latency summary. It keeps the last minute of samples; the server keeps none.
+
+import { CLASS_COLORS, drawKvMap, drawTimeSeries, ownerColor } from "./charts.js";
+import { escapeHtml } from "./markdown.js";
+import { readEvents } from "./sse.js";
+
+const WINDOW_S = 60; // samples kept, and the charts' widest span
+const MIN_WINDOW_S = 15; // the charts' span while the page is younger than WINDOW_S
+const RETRY_MS = 2000;
+
+function bytes(n) {
+  if (n === null || n === undefined) return "–";
+  for (const [unit, size] of [["GiB", 2 ** 30], ["MiB", 2 ** 20], ["KiB", 2 ** 10]]) {
+    if (Math.abs(n) >= size) return `${(n / size).toFixed(1)} ${unit}`;
+  }
+  return `${n} B`;
+}
+
+function ms(seconds) {
+  if (seconds === null || seconds === undefined) return "–";
+  return seconds >= 1 ? `${seconds.toFixed(2)} s` : `${(seconds * 1000).toFixed(1)} ms`;
+}
+
+function setText(id, text) {
+  document.getElementById(id).textContent = text;
+}
+
+export class Dashboard {
+  constructor(root, fetchWithKey) {
+    this.root = root;
+    this.fetch = fetchWithKey;
+    this.itl = {}; // class -> [[t, ms], ...] for the last WINDOW_S seconds
+    this.ttft = {};
+    this.latest = null;
+    this.since = null; // engine time of the first snapshot this page saw
+    window.addEventListener("resize", () => this.latest && this.render(this.latest));
+  }
+
+  /** Follow the feed; reconnect after a drop (a restarted server, a network blip). */
+  async connect() {
+    for (;;) {
+      try {
+        const response = await this.fetch("/dashboard/events");
+        if (response.ok) {
+          this.status("live");
+          for await (const data of readEvents(response)) {
+            const snapshot = JSON.parse(data);
+            if (snapshot.type === "closed") break;
+            this.take(snapshot);
+          }
+        }
+      } catch (error) {
+        console.warn("dashboard feed:", error);
+      }
+      this.status("offline");
+      await new Promise((resolve) => setTimeout(resolve, RETRY_MS));
+      this.status("connecting");
+    }
+  }
+
+  status(state) {
+    const pill = document.getElementById("feed-status");
+    pill.dataset.state = state;
+    pill.textContent = state;
+  }
+
+  take(snapshot) {
+    for (const [series, samples] of [[this.itl, snapshot.samples.itl], [this.ttft, snapshot.samples.ttft]]) {
+      for (const [cls, values] of Object.entries(samples)) {
+        series[cls] = (series[cls] || []).concat(values.map((v) => [snapshot.t, v * 1000]));
+      }
+      for (const cls of Object.keys(series)) {
+        series[cls] = series[cls].filter(([t]) => t >= snapshot.t - WINDOW_S);
+      }
+    }
+    this.latest = snapshot;
+    this.render(snapshot);
+  }
+
+  /** The charts' span: the page's age, between MIN_WINDOW_S and WINDOW_S. */
+  windowS(now) {
+    if (this.since === null) this.since = now;
+    return Math.min(WINDOW_S, Math.max(MIN_WINDOW_S, Math.ceil(now - this.since)));
+  }
+
+  render(s) {
+    const windowS = this.windowS(s.t);
+    this.renderTiles(s);
+    this.renderSlots(s.slots);
+    this.renderKv(s);
+    drawTimeSeries(document.getElementById("itl-chart"), this.itl, { now: s.t, windowS, empty: "no tokens yet" });
+    drawTimeSeries(document.getElementById("ttft-chart"), this.ttft, { now: s.t, windowS, empty: "no requests yet" });
+    this.renderClassLegend();
+    this.renderPlan(s.plan);
+    this.renderLatency(s.latency);
+    setText("build-cost", `this snapshot took ${s.build_ms.toFixed(2)} ms to build.`);
+  }
+
+  renderTiles(s) {
+    const st = s.stats;
+    setText("tile-slots", `${st.slots_in_use} / ${st.max_seqs}`);
+    setText("tile-queue", String(st.queue_len));
+    setText("kv-unit", s.kv.unit);
+    setText("tile-kv", `${s.kv.used} / ${s.kv.total}`);
+    document.getElementById("tile-kv").dataset.used = String(s.kv.used);
+    const p = s.pressure;
+    const pressure = document.getElementById("tile-pressure");
+    pressure.textContent = p.level === null ? "off" : `${p.level.toFixed(2)} / ${p.threshold}`;
+    setText("tile-pressure-note", p.level === null ? "no signal" : p.under ? "background paused" : "");
+    pressure.classList.toggle("hot", p.under);
+    setText("tile-cancel", String(st.cancellations));
+    const cancel = s.latency.cancel;
+    setText(
+      "tile-cancel-note",
+      cancel && cancel.count
+        ? `→ release: mean ${ms(cancel.mean)}` + (s.latency.cancel_recent !== null ? `, last ${ms(s.latency.cancel_recent)}` : "")
+        : "",
+    );
+    const refusals = Object.entries(st.refusals);
+    setText("tile-refused", String(refusals.reduce((n, [, count]) => n + count, 0)));
+    setText("tile-refused-note", refusals.map(([reason, count]) => `${reason} ${count}`).join(", "));
+    setText("policy", `policy ${s.policy} · ${st.steps} steps · ${st.admitted} admitted`);
+  }
+
+  renderSlots(slots) {
+    const body = this.root.querySelector("#slots tbody");
+    body.innerHTML = slots
+      .map((slot) => {
+        if (slot.state === "idle") {
+          return `<tr data-state="idle"><td>${slot.slot}</td><td><span class="badge idle">idle</span></td><td colspan="5"></td></tr>`;
+        }
+        const cls = escapeHtml(slot.class);
+        return (
+          `<tr data-state="${slot.state}" data-class="${cls}">` +
+          `<td><span class="swatch" style="background:${ownerColor(slot.slot)}"></span>${slot.slot}</td>` +
+          `<td><span class="badge ${slot.state}">${slot.state}</span></td>` +
+          `<td><span class="badge" style="color:${CLASS_COLORS[slot.class] || "inherit"}">${cls}</span></td>` +
+          `<td>#${slot.request_id}</td><td>${slot.prompt_tokens}</td><td>${slot.generated_tokens}</td>` +
+          `<td>${slot.age_s.toFixed(1)} s</td></tr>`
+        );
+      })
+      .join("");
+  }
+
+  renderKv(s) {
+    const kv = s.kv;
+    drawKvMap(document.getElementById("kv-map"), kv, s.stats.max_seqs);
+    const shape = kv.unit === "blocks" ? `${kv.layout}, ${kv.block_size} tokens a block` : `${kv.layout}, ${kv.row_cells} positions a row`;
+    setText("kv-caption", `${shape} · ${bytes(s.plan.kv_pool_bytes)}`);
+    const owners = kv.owners.map(
+      (o) => `<span><i style="background:${ownerColor(o.slot)}"></i>slot ${o.slot} · #${o.request_id} · ${escapeHtml(o.class)} · ${o.tokens} tok</span>`,
+    );
+    const held = kv.unit === "blocks" ? `reserved ahead (${kv.reserved})` : "held, not yet written";
+    owners.push(`<span><i class="reserved"></i>${held}</span>`, `<span><i class="free"></i>free (${kv.free})</span>`);
+    this.root.querySelector("#kv-legend").innerHTML = owners.join("");
+  }
+
+  renderClassLegend() {
+    this.root.querySelector("#class-legend").innerHTML = Object.entries(CLASS_COLORS)
+      .map(([cls, color]) => `<span><i style="background:${color}"></i>${cls}</span>`)
+      .join("");
+  }
+
+  renderPlan(plan) {
+    const limits = plan.memory_map || {};
+    const total = plan.memory_budget || plan.worst_case_bytes;
+    const rows = Object.entries(plan.arenas).map(([arena, used]) => {
+      const limit = limits[arena] || total;
+      const share = Math.min(100, (100 * used) / limit);
+      return (
+        `<div class="bar-row"><span class="name">${arena}</span>` +
+        `<span class="bar"><span class="fill ${arena}" style="width:${share}%"></span></span>` +
+        `<span class="num">${bytes(used)}${plan.memory_map ? ` / ${bytes(limit)}` : ""}</span></div>`
+      );
+    });
+    const budget = plan.memory_budget
+      ? `worst case ${bytes(plan.worst_case_bytes)} of a ${bytes(plan.memory_budget)} budget (headroom ${bytes(plan.headroom_bytes)})`
+      : plan.memory_map
+        ? `per-arena budgets; headroom ${bytes(plan.headroom_bytes)}`
+        : `worst case ${bytes(plan.worst_case_bytes)}; no budget set (bars are shares of the worst case)`;
+    const levers = `max_seqs ${plan.max_seqs} × ${bytes(plan.bytes_per_session)} KV a session at max_context ${plan.max_context}`;
+    this.root.querySelector("#plan").innerHTML =
+      rows.join("") + `<p class="note">${budget}.<br>${levers}.</p>`;
+  }
+
+  renderLatency(latency) {
+    const names = { ttft: "TTFT", itl: "ITL", queue: "queue", cancel: "cancel→release" };
+    this.root.querySelector("#latency tbody").innerHTML = Object.entries(names)
+      .filter(([key]) => latency[key])
+      .map(([key, label]) => {
+        const h = latency[key];
+        return `<tr><td>${label}</td><td>${h.count}</td><td>${ms(h.mean)}</td><td>${ms(h.p50)}</td><td>${ms(h.p95)}</td></tr>`;
+      })
+      .join("");
+  }
+}
