@@ -7,19 +7,34 @@ once (exit status 2).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from slotserve.cli.flags import add_engine_args, engine_config
+from slotserve.engine.config import EngineConfig
+
+if TYPE_CHECKING:
+    from slotserve.server.defaults import SamplingDefaults
 
 # The server's default, repeated so that `--help` does not import the HTTP stack.
 DEFAULT_HEADER_TIMEOUT_S = 5.0
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
+# Without --queue-depth the server queues this many requests per slot (each with the
+# --queue-timeout deadline) instead of refusing at once, as the peers do. Queued requests
+# hold no KV, so the memory plan is unchanged.
+QUEUE_PER_SLOT = 4
 
 
 def register(commands: Any) -> None:
-    parser = commands.add_parser("serve", help="OpenAI-compatible HTTP server")
+    parser = commands.add_parser(
+        "serve",
+        help="OpenAI-compatible HTTP server",
+        description="OpenAI-compatible HTTP server. Requests that find every slot busy wait "
+        f"in a queue of {QUEUE_PER_SLOT} x --max-seqs (deadline --queue-timeout); "
+        "--queue-depth 0 refuses them at once (429).",
+    )
     add_engine_args(parser)
     parser.add_argument(
         "--host",
@@ -38,7 +53,58 @@ def register(commands: Any) -> None:
         f"(default {DEFAULT_HEADER_TIMEOUT_S:g}); slower ones are closed",
     )
     parser.add_argument("--log-level", default="warning")
+    add_server_args(parser)
     parser.add_argument("--no-web", action="store_true", help="no web page at / (chat, dashboard)")
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """Sampling defaults, /metrics protection and CORS."""
+    sampling = parser.add_argument_group(
+        "sampling defaults",
+        "for fields a request leaves out; without these flags, the model's "
+        "generation_config.json, else temperature 0.8, top_p 0.95, top_k 40, min_p 0.05",
+    )
+    sampling.add_argument("--temperature", type=float, default=None)
+    sampling.add_argument("--top-p", type=float, default=None)
+    sampling.add_argument("--top-k", type=int, default=None)
+    sampling.add_argument("--min-p", type=float, default=None)
+    sampling.add_argument("--repeat-penalty", type=float, default=None)
+    parser.add_argument(
+        "--metrics-key",
+        default=None,
+        help="require this key (Authorization: Bearer or X-Api-Key) for /metrics, "
+        "which is otherwise open to local monitoring",
+    )
+    parser.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let a browser page from ORIGIN (e.g. http://localhost:5173) call the API; "
+        "repeat for more; off by default",
+    )
+
+
+def sampling_defaults(args: argparse.Namespace) -> SamplingDefaults:
+    """The model's (or the local-server) defaults, with the sampling flags over them."""
+    from slotserve.server.defaults import defaults_for
+
+    return defaults_for(args.model).overridden(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repeat_penalty,
+    )
+
+
+def with_server_queue(config: EngineConfig, args: argparse.Namespace) -> EngineConfig:
+    """``config`` with the server's default queue when neither --queue-depth nor a preset
+    chose one."""
+    chosen = args.queue_depth is not None or getattr(args, "preset", None) is not None
+    if chosen:
+        return config
+    return dataclasses.replace(config, queue_depth=QUEUE_PER_SLOT * config.max_seqs)
 
 
 def served_name(spec: str) -> str:
@@ -55,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
     from slotserve.server import serve
 
     model = load(args.model, weights=args.weights)
-    engine = Engine(model, engine_config(args))  # PlanError if it does not fit
+    config = with_server_queue(engine_config(args), args)
+    engine = Engine(model, config)  # PlanError if it does not fit
     return serve(
         engine,
         args.served_model_name or served_name(args.model),
@@ -65,5 +132,8 @@ def run(args: argparse.Namespace) -> int:
         max_body_bytes=args.max_body_bytes,
         log_level=args.log_level,
         header_timeout_s=args.header_timeout,
+        sampling=sampling_defaults(args),
+        metrics_key=args.metrics_key,
+        cors_origins=args.cors_origin,
         web=not args.no_web,
     )

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slotserve.engine import Engine
 from slotserve.server import dashboard
+from slotserve.server.defaults import SamplingDefaults
 from slotserve.server.errors import (
     APIError,
     api_error_handler,
@@ -19,7 +21,7 @@ from slotserve.server.errors import (
     unexpected_handler,
     validation_handler,
 )
-from slotserve.server.routes import guarded, plain, v1
+from slotserve.server.routes import V1_PREFIX, guarded, plain, v1
 from slotserve.server.security import BodyLimit
 from slotserve.server.state import DEFAULT_MAX_BODY_BYTES, ServerState
 
@@ -30,11 +32,22 @@ def create_app(
     *,
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    sampling: SamplingDefaults | None = None,  # for fields a request leaves out
+    metrics_key: str | None = None,  # required by /metrics when given
+    cors_origins: Sequence[str] = (),  # browser origins allowed to call the API
     web: bool = True,
 ) -> FastAPI:
     """The app serving ``engine`` as ``model_name``; closing the app closes the engine.
     ``web``: serve the page at ``/`` and its dashboard feed (`dashboard`)."""
-    state = ServerState(None, model_name, api_key, max_body_bytes, created=int(time.time()))
+    state = ServerState(
+        None,
+        model_name,
+        api_key,
+        max_body_bytes,
+        created=int(time.time()),
+        sampling=sampling or SamplingDefaults(),
+        metrics_key=metrics_key,
+    )
     if engine is not None:
         state.attach(engine)
 
@@ -53,7 +66,8 @@ def create_app(
         redirect_slashes=False,
     )
     app.state.server = state
-    app.include_router(v1)
+    app.include_router(v1, prefix=V1_PREFIX)
+    app.include_router(v1)  # the same routes without /v1, as the peers accept them
     app.include_router(guarded)
     app.include_router(plain)
     if web:
@@ -63,4 +77,14 @@ def create_app(
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(Exception, unexpected_handler)
     app.add_middleware(BodyLimit, limit=max_body_bytes)
+    if cors_origins:
+        # Added last, so outermost: preflights are answered before any key check, and
+        # error responses (401, 413) carry the CORS headers a browser needs to read them.
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(cors_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type", "X-Api-Key", "X-Priority"],
+            max_age=600,
+        )
     return app

@@ -13,12 +13,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from slotserve.engine import Engine, Finished, TokenEvent
-from slotserve.sampling import SamplingParams
+from slotserve.sampling import Grammar, SamplingParams
 from slotserve.server import responses as fmt
+from slotserve.server.defaults import SamplingDefaults
 from slotserve.server.errors import CONTEXT_LENGTH_EXCEEDED, APIError, error_body
 from slotserve.server.generation import collect, merged, submit_all
 from slotserve.server.schemas import ChatMessage, CompletionRequest, SamplingFields
 from slotserve.server.state import ServerState
+from slotserve.server.structured import logit_bias, response_grammar
 
 
 def chat_tokens(
@@ -53,17 +55,30 @@ def prompt_tokens(engine: Engine, prompt: str | list[int], param: str) -> list[i
     return tokens
 
 
-def sampling_params(body: SamplingFields, room: int, choice: int) -> SamplingParams:
+def _given(value: float | None, default: float) -> float:
+    return default if value is None else value
+
+
+def sampling_params(
+    body: SamplingFields,
+    room: int,
+    choice: int,
+    defaults: SamplingDefaults | None = None,
+    grammar: Grammar | None = None,
+    bias: tuple[tuple[int, float], ...] = (),
+) -> SamplingParams:
+    """The engine's parameters for choice ``choice`` of ``body``: the request's fields, and
+    the server's ``defaults`` for those it leaves out."""
+    defaults = defaults or SamplingDefaults()
     budget = body.token_budget()
     seed = None if body.seed is None else body.seed + choice
-    top_p = body.top_p if body.top_p is not None else 1.0
     try:
         return SamplingParams(
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=max(top_p, 1e-6),
-            top_k=body.top_k or 0,
-            min_p=body.min_p or 0.0,
-            repetition_penalty=body.repetition_penalty or 1.0,
+            temperature=_given(body.temperature, defaults.temperature),
+            top_p=max(_given(body.top_p, defaults.top_p), 1e-6),
+            top_k=int(_given(body.top_k, defaults.top_k)),
+            min_p=_given(body.min_p, defaults.min_p),
+            repetition_penalty=_given(body.repetition_penalty, defaults.repetition_penalty),
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             seed=seed,
@@ -71,6 +86,8 @@ def sampling_params(body: SamplingFields, room: int, choice: int) -> SamplingPar
             stop=body.stop_strings(),
             ignore_eos=body.ignore_eos,
             logprobs=body.logprobs_count(),
+            logit_bias=bias,
+            grammar=grammar,
         )
     except ValueError as exc:
         raise APIError(400, str(exc), "invalid_request_error", code="invalid_value") from None
@@ -109,7 +126,9 @@ async def generate(
     param = "messages" if kind == "chat" else "prompt"
     tokens = prompt_tokens(engine, prompt, param)
     room = engine.config.max_context - len(tokens)
-    params = [sampling_params(body, room, i) for i in range(n)]
+    grammar = await response_grammar(engine, body)
+    bias = logit_bias(engine, body)
+    params = [sampling_params(body, room, i, state.sampling, grammar, bias) for i in range(n)]
     handles = submit_all(engine, tokens, params, priority_of(body, request), param)
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())

@@ -78,6 +78,11 @@ async def validation_handler(request: Request, exc: Exception) -> JSONResponse:
         at = f" at character {where[0]}" if where else ""
         message = f"the request body is not valid JSON: {reason}{at}"
         return JSONResponse(error_body(message, "invalid_request_error"), 400)
+    if first.get("type") == "unsupported_parameter":  # schemas.refuse_unsupported
+        param = first["ctx"]["param"]
+        return JSONResponse(
+            error_body(first["msg"], "invalid_request_error", param, "unsupported_parameter"), 400
+        )
     location = [str(p) for p in first.get("loc", ()) if p != "body"]
     detail = first.get("msg", "invalid request")
     if first.get("type") == "value_error" and "ctx" in first:

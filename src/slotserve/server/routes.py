@@ -17,13 +17,15 @@ from slotserve.server.schemas import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from slotserve.server.security import require_api_key
+from slotserve.server.security import require_api_key, require_metrics_key
 from slotserve.server.state import ServerState
 
-# redirect_slashes=False everywhere: see create_app. `guarded` holds live activity and CPU
-# work; health and metrics stay open to local monitoring.
+# redirect_slashes=False everywhere: see create_app. `v1` (OpenAI's routes) is mounted both
+# at /v1 and at the root, as the peers do; `guarded` holds live activity and CPU work;
+# health stays open, and metrics too unless --metrics-key is given.
 _KEY = [Depends(require_api_key)]
-v1 = APIRouter(prefix="/v1", dependencies=_KEY, redirect_slashes=False)
+V1_PREFIX = "/v1"
+v1 = APIRouter(dependencies=_KEY, redirect_slashes=False)
 guarded = APIRouter(dependencies=_KEY, redirect_slashes=False)
 plain = APIRouter(redirect_slashes=False)
 
@@ -102,7 +104,7 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok", "model": state.model_name})
 
 
-@plain.get("/metrics")
+@plain.get("/metrics", dependencies=[Depends(require_metrics_key)])
 async def metrics(request: Request) -> Response:
     state = state_of(request)
     if state.metrics is None:

@@ -13,12 +13,14 @@ import ipaddress
 import logging
 import signal
 import socket
+from collections.abc import Sequence
 from types import FrameType
 
 import uvicorn
 
 from slotserve.engine import Engine
 from slotserve.server.app import create_app
+from slotserve.server.defaults import SamplingDefaults
 from slotserve.server.protocol import DEFAULT_HEADER_TIMEOUT_S, protocol_with_header_timeout
 from slotserve.server.state import ServerState
 
@@ -41,12 +43,26 @@ def serve(
     max_body_bytes: int = 1 << 20,
     log_level: str = "warning",
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+    sampling: SamplingDefaults | None = None,
+    metrics_key: str | None = None,
+    cors_origins: Sequence[str] = (),
     web: bool = True,
 ) -> int:
     """Serve ``engine`` as ``model_name`` until SIGINT/SIGTERM; returns the exit status (0).
 
-    ``header_timeout_s`` bounds how long a connection may take to send a request head."""
-    app = create_app(engine, model_name, api_key=api_key, max_body_bytes=max_body_bytes, web=web)
+    ``header_timeout_s`` bounds how long a connection may take to send a request head;
+    ``sampling`` fills the fields a request leaves out (logged here, at startup);
+    ``metrics_key`` guards /metrics; ``cors_origins`` may call the API from a browser."""
+    app = create_app(
+        engine,
+        model_name,
+        api_key=api_key,
+        max_body_bytes=max_body_bytes,
+        sampling=sampling,
+        metrics_key=metrics_key,
+        cors_origins=cors_origins,
+        web=web,
+    )
     warn_if_exposed(host, api_key)
     config = uvicorn.Config(
         app,
@@ -58,6 +74,9 @@ def serve(
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
     log.info("serving %s at http://%s:%s/v1", model_name, host, port)
+    log.info("sampling defaults: %s", app.state.server.sampling.describe())
+    if cors_origins:
+        log.info("CORS: allowing %s", ", ".join(cors_origins))
     CancellingServer(config, app.state.server).run()
     return 0
 

@@ -1,7 +1,11 @@
 """Request bodies of the OpenAI-compatible routes, validated with pydantic.
 
-Unknown fields are ignored (clients send more than we use); every known field is checked
-with a message that names it and its limit. Every string a known field carries must be
+Fields of OpenAI's request schemas that the server does not implement are refused (400
+``unsupported_parameter`` naming the field; `UNSUPPORTED` is the one list), unless their
+value asks for nothing (``tools: []``, ``modalities: ["text"]``). Fields that change nothing
+here (`NO_OPS`: ``user``, ``store``, ``metadata`` …) are accepted. Fields no schema knows
+are ignored (clients send more than we use). Every known field is checked with a message
+that names it and its limit. Every string a known field carries must be
 valid Unicode: JSON can spell a lone UTF-16 surrogate (``"\\ud800"``), which no tokenizer
 or UTF-8 response can carry, so it is refused here (400 naming the field) and never reaches
 them.
@@ -9,11 +13,85 @@ them.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 Priority = Literal["interactive", "normal", "background"]
+
+UNSUPPORTED_PARAMETER = "unsupported_parameter"
+
+
+def _empty(value: Any, body: dict[str, Any]) -> bool:
+    return value is None or value == [] or value == {}
+
+
+def _no_tool_call(value: Any, body: dict[str, Any]) -> bool:
+    return value in (None, "none", "auto")
+
+
+def _text_only(value: Any, body: dict[str, Any]) -> bool:
+    return value is None or value == ["text"]
+
+
+def _one_per_choice(value: Any, body: dict[str, Any]) -> bool:
+    n = body.get("n") or 1
+    return value is None or (isinstance(value, int) and value == n)
+
+
+def _default_verbosity(value: Any, body: dict[str, Any]) -> bool:
+    return value in (None, "medium")
+
+
+# Fields of OpenAI's chat and completions requests this server does not implement, each with
+# the test for values that ask nothing of it (accepted). Any other value is refused: 400
+# unsupported_parameter naming the field. tests/server/test_unsupported.py checks that every
+# field of the spec is implemented, in NO_OPS, or here.
+UNSUPPORTED: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
+    "tools": _empty,
+    "tool_choice": _no_tool_call,  # "auto" without tools calls none
+    "functions": _empty,
+    "function_call": _no_tool_call,
+    "audio": _empty,
+    "modalities": _text_only,
+    "web_search_options": _empty,
+    "reasoning_effort": _empty,
+    "verbosity": _default_verbosity,
+    "moderation": _empty,
+    "suffix": lambda value, body: value in (None, ""),
+    "best_of": _one_per_choice,  # best_of == n is plain sampling
+}
+# Fields accepted whatever their value, because honouring them changes no output: tags and
+# storage (we store nothing), billing and caching hints, tool-call parallelism without tools,
+# and a prediction (it only speeds up a response whose content stays the same).
+NO_OPS = frozenset(
+    {
+        "user",
+        "store",
+        "metadata",
+        "service_tier",
+        "safety_identifier",
+        "prompt_cache_key",
+        "prompt_cache_options",
+        "prompt_cache_retention",
+        "parallel_tool_calls",
+        "prediction",
+    }
+)
+
+
+def refuse_unsupported(body: dict[str, Any]) -> None:
+    """Raise a pydantic ``unsupported_parameter`` error naming the first field of ``body``
+    that asks for something this server does not do."""
+    for name, harmless in UNSUPPORTED.items():
+        if name in body and not harmless(body[name], body):
+            raise PydanticCustomError(
+                UNSUPPORTED_PARAMETER,
+                "{param}: this server does not support this parameter (value {value}); remove it",
+                {"param": name, "value": repr(body[name])[:80]},
+            )
 
 
 class InvalidText(ValueError):
@@ -68,6 +146,35 @@ class StreamOptions(Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(Body):
+    """``response_format.json_schema``: the schema the output must validate against."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    # "schema" would shadow a BaseModel attribute: stored as schema_, sent as "schema".
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(Body):
+    """``response_format``: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError('type "json_schema" needs a json_schema object with a schema')
+        return self
+
+
+# OpenAI's range for a logit bias; keys are token ids written as strings.
+LogitBias = Annotated[float, Field(ge=-100.0, le=100.0)]
+
+
 class SamplingFields(Body):
     """Fields shared by chat and text completions."""
 
@@ -88,6 +195,27 @@ class SamplingFields(Body):
     user: str | None = None
     priority: Priority | None = None
     ignore_eos: bool = False  # extension (as vLLM): generate through end-of-sequence
+    response_format: ResponseFormat | None = None  # also on completions (as vLLM)
+    logit_bias: dict[str, LogitBias] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            refuse_unsupported(data)
+        return data
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.strip().isdigit():
+                raise ValueError(f"key {key!r} is not a token id: use token ids as strings")
+        return value
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as (token id, bias) pairs (ids not yet checked against a vocabulary)."""
+        return tuple((int(key), float(bias)) for key, bias in (self.logit_bias or {}).items())
 
     @field_validator("stop")
     @classmethod
@@ -125,7 +253,8 @@ class ChatMessage(Body):
             return self.content or ""
         if any(part.type != "text" for part in self.content):
             raise ValueError("only text content parts are supported")
-        return "".join(part.text or "" for part in self.content)
+        # Parts are separate pieces of text: joined with a line break, never run together.
+        return "\n".join(part.text or "" for part in self.content)
 
 
 class ChatCompletionRequest(SamplingFields):

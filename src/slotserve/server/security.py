@@ -11,16 +11,31 @@ from slotserve.server.errors import APIError, error_body
 
 
 async def require_api_key(request: Request) -> None:
-    """With an API key configured, every /v1 route needs ``Authorization: Bearer KEY``."""
-    expected = request.app.state.server.api_key
+    """With an API key configured, every guarded route needs it, as
+    ``Authorization: Bearer KEY`` or ``X-Api-Key: KEY``."""
+    check_key(request, request.app.state.server.api_key, "API key")
+
+
+async def require_metrics_key(request: Request) -> None:
+    """With ``--metrics-key`` set, ``/metrics`` needs that key (same headers)."""
+    check_key(request, request.app.state.server.metrics_key, "metrics key")
+
+
+def check_key(request: Request, expected: str | None, what: str) -> None:
+    """401 unless ``expected`` is None or the request carries it (either header)."""
     if expected is None:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, given = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), expected.encode()):
+    scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+    offered = [request.headers.get("x-api-key")]
+    if scheme.lower() == "bearer":
+        offered.append(bearer)
+    if not any(
+        given is not None and hmac.compare_digest(given.encode(), expected.encode())
+        for given in offered
+    ):
         raise APIError(
             401,
-            "missing or wrong API key: send Authorization: Bearer <key>",
+            f"missing or wrong {what}: send Authorization: Bearer <key> or X-Api-Key: <key>",
             "invalid_request_error",
             code="invalid_api_key",
         )

@@ -8,6 +8,7 @@ import threading
 from dataclasses import dataclass, field
 
 from slotserve.engine import Engine
+from slotserve.server.defaults import SamplingDefaults
 from slotserve.server.metrics import PrometheusMetrics
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
@@ -21,6 +22,8 @@ class ServerState:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     metrics: PrometheusMetrics | None = None
     created: int = 0
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
+    metrics_key: str | None = None
     shutting_down: bool = False
     _closer: threading.Thread | None = field(default=None, repr=False)
 
