@@ -162,6 +162,8 @@ def test_class_latency_samples() -> None:
     # A request that left is forgotten.
     latency.observe(1.25, [])
     assert latency.observe(1.5, [slot(1, "interactive", 7, 1.6)])["ttft"] == {"interactive": [1.6]}
+    # A page opened while a request runs gives it no TTFT: its first token may be long past.
+    assert ClassLatency().observe(9.0, [slot(4, "normal", 50, 8.0)])["ttft"] == {}
 
 
 def test_histogram_view_bucket_quantiles(tiny: ss.Model) -> None:

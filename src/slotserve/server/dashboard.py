@@ -206,11 +206,13 @@ class ClassLatency:
     ITL: when a request's generated count rises from g0 (at t0, the last change) to g1 at
     t1, the mean gap over those tokens is (t1 - t0) / (g1 - g0); a stall shows up as one
     large sample. TTFT: a request's age (from submit) when its first token is first seen,
-    so an upper bound at the feed's resolution (one interval). The exact figures of
-    finished requests are the Prometheus histograms, which do not know the class."""
+    so an upper bound at the feed's resolution (one interval); requests already running
+    at the first call give none (their first token may be long past). The exact figures
+    of finished requests are the Prometheus histograms, which do not know the class."""
 
     def __init__(self) -> None:
         self._seen: dict[int, _Progress] = {}
+        self._primed = False  # False until the first call
 
     def observe(
         self, now: float, slots: Iterable[dict[str, object]]
@@ -226,7 +228,7 @@ class ClassLatency:
             before = self._seen.get(request_id)
             progress = before or _Progress(priority, now, 0)
             if generated > progress.generated:
-                if progress.generated == 0:
+                if progress.generated == 0 and self._primed:
                     age = _float(slot["age_s"])
                     samples["ttft"].setdefault(priority, []).append(age)
                 elif before is not None:
@@ -234,7 +236,7 @@ class ClassLatency:
                     samples["itl"].setdefault(priority, []).append(gap)
                 progress = _Progress(priority, now, generated)
             current[request_id] = progress
-        self._seen = current
+        self._seen, self._primed = current, True
         return samples
 
 
