@@ -24,6 +24,7 @@ LAYERS: dict[str, int] = {
     "plan": 2,
     "artifact": 3,
     "executor": 4,
+    "presets": 4,
     "engine": 5,
     "runner": 6,
     "server": 7,

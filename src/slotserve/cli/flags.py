@@ -1,11 +1,43 @@
-"""Flags shared by several commands, and the one mapping of engine flags to `EngineConfig`."""
+"""Flags shared by several commands, and the one mapping of engine flags to `EngineConfig`.
+
+Engine flags default to None ("not given"), so that `engine_config` can tell an explicit
+flag from a default: without ``--preset`` the defaults are `EngineConfig`'s own; with
+``--preset NAME`` they are the preset's, and explicit flags override it.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+from typing import Any
 
 from slotserve.engine.config import EngineConfig
+from slotserve.engine.pressure import PRESSURE_SPELLINGS, PressureSource, pressure_from
 from slotserve.plan import MemoryMap, parse_bytes
+from slotserve.presets import PRESET_NAMES, PresetChoice, choose_preset
+
+# Engine flags: argparse dest → (EngineConfig field, type, choices, help).
+ENGINE_FLAGS: dict[str, tuple[str, Any, tuple[str, ...] | None, str]] = {
+    "max_seqs": ("max_seqs", int, None, "live sessions at most"),
+    "max_context": ("max_context", int, None, "positions per session"),
+    "kv_layout": ("kv_layout", str, ("flat", "ring", "cell"), "KV layout"),
+    "kv_dtype": ("kv_dtype", str, ("fp32", "fp16", "bf16", "int8"), "KV element type"),
+    "block_size": ("block_size", int, None, "cell layout: positions per block"),
+    "num_blocks": ("num_blocks", int, None, "cell layout: blocks in the pool"),
+    "ring_window": ("ring_window", int, None, "ring layout: positions kept"),
+    "sinks": ("sinks", int, None, "ring layout: first positions kept forever"),
+    "max_batch_tokens": ("max_batch_tokens", int, None, "tokens one step computes at most"),
+    "policy": ("policy", str, ("isolate", "fifo"), "isolate: never co-batch classes"),
+    "queue_depth": ("queue_depth", int, None, "requests that may wait for a slot"),
+    "queue_timeout": ("queue_timeout_s", float, None, "seconds a queued request may wait"),
+    "background_share": (
+        "background_min_share",
+        float,
+        None,
+        "isolate: background's minimum share of steps when it competes, in [0, 1)",
+    ),
+}
+_CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 
 
 def add_weights_arg(parser: argparse.ArgumentParser) -> None:
@@ -14,6 +46,16 @@ def add_weights_arg(parser: argparse.ArgumentParser) -> None:
         choices=["fp32", "int8"],
         default="fp32",
         help="int8: quantised projections, faster decode, less exact",
+    )
+
+
+def add_preset_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--preset",
+        choices=PRESET_NAMES,
+        default=None,
+        help="workload preset: sizes the engine for a workload shape and --memory-budget "
+        "(explicit flags override it; `slotserve plan --preset NAME` says why)",
     )
 
 
@@ -32,20 +74,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every command that sizes a KV pool (read by `engine_config`)."""
     parser.add_argument("--model", default="bundled", help="'bundled', a .gguf file or an HF dir")
     add_weights_arg(parser)
-    parser.add_argument("--max-seqs", type=int, default=4)
-    parser.add_argument("--max-context", type=int, default=2048)
-    parser.add_argument("--kv-layout", choices=["flat", "ring", "cell"], default="flat")
-    parser.add_argument("--kv-dtype", choices=["fp32", "fp16", "bf16", "int8"], default="fp32")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument(
-        "--num-blocks", type=int, default=None, help="cell layout: blocks in the pool"
-    )
-    parser.add_argument("--ring-window", type=int, default=1024)
-    parser.add_argument("--sinks", type=int, default=0)
-    parser.add_argument("--max-batch-tokens", type=int, default=512)
-    parser.add_argument("--policy", choices=["isolate", "fifo"], default="isolate")
-    parser.add_argument("--queue-depth", type=int, default=0)
-    parser.add_argument("--queue-timeout", type=float, default=30.0)
+    add_preset_arg(parser)
+    for dest, (field, kind, choices, text) in ENGINE_FLAGS.items():
+        default = _CONFIG_DEFAULTS[field]
+        parser.add_argument(
+            "--" + dest.replace("_", "-"),
+            dest=dest,
+            type=kind,
+            choices=choices,
+            default=None,
+            help=f"{text} (default {default}, or the preset's)",
+        )
     parser.add_argument("--memory-budget", default=None, help="e.g. 1GiB, 512MB, 1073741824")
     parser.add_argument(
         "--memory-map",
@@ -55,24 +94,65 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    """An `EngineConfig` from the flags of `add_engine_args`."""
-    return EngineConfig(
-        max_seqs=args.max_seqs,
-        max_context=args.max_context,
-        kv_layout=args.kv_layout,
-        kv_dtype=args.kv_dtype,
-        block_size=args.block_size,
-        ring_window=args.ring_window,
-        sinks=args.sinks,
-        num_blocks=args.num_blocks,
-        memory_budget=parse_bytes(args.memory_budget) if args.memory_budget else None,
-        memory_map=memory_map_from(args.memory_map),
-        policy=args.policy,
-        max_batch_tokens=args.max_batch_tokens,
-        queue_depth=args.queue_depth,
-        queue_timeout_s=args.queue_timeout,
+def add_pressure_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--pressure",
+        type=_pressure_spec,
+        default="off",
+        metavar="SOURCE",
+        help=f"device-pressure signal: {PRESSURE_SPELLINGS} (default off). Under pressure "
+        "background admission pauses (refusals say 'pressure') and batches halve; "
+        "file:PATH reads a level (1.0 = threshold) that another process writes",
     )
+
+
+def _pressure_spec(text: str) -> str:
+    """Check the spelling at parse time, before a model is loaded."""
+    try:
+        pressure_from(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def pressure_source(args: argparse.Namespace) -> PressureSource | None:
+    """The `PressureSource` of ``--pressure`` (None for ``off``)."""
+    return pressure_from(args.pressure)
+
+
+def explicit_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """The `EngineConfig` fields the engine flags set explicitly (not left at None)."""
+    settings = {
+        field: getattr(args, dest)
+        for dest, (field, *_rest) in ENGINE_FLAGS.items()
+        if getattr(args, dest, None) is not None
+    }
+    memory_map = memory_map_from(getattr(args, "memory_map", None))
+    if memory_map is not None:
+        settings["memory_map"] = memory_map
+    return settings
+
+
+def engine_config(args: argparse.Namespace, model: Any = None) -> EngineConfig:
+    """The `EngineConfig` of the engine flags (see `resolve_engine_config`)."""
+    return resolve_engine_config(args, model)[0]
+
+
+def resolve_engine_config(
+    args: argparse.Namespace, model: Any = None
+) -> tuple[EngineConfig, PresetChoice | None]:
+    """The one place engine defaults are resolved: `EngineConfig`'s own defaults, or with
+    ``--preset`` the preset's choice for ``model`` (a loaded `Model`) and the budget, with
+    the reasons; explicit flags override either."""
+    settings = explicit_settings(args)
+    budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+    preset = getattr(args, "preset", None)
+    if preset is None:
+        return EngineConfig(**settings, memory_budget=budget), None
+    if model is None:
+        raise ValueError(f"--preset {preset} sizes the engine for a model; load it first")
+    choice = choose_preset(preset, model.info, model.weight_bytes, budget, settings)
+    return EngineConfig(**choice.settings), choice
 
 
 def memory_map_from(text: str | None) -> MemoryMap | None:

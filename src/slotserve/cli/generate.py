@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from typing import Any
 
-from slotserve.cli.flags import add_sampling_args
+from slotserve.cli.flags import add_preset_arg, add_sampling_args
+
+log = logging.getLogger("slotserve")
 
 
 def register(commands: Any) -> None:
@@ -16,6 +19,10 @@ def register(commands: Any) -> None:
     parser.add_argument("--chat", action="store_true", help="wrap PROMPT in the chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
     add_sampling_args(parser)
+    add_preset_arg(parser)
+    parser.add_argument(
+        "--memory-budget", default=None, help="with --preset: the budget it sizes for"
+    )
 
 
 def generation_config(args: argparse.Namespace) -> Any:
@@ -39,7 +46,8 @@ def print_piece(piece: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from slotserve.runner import TextLLMRunner
 
-    runner = TextLLMRunner(args.model, max_context=args.max_context, weights=args.weights)
+    model, context = _model_and_context(args)
+    runner = TextLLMRunner(model, max_context=context, weights=args.weights)
     runner.load()
     prompt: str | list[int] = args.prompt
     if args.chat:
@@ -58,6 +66,27 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"\n[{summary(result)}]", file=sys.stderr)
     return 0
+
+
+def _model_and_context(args: argparse.Namespace) -> tuple[Any, int | None]:
+    """The runner's model (spec, or loaded here when ``--preset`` must size for it) and
+    its context: ``--max-context``, else the preset's. generate runs one request on the
+    runner's one-slot flat engine, so of a preset only its context applies (logged)."""
+    if args.preset is None:
+        return args.model, args.max_context
+    from slotserve.artifact import load
+    from slotserve.engine import EngineConfig
+
+    model = load(args.model, weights=args.weights)
+    config = EngineConfig.preset(args.preset, model, args.memory_budget)
+    log.info(
+        "preset %s: max_context=%d; generate serves one request on a one-slot flat engine, "
+        "so the preset's layout (%s), concurrency and queue do not apply here",
+        args.preset,
+        config.max_context,
+        config.kv_layout,
+    )
+    return model, args.max_context or config.max_context
 
 
 def summary(result: Any) -> str:

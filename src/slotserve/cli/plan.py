@@ -1,15 +1,17 @@
-"""``slotserve plan``: print a capacity plan (table or JSON), optionally measured."""
+"""``slotserve plan``: print a capacity plan (table or JSON), optionally measured; with
+``--preset``, first the preset's choice and why, one line per decision."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from slotserve.cli.flags import add_engine_args, engine_config
+from slotserve.cli.flags import add_engine_args, resolve_engine_config
 from slotserve.plan import format_bytes
 
 
@@ -28,8 +30,16 @@ def run(args: argparse.Namespace) -> int:
     from slotserve.memory import rss_bytes
 
     model = load(args.model, weights=args.weights)
-    plan = engine_config(args).plan(model.info, model.weight_bytes)
+    config, choice = resolve_engine_config(args, model)
+    plan = config.plan(model.info, model.weight_bytes)
     report = plan.to_dict()
+    if choice is not None:
+        report["preset"] = {
+            "name": choice.row.name,
+            "row": {"shape": choice.row.shape, "admission": choice.row.admission},
+            "decisions": [_jsonable(dataclasses.asdict(d)) for d in choice.decisions],
+            "notes": list(choice.notes),
+        }
     if args.measure:
         before = rss_bytes()
         pool = KVPool(model.info, plan.kv)
@@ -40,9 +50,19 @@ def run(args: argparse.Namespace) -> int:
         }
     if args.json:
         print(json.dumps(report, indent=2))
-    else:
-        _print_table(report)
+        return 0 if plan.fits else 1
+    if choice is not None:
+        # Plain print, not rich: the lines are the explanation, one per decision.
+        print("\n".join(choice.lines()))
+    _print_table(report)
     return 0 if plan.fits else 1
+
+
+def _jsonable(decision: dict[str, Any]) -> dict[str, Any]:
+    value = decision["value"]
+    if not isinstance(value, int | float | str | bool | None):
+        decision["value"] = str(value)
+    return decision
 
 
 def _print_table(report: dict[str, object]) -> None:

@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from slotserve.info import ModelInfo
 from slotserve.kv.config import KVConfig
 from slotserve.plan import CapacityPlan, MemoryMap, parse_bytes
+from slotserve.presets import DEFAULT_BACKGROUND_SHARE, choose_preset, estimated_weight_bytes
 
 POLICIES = ("isolate", "fifo")
+
+
+class _LoadedModel(Protocol):
+    """What a preset needs of a loaded `Model`: its shape and its resident weight bytes."""
+
+    @property
+    def info(self) -> ModelInfo: ...
+
+    @property
+    def weight_bytes(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -21,7 +33,8 @@ class EngineConfig:
     ``queue_depth`` requests may wait for a slot (0: refuse at once), each at most
     ``queue_timeout_s``. ``policy="isolate"`` never
     co-batches priority classes (interactive first; background gets at least
-    ``background_min_share`` of steps when it has work); ``"fifo"`` co-batches everything.
+    ``background_min_share`` of steps when it competes with other classes, so it is never
+    starved); ``"fifo"`` co-batches everything.
     Prompts are prefilled ``prefill_chunk`` tokens at a time, interleaved with decodes, and a
     step computes at most ``max_batch_tokens`` tokens.
     """
@@ -41,7 +54,7 @@ class EngineConfig:
     max_batch_tokens: int = 512
     queue_depth: int = 0
     queue_timeout_s: float = 30.0
-    background_min_share: float = 0.0
+    background_min_share: float = DEFAULT_BACKGROUND_SHARE
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -63,6 +76,35 @@ class EngineConfig:
         if isinstance(self.memory_budget, str):
             parse_bytes(self.memory_budget)  # fail here, with the parser's message
         self.kv_config()  # validates layout, dtype, sizes
+
+    @classmethod
+    def preset(
+        cls,
+        name: str,
+        model: ModelInfo | _LoadedModel,
+        memory_budget: int | str | None,
+        **overrides: Any,
+    ) -> EngineConfig:
+        """The config of workload preset ``name`` (`slotserve.presets.PRESETS`: ``chat``,
+        ``chat+background``, ``voice``, ``document-agent``, ``shared-prompt``) for a model
+        (a loaded `Model`, or its `ModelInfo` with fp32 weights assumed) and a budget.
+
+        ``max_context`` (and the ring window of ``document-agent``) is the largest the
+        budget allows for the preset's shape. ``overrides`` are `EngineConfig` fields that
+        replace the preset's choice; the sized settings are then computed around them.
+        `slotserve.presets.choose_preset` gives the same choice with its reasons."""
+        unknown = set(overrides) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(
+                f"{sorted(unknown)} are not EngineConfig fields; use any of "
+                f"{sorted(cls.__dataclass_fields__)}"
+            )
+        if isinstance(model, ModelInfo):
+            info, weight_bytes = model, estimated_weight_bytes(model)
+        else:
+            info, weight_bytes = model.info, model.weight_bytes
+        choice = choose_preset(name, info, weight_bytes, memory_budget, overrides)
+        return cls(**choice.settings)
 
     def kv_config(self) -> KVConfig:
         return KVConfig(

@@ -1,15 +1,21 @@
-"""`PressureSource`: a device-pressure signal (thermal zones, or any callable).
+"""`PressureSource`: a device-pressure signal (thermal zones, a file, or any callable).
 
 Level 0.0 is idle, 1.0 is the threshold of trouble. Under pressure the engine pauses
-background admission and halves its batches.
+background admission (refusals say ``pressure``) and halves its batches. `pressure_from`
+turns the ``serve --pressure`` spelling (``thermal``, ``file:PATH``, ``off``) into a source.
 """
 
 from __future__ import annotations
 
 import glob
+import logging
+import math
+import threading
 from collections.abc import Callable
+from pathlib import Path
 
 THERMAL_GLOB = "/sys/class/thermal/thermal_zone*/temp"
+log = logging.getLogger("slotserve")
 
 
 class PressureSource:
@@ -42,3 +48,69 @@ class PressureSource:
 
     def under_pressure(self) -> bool:
         return self.level() >= self.threshold
+
+    def reading(self) -> float:
+        """`level`, or 0.0 when the signal cannot be read (for monitoring, which must not
+        fail because the signal does; the engine logs such failures where it acts)."""
+        try:
+            return self.level()
+        except Exception:
+            return 0.0
+
+
+class FileLevel:
+    """A pressure level that another process writes to a file, as one number (``0.3``).
+
+    A missing file reads as 0.0 (no signal yet). Text that is not a finite number (a
+    writer caught mid-write) keeps the last good level, so a torn write neither raises
+    nor drops the pressure. Each kind of trouble is logged once until the file reads
+    well again.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._last = 0.0
+        self._complained: str | None = None
+        self._lock = threading.Lock()  # the engine thread and stats() both read
+
+    def __call__(self) -> float:
+        with self._lock:
+            try:
+                text = self.path.read_text().strip()
+            except FileNotFoundError:
+                self._complain("missing", "%s does not exist; pressure taken as 0.0")
+                self._last = 0.0
+                return 0.0
+            except OSError as exc:
+                self._complain("unreadable", f"%s cannot be read ({exc}); keeping the last level")
+                return self._last
+            try:
+                value = float(text)
+            except ValueError:
+                value = math.nan
+            if not math.isfinite(value):
+                self._complain("garbled", f"%s holds {text!r}, not a number; keeping the last")
+                return self._last
+            self._complained = None
+            self._last = value
+            return value
+
+    def _complain(self, kind: str, message: str) -> None:
+        if self._complained != kind:
+            self._complained = kind
+            log.warning("pressure file " + message, self.path)
+
+
+PRESSURE_SPELLINGS = "thermal, file:PATH or off"
+
+
+def pressure_from(spec: str, threshold: float = 1.0) -> PressureSource | None:
+    """``"thermal"`` (the thermal zones), ``"file:PATH"`` (`FileLevel`) or ``"off"``
+    (None: no signal) → a `PressureSource`."""
+    if spec == "off":
+        return None
+    if spec == "thermal":
+        return PressureSource(threshold=threshold)
+    if spec.startswith("file:") and len(spec) > len("file:"):
+        return PressureSource(FileLevel(spec.removeprefix("file:")), threshold=threshold)
+    raise ValueError(f"--pressure {spec!r}: use {PRESSURE_SPELLINGS}")

@@ -5,33 +5,35 @@ Pure policy over `Request` objects: it never touches tensors or the KV pool.
 
 from __future__ import annotations
 
-from collections import deque
-
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.events import PRIORITIES, Priority
 from slotserve.engine.request import Request
-
-SHARE_WINDOW = 50  # steps over which background's minimum share is measured
 
 
 class Scheduler:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self._recent_classes: deque[Priority] = deque(maxlen=SHARE_WINDOW)
+        # Background's accrued claim on contended steps (deficit round robin): each step
+        # where background waits behind another class adds ``background_min_share``; a
+        # whole step's worth buys background the step. Steps background runs alone earn
+        # nothing, so a fresh or idle scheduler never lets background jump the queue.
+        self._background_credit = 0.0
 
     def pick_class(self, ready: list[Request]) -> Priority | None:
-        """isolate: the highest class with ready work, except that background takes a
-        step when its share of recent steps fell below ``background_min_share``."""
+        """isolate: the highest class with ready work, except that background takes one
+        step in every ``1 / background_min_share`` steps where it competes with another
+        class, so it is never starved."""
         classes = {r.priority for r in ready}
         if not classes:
             return None
+        best = next(c for c in PRIORITIES if c in classes)
         share = self.config.background_min_share
-        if "background" in classes and share > 0 and len(classes) > 1:
-            recent = self._recent_classes
-            taken = sum(c == "background" for c in recent) / max(len(recent), 1)
-            if taken < share:
+        if "background" in classes and best != "background" and share > 0:
+            self._background_credit += share
+            if self._background_credit >= 1.0 - 1e-9:  # 10 x 0.1 sums to 0.999…
+                self._background_credit -= 1.0
                 return "background"
-        return next(c for c in PRIORITIES if c in classes)
+        return best
 
     def select(self, running: list[Request], max_batch: int) -> list[tuple[Request, int]]:
         """The step: each chosen request with the number of tokens it feeds.
@@ -54,6 +56,4 @@ class Scheduler:
             chunk = min(self.config.prefill_chunk, len(request.prompt) - request.prefilled, budget)
             work.append((request, chunk))
             budget -= chunk
-        if work:
-            self._recent_classes.append(work[0][0].priority)
         return work
