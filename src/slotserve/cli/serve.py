@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from slotserve.cli.flags import add_engine_args, engine_config
+from slotserve.cli.flags import add_engine_args, add_pressure_arg, engine_config, pressure_source
 from slotserve.engine.config import EngineConfig
 
 if TYPE_CHECKING:
@@ -36,6 +36,7 @@ def register(commands: Any) -> None:
         "--queue-depth 0 refuses them at once (429).",
     )
     add_engine_args(parser)
+    add_pressure_arg(parser)
     parser.add_argument(
         "--host",
         default="127.0.0.1",
@@ -121,8 +122,9 @@ def run(args: argparse.Namespace) -> int:
     from slotserve.server import serve
 
     model = load(args.model, weights=args.weights)
-    config = with_server_queue(engine_config(args), args)
-    engine = Engine(model, config)  # PlanError if it does not fit
+    config = engine_config(args, model)  # with --preset: sized for this model
+    config = with_server_queue(config, args)
+    engine = Engine(model, config, pressure=pressure_source(args))  # PlanError if no fit
     return serve(
         engine,
         args.served_model_name or served_name(args.model),

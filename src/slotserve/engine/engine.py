@@ -64,6 +64,7 @@ class EngineStats:
     steps: int
     steps_by_batch_size: dict[int, int] = field(default_factory=dict)
     steps_by_class: dict[str, int] = field(default_factory=dict)
+    pressure_level: float | None = None  # None: no pressure signal
 
 
 class Engine:
@@ -215,6 +216,7 @@ class Engine:
                 steps=sum(counters.steps_by_batch_size.values()),
                 steps_by_batch_size=dict(counters.steps_by_batch_size),
                 steps_by_class=dict(counters.steps_by_class),
+                pressure_level=None if self.pressure is None else self.pressure.reading(),
             )
 
     def slots(self) -> list[dict[str, object]]:

@@ -94,6 +94,10 @@ class _EngineCollector:
             ("slotserve_queue_length", "Requests waiting for a slot", stats.queue_len),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
+        if stats.pressure_level is not None:  # only with a pressure signal (serve --pressure)
+            yield GaugeMetricFamily(
+                "slotserve_pressure_level", "Device pressure (1.0: threshold)", stats.pressure_level
+            )
         refusals = CounterMetricFamily(
             "slotserve_admissions_refused", "Refusals by reason", labels=["reason"]
         )
