@@ -105,6 +105,18 @@ def test_snapshot_shows_busy_slots_owners_and_freed_blocks(
     assert after["latency"]["cancel_recent"] is not None  # both cancels since the last one
 
 
+def test_pressure_level_from_stats(tiny: ss.Model) -> None:
+    config = ss.EngineConfig(max_seqs=1, max_context=64)
+    with ss.Engine(tiny, config, pressure=ss.PressureSource(lambda: 1.5)) as engine:
+        assert SnapshotFeed(engine, None, "tiny").snapshot()["pressure"] == {
+            "level": 1.5,
+            "threshold": 1.0,
+            "under": True,
+        }
+    with ss.Engine(tiny, config) as engine:
+        assert SnapshotFeed(engine, None, "tiny").snapshot()["pressure"]["level"] is None
+
+
 def test_rows_for_flat_layout(tiny: ss.Model) -> None:
     config = ss.EngineConfig(max_seqs=2, max_context=64, kv_layout="flat")
     with ss.Engine(tiny, config) as engine:

@@ -174,20 +174,13 @@ def _float(value: object) -> float:
     return float(value) if isinstance(value, int | float) else 0.0
 
 
-def pressure_view(engine: Engine) -> dict[str, Any]:
-    """The pressure level, if the engine has a signal (a Python-API option)."""
+def pressure_view(engine: Engine, level: float | None) -> dict[str, Any]:
+    """The pressure level `Engine.stats` read (None without a signal: serve --pressure)
+    against the engine's threshold."""
     source = engine.pressure
-    if source is None:
+    if source is None or level is None:
         return {"level": None, "threshold": None, "under": False}
-    try:
-        level: float | None = source.level()
-    except Exception:  # an unreadable signal: the engine takes it as no pressure too
-        level = None
-    return {
-        "level": level,
-        "threshold": source.threshold,
-        "under": level is not None and level >= source.threshold,
-    }
+    return {"level": level, "threshold": source.threshold, "under": level >= source.threshold}
 
 
 @dataclasses.dataclass
@@ -266,7 +259,7 @@ class SnapshotFeed:
             "slots": slots,
             "kv": kv_view(engine, stats.kv_blocks_used, stats.kv_blocks_free, slots),
             "plan": self._plan,
-            "pressure": pressure_view(engine),
+            "pressure": pressure_view(engine, stats.pressure_level),
             "samples": self.latency.observe(now, slots),
             "latency": self._latency(),
         }
