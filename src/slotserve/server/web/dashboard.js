@@ -108,7 +108,7 @@ export class Dashboard {
     const p = s.pressure;
     const pressure = document.getElementById("tile-pressure");
     pressure.textContent = p.level === null ? "off" : `${p.level.toFixed(2)} / ${p.threshold}`;
-    setText("tile-pressure-note", p.level === null ? "no signal (--pressure)" : p.under ? "background paused" : "");
+    setText("tile-pressure-note", p.level === null ? "no signal" : p.under ? "background paused" : "");
     pressure.classList.toggle("hot", p.under);
     setText("tile-cancel", String(st.cancellations));
     const cancel = s.latency.cancel;
