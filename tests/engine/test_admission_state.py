@@ -125,8 +125,10 @@ class AdmissionMachine(RuleBasedStateMachine):
             if outcome == "cancelled":
                 assert request.cancelled.is_set() and not self.admission.closing
             else:
-                if outcome == "queue_timeout":
+                if outcome in ("queue_timeout", "pressure"):
                     assert request.deadline is not None and self.now >= request.deadline
+                    paused = request.priority == "background" and self.pressure
+                    assert (outcome == "pressure") == paused
                 else:
                     assert outcome == "closed" and self.admission.closing
                 assert self.admission.refusal(outcome).reason == outcome  # as the engine does

@@ -139,6 +139,25 @@ def test_pressure_pauses_background_and_shrinks_batches(tiny: ss.Model) -> None:
         engine.close()
 
 
+def test_background_queued_under_pressure_expires_as_pressure(tiny: ss.Model) -> None:
+    """A queue lets paused background work wait out a short spell of pressure; if the
+    pressure outlasts its deadline, the refusal names the pressure, not the queue."""
+    config = ss.EngineConfig(max_seqs=2, max_context=256, queue_depth=2, queue_timeout_s=0.1)
+    level = {"value": 2.0}
+    engine = ss.Engine(tiny, config, pressure=ss.PressureSource(lambda: level["value"]))
+    try:
+        paused = engine.submit([5, 6], LONG, priority="background")
+        with pytest.raises(ss.AdmissionRefused) as err:
+            paused.result()
+        assert err.value.reason == "pressure"
+        level["value"] = 0.0
+        waits = engine.submit([5, 6], ss.SamplingParams(max_new_tokens=2), priority="background")
+        assert waits.result().reason in ("stop", "length")
+        assert engine.stats().refusals == {"pressure": 1}
+    finally:
+        engine.close()
+
+
 def test_stats_report_classes_and_states(tiny: ss.Model) -> None:
     engine = ss.Engine(tiny, ss.EngineConfig(max_seqs=3, max_context=256, kv_layout="cell"))
     try:

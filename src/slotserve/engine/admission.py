@@ -132,8 +132,8 @@ class Admission:
 
     def take_leaving(self, now: float) -> list[tuple[Request, str]]:
         """Remove and return the queued requests that leave without running: cancelled
-        (``"cancelled"``), past their deadline (``"queue_timeout"``) or closed out
-        (``"closed"``)."""
+        (``"cancelled"``), past their deadline (``"queue_timeout"``, or ``"pressure"`` for
+        background work that device pressure still holds back) or closed out (``"closed"``)."""
         leaving: list[tuple[Request, str]] = []
         for request in list(self.queue):
             if request.cancelled.is_set() and not self.closing:
@@ -141,7 +141,7 @@ class Admission:
             elif self.closing:
                 leaving.append((request, "closed"))
             elif request.deadline is not None and now >= request.deadline:
-                leaving.append((request, "queue_timeout"))
+                leaving.append((request, self._expiry_reason(request)))
             else:
                 continue
             self.queue.remove(request)
@@ -161,6 +161,12 @@ class Admission:
         assert len(queued) == len(self.queue), "a request queued twice"
         assert not queued & set(self.running), "a request both queued and running"
         assert len(self.running) <= self.config.max_seqs, "more sessions than max_seqs"
+
+    def _expiry_reason(self, request: Request) -> str:
+        """Why a queued request ran out of time: the pressure that paused it, if that is
+        still what holds it back, else the queue's deadline."""
+        paused = request.priority == "background" and self.under_pressure()
+        return "pressure" if paused else "queue_timeout"
 
     def _queue_ahead_of(self, priority: Priority) -> bool:
         """Whether a queued request of the same or a higher class waits already."""

@@ -48,7 +48,7 @@ class Usage:
 
 @dataclass(frozen=True)
 class Finished:
-    """The one terminal event of a request that ran."""
+    """The one terminal event of a request that ran (``priority``: its class)."""
 
     reason: FinishReason
     usage: Usage
@@ -57,6 +57,7 @@ class Finished:
     tokens: tuple[int, ...]
     error: str | None = None
     eos_token: int | None = None  # the end-of-sequence token that ended it, if any
+    priority: Priority = "normal"
 
 
 @dataclass(frozen=True)

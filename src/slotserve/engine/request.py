@@ -91,6 +91,7 @@ class Request:
             tokens=tuple(self.generated),
             error=error,
             eos_token=self.eos_token,
+            priority=self.priority,
         )
         self.sink.put(finished)
         return finished
