@@ -1,0 +1,46 @@
+"""New-user check (issue 14): ask a running server "What is the capital of France?" 20 times
+per setting and count the answers that contain "Paris".
+
+    slotserve serve &            # the bundled model, default sampling
+    python tools/new_user_check.py http://127.0.0.1:8000
+"""
+
+from __future__ import annotations
+
+import sys
+
+import httpx
+
+QUESTION = "What is the capital of France?"
+SETTINGS = {
+    "server defaults (no temperature sent)": {},
+    "temperature 1.0 sent, other defaults applied": {"temperature": 1.0},
+    "OpenAI's plain temperature 1.0 (no top-k/top-p/min-p)": {
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "min_p": 0.0,
+    },
+    "temperature 0 (greedy)": {"temperature": 0},
+}
+
+
+def ask(url: str, extra: dict[str, float]) -> str:
+    body = {
+        "model": "SmolLM2-135M-Instruct",
+        "max_tokens": 64,
+        "messages": [{"role": "user", "content": QUESTION}],
+        **extra,
+    }
+    reply = httpx.post(url + "/v1/chat/completions", json=body, timeout=120).json()
+    return str(reply["choices"][0]["message"]["content"])
+
+
+def main(url: str, runs: int = 20) -> None:
+    for name, extra in SETTINGS.items():
+        hits = sum("Paris" in ask(url, extra) for _ in range(runs))
+        print(f"{name}: {hits}/{runs} answers contain 'Paris'")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:8000")
