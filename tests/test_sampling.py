@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import jsonschema
+import llguidance
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from slotserve.sampling import (
-    Grammar,
+    GrammarCompiler,
     GrammarError,
     RequestSampler,
     SamplingParams,
@@ -165,6 +168,12 @@ def byte_tokenizer() -> Tokenizer:
     return Tokenizer(tiny_tokenizer(), bos_id=None, eos_ids=[2], chat_template=None)
 
 
+@pytest.fixture(scope="module")
+def compiler(byte_tokenizer: Tokenizer) -> GrammarCompiler:
+    """Grammars over the byte tokenizer's logits (its llguidance index built once)."""
+    return GrammarCompiler(byte_tokenizer, TINY_VOCAB)
+
+
 def test_logit_bias_removes_and_forces_tokens() -> None:
     logits = torch.tensor([0.0, 3.0, 2.5, -1.0])
     banned = RequestSampler(SamplingParams(temperature=0, logit_bias=((1, -100.0),)), 4)
@@ -185,22 +194,46 @@ def test_logit_bias_outside_the_vocabulary_names_it() -> None:
         RequestSampler(SamplingParams(logit_bias=((9, 1.0),)), 4)
 
 
-def test_unsupported_schema_keyword_is_named(byte_tokenizer: Tokenizer) -> None:
+def test_unsupported_schema_keyword_is_named(compiler: GrammarCompiler) -> None:
     schema = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
     with pytest.raises(GrammarError, match="uniqueItems"):
-        Grammar.json_schema(schema, byte_tokenizer, TINY_VOCAB)
+        compiler.json_schema(schema)
 
 
-def test_grammar_must_match_the_logits_width(byte_tokenizer: Tokenizer) -> None:
-    grammar = Grammar.json_schema(None, byte_tokenizer, TINY_VOCAB)
+def test_a_compiler_builds_its_tokenizer_index_once(
+    byte_tokenizer: Tokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Grammars compiled at once from many threads share one llguidance tokenizer index."""
+    built: list[int] = []
+    real = llguidance.LLTokenizer
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        built.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(llguidance, "LLTokenizer", counting)
+    compiler = GrammarCompiler(byte_tokenizer, TINY_VOCAB)
+    with ThreadPoolExecutor(8) as pool:
+        grammars = list(pool.map(compiler.json_schema, [TINY_SCHEMA, None] * 8))
+    assert len(built) == 1
+    first = [grammar.matcher(TINY_VOCAB).allowed() for grammar in grammars]
+    assert all(
+        byte_tokenizer.decode(allowed.nonzero().flatten().tolist()) == "{" for allowed in first
+    )
+
+
+def test_grammar_must_match_the_logits_width(compiler: GrammarCompiler) -> None:
+    grammar = compiler.json_schema(None)
     with pytest.raises(ValueError, match="vocab_size"):
         RequestSampler(SamplingParams(grammar=grammar), TINY_VOCAB + 1)
 
 
-def test_constrained_and_free_rows_share_a_batch(byte_tokenizer: Tokenizer) -> None:
+def test_constrained_and_free_rows_share_a_batch(
+    byte_tokenizer: Tokenizer, compiler: GrammarCompiler
+) -> None:
     """Each row keeps its own rule: the free row is the plain argmax, the constrained row
     starts the JSON object, and the caller's logits are not changed."""
-    grammar = Grammar.json_schema(TINY_SCHEMA, byte_tokenizer, TINY_VOCAB)
+    grammar = compiler.json_schema(TINY_SCHEMA)
     logits = torch.randn(2, TINY_VOCAB, generator=torch.Generator().manual_seed(0))
     before = logits.clone()
     free = RequestSampler(SamplingParams(temperature=0), TINY_VOCAB)
@@ -230,12 +263,12 @@ def _run_constrained(
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), temperature=st.sampled_from([0.0, 0.8, 1.5]))
 def test_constrained_output_is_always_valid_json(
-    byte_tokenizer: Tokenizer, seed: int, temperature: float
+    byte_tokenizer: Tokenizer, compiler: GrammarCompiler, seed: int, temperature: float
 ) -> None:
     """Whatever the logits say, the grammar's state advances with each drawn token and the
     output is valid: complete JSON that validates when the request ended at EOS, and always
     a prefix of such a document (the schema bounds its length, so EOS comes in time)."""
-    grammar = Grammar.json_schema(TINY_SCHEMA, byte_tokenizer, TINY_VOCAB)
+    grammar = compiler.json_schema(TINY_SCHEMA)
     params = SamplingParams(temperature=temperature, top_k=40, seed=seed, grammar=grammar)
     sampler = RequestSampler(params, TINY_VOCAB)
     tokens, ended = _run_constrained(sampler, seed, eos=2, limit=120)
@@ -245,8 +278,8 @@ def test_constrained_output_is_always_valid_json(
     jsonschema.validate(document, TINY_SCHEMA)
 
 
-def test_any_json_object_mode(byte_tokenizer: Tokenizer) -> None:
-    grammar = Grammar.json_schema(None, byte_tokenizer, TINY_VOCAB)
+def test_any_json_object_mode(byte_tokenizer: Tokenizer, compiler: GrammarCompiler) -> None:
+    grammar = compiler.json_schema(None)
     sampler = RequestSampler(SamplingParams(temperature=0, grammar=grammar), TINY_VOCAB)
     # Steer the free-form object shut: bias towards "}" so that it ends, as a model would.
     close = byte_tokenizer.encode("}")[0]
@@ -263,9 +296,11 @@ def test_any_json_object_mode(byte_tokenizer: Tokenizer) -> None:
     assert isinstance(json.loads(byte_tokenizer.decode(tokens)), dict)
 
 
-def test_a_forbidden_token_ends_the_request(byte_tokenizer: Tokenizer) -> None:
+def test_a_forbidden_token_ends_the_request(
+    byte_tokenizer: Tokenizer, compiler: GrammarCompiler
+) -> None:
     """A token drawn around the mask puts the matcher in error; from then on only EOS."""
-    grammar = Grammar.json_schema(TINY_SCHEMA, byte_tokenizer, TINY_VOCAB)
+    grammar = compiler.json_schema(TINY_SCHEMA)
     sampler = RequestSampler(SamplingParams(temperature=0, grammar=grammar), TINY_VOCAB)
     sampler.accept(byte_tokenizer.encode("x")[0])
     assert sampler.matcher is not None and sampler.matcher.error is not None

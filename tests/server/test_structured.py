@@ -3,8 +3,10 @@ against a real server (the tiny random model: whatever it prefers, the grammar d
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,8 @@ from slotserve.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from slotserve.server.structured import GrammarCache
+from slotserve.testing import tiny_model
 from tests.server.conftest import ServerProcess
 
 # Every property bounded, so even a random model finishes the document in ~70 tokens.
@@ -208,6 +212,21 @@ def test_unsupported_schema_feature_is_named(
         )
     assert "uniqueItems" in str(info.value)
     assert info.value.param == "response_format.json_schema.schema"  # type: ignore[attr-defined]
+
+
+def test_grammar_cache_keeps_one_compiler_per_model(tmp_path: Path) -> None:
+    """Each model's grammars share its compiler (one tokenizer index); it goes with the model."""
+    cache = GrammarCache()
+    first, second = tiny_model(tmp_path / "a"), tiny_model(tmp_path / "b")
+    compiler = cache.compiler(first)
+    assert cache.compiler(first) is compiler
+    assert compiler.tokenizer is first.tokenizer
+    assert compiler.vocab_size == first.info.vocab_size
+    assert cache.compiler(second) is not compiler
+    gone = weakref.ref(compiler)
+    del first, compiler
+    gc.collect()
+    assert gone() is None
 
 
 def test_routes_without_v1(tiny_server: ServerProcess) -> None:

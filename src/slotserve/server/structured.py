@@ -2,8 +2,10 @@
 `Grammar` (structured outputs) and ``logit_bias`` checked against the vocabulary.
 
 Grammars are compiled off the event loop (a large schema takes milliseconds to compile, the
-first one also builds the tokenizer's index) and kept in a small LRU by schema, so a client
-that sends the same schema again pays nothing.
+first one for a model also builds its tokenizer's index) and kept in a small LRU by schema,
+so a client that sends the same schema again pays nothing. The cache keeps one
+`GrammarCompiler` per model (held weakly: it goes with the model), so each model's tokenizer
+index is built once.
 """
 
 from __future__ import annotations
@@ -11,11 +13,13 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Any
 
 from slotserve.engine import Engine
-from slotserve.sampling import Grammar, GrammarError
+from slotserve.model import Model
+from slotserve.sampling import Grammar, GrammarCompiler, GrammarError
 from slotserve.server.errors import APIError
 from slotserve.server.schemas import SamplingFields
 
@@ -24,11 +28,16 @@ SCHEMA_PARAM = "response_format.json_schema.schema"
 
 
 class GrammarCache:
-    """Compiled grammars by (engine, schema text), least recently used dropped first."""
+    """Compiled grammars by (engine, schema text), least recently used dropped first, and
+    each model's `GrammarCompiler`. Any thread may call `get`; one lock guards both maps
+    (compiling happens outside it)."""
 
     def __init__(self, size: int = GRAMMAR_CACHE_SIZE) -> None:
         self.size = size
         self._grammars: OrderedDict[tuple[int, str], Grammar] = OrderedDict()
+        self._compilers: weakref.WeakKeyDictionary[Model, GrammarCompiler] = (
+            weakref.WeakKeyDictionary()
+        )
         self._lock = threading.Lock()
 
     def get(self, engine: Engine, schema: dict[str, Any] | None) -> Grammar:
@@ -38,13 +47,21 @@ class GrammarCache:
             if key in self._grammars:
                 self._grammars.move_to_end(key)
                 return self._grammars[key]
-        model = engine.model
-        grammar = Grammar.json_schema(schema, model.tokenizer, model.info.vocab_size)
+        grammar = self.compiler(engine.model).json_schema(schema)
         with self._lock:
             self._grammars[key] = grammar
             while len(self._grammars) > self.size:
                 self._grammars.popitem(last=False)
         return grammar
+
+    def compiler(self, model: Model) -> GrammarCompiler:
+        """The grammar compiler of ``model``'s tokenizer and logits width, made once."""
+        with self._lock:
+            compiler = self._compilers.get(model)
+            if compiler is None:
+                compiler = GrammarCompiler(model.tokenizer, model.info.vocab_size)
+                self._compilers[model] = compiler
+            return compiler
 
 
 GRAMMARS = GrammarCache()

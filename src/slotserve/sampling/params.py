@@ -1,0 +1,85 @@
+"""`SamplingParams`: how one request picks its tokens, validated when it is made.
+
+Owns the parameters and their ranges only; the sampler (`sampler.py`) applies them and the
+grammar (`grammar.py`) is carried here as an opaque, already compiled value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slotserve.sampling.grammar import Grammar
+
+MIN_TEMPERATURE = 1e-5
+MAX_LOGIT_BIAS = 100.0
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens. ``temperature == 0`` is greedy.
+
+    ``seed`` makes sampling reproducible per request (the same seed gives the same tokens
+    whatever else is running). ``stop`` strings end generation and are never emitted.
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k >= 0: the chosen token's and the top k
+    # (token id, bias) pairs added to the logits, as OpenAI's logit_bias (-100..100).
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    # Only tokens this grammar allows next may be drawn (structured outputs).
+    grammar: Grammar | None = None
+
+    def __post_init__(self) -> None:
+        _check(0.0 <= self.temperature <= 100.0, "temperature", self.temperature, "0..100")
+        _check(self.top_k >= 0, "top_k", self.top_k, ">= 0 (0 disables)")
+        _check(0.0 < self.top_p <= 1.0, "top_p", self.top_p, "(0, 1]")
+        _check(0.0 <= self.min_p <= 1.0, "min_p", self.min_p, "[0, 1]")
+        _check(self.repetition_penalty > 0, "repetition_penalty", self.repetition_penalty, "> 0")
+        _check(
+            -2.0 <= self.presence_penalty <= 2.0, "presence_penalty", self.presence_penalty, "-2..2"
+        )
+        _check(
+            -2.0 <= self.frequency_penalty <= 2.0,
+            "frequency_penalty",
+            self.frequency_penalty,
+            "-2..2",
+        )
+        _check(self.max_new_tokens >= 0, "max_new_tokens", self.max_new_tokens, ">= 0")
+        if self.logprobs is not None:
+            _check(0 <= self.logprobs <= 20, "logprobs", self.logprobs, "0..20")
+        if self.seed is not None:
+            _check(-(2**63) <= self.seed < 2**64, "seed", self.seed, "a 64-bit integer")
+        if isinstance(self.stop, str) or any(not s for s in self.stop):
+            raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
+        for token, bias in self.logit_bias:
+            _check(token >= 0, "logit_bias token id", token, ">= 0")
+            _check(-MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS, "logit_bias", bias, "-100..100")
+
+    @property
+    def greedy(self) -> bool:
+        # Temperatures this small make every distribution one-hot (and overflow the
+        # division), so they are greedy.
+        return self.temperature < MIN_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
+
+
+def _check(ok: bool, name: str, value: object, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is out of range; allowed: {allowed}")
