@@ -54,6 +54,7 @@ def test_file_pressure_pauses_then_resumes_background(
         assert "pressure" in refused.json()["error"]["message"]
         assert complete(server, model, "interactive").status_code == 200
         assert pressure_gauge(server) == 2.0
+        assert httpx.get(server.url + "/slots").headers["x-pressure-level"] == "2"
         metrics = httpx.get(server.url + "/metrics").text
         assert 'slotserve_admissions_refused_total{reason="pressure"} 1.0' in metrics
 

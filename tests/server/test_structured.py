@@ -3,10 +3,8 @@ against a real server (the tiny random model: whatever it prefers, the grammar d
 
 from __future__ import annotations
 
-import gc
 import json
 import threading
-import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -214,19 +212,19 @@ def test_unsupported_schema_feature_is_named(
     assert info.value.param == "response_format.json_schema.schema"  # type: ignore[attr-defined]
 
 
-def test_grammar_cache_keeps_one_compiler_per_model(tmp_path: Path) -> None:
-    """Each model's grammars share its compiler (one tokenizer index); it goes with the model."""
-    cache = GrammarCache()
-    first, second = tiny_model(tmp_path / "a"), tiny_model(tmp_path / "b")
-    compiler = cache.compiler(first)
-    assert cache.compiler(first) is compiler
-    assert compiler.tokenizer is first.tokenizer
-    assert compiler.vocab_size == first.info.vocab_size
-    assert cache.compiler(second) is not compiler
-    gone = weakref.ref(compiler)
-    del first, compiler
-    gc.collect()
-    assert gone() is None
+def test_grammar_cache_compiles_each_schema_once(tmp_path: Path) -> None:
+    """A served model's grammars share one compiler (one tokenizer index); the same schema
+    text is compiled once, and the least recently used grammar leaves a full cache."""
+    model = tiny_model(tmp_path / "a")
+    cache = GrammarCache(model, size=2)
+    assert cache.compiler.tokenizer is model.tokenizer
+    assert cache.compiler.vocab_size == model.info.vocab_size
+    schemas = [{"type": "integer"}, {"type": "string"}, {"type": "boolean"}]
+    first = cache.get(schemas[0])
+    assert cache.get(dict(schemas[0])) is first
+    cache.get(schemas[1])
+    cache.get(schemas[2])  # evicts schemas[0], the least recently used
+    assert cache.get(schemas[0]) is not first
 
 
 def test_routes_without_v1(tiny_server: ServerProcess) -> None:

@@ -126,7 +126,7 @@ async def generate(
     param = "messages" if kind == "chat" else "prompt"
     tokens = prompt_tokens(engine, prompt, param)
     room = engine.config.max_context - len(tokens)
-    grammar = await response_grammar(engine, body)
+    grammar = await response_grammar(state.grammars_of(engine), body)
     bias = logit_bias(engine, body)
     params = [sampling_params(body, room, i, state.sampling, grammar, bias) for i in range(n)]
     handles = submit_all(engine, tokens, params, priority_of(body, request), param)

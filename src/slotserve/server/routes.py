@@ -113,8 +113,13 @@ async def metrics(request: Request) -> Response:
 
 
 @guarded.get("/slots")
-async def slots(request: Request) -> list[dict[str, object]]:
-    return live_engine(state_of(request)).slots()
+async def slots(request: Request) -> JSONResponse:
+    """Each slot (a list, as llama.cpp's ``/slots``); the device-pressure level, when a
+    signal is configured, rides in the ``X-Pressure-Level`` header."""
+    engine = live_engine(state_of(request))
+    level = engine.stats().pressure_level
+    headers = {"X-Pressure-Level": f"{level:g}"} if level is not None else None
+    return JSONResponse(engine.slots(), headers=headers)
 
 
 @guarded.post("/tokenize")

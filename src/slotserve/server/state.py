@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from slotserve.engine import Engine
 from slotserve.server.defaults import SamplingDefaults
 from slotserve.server.metrics import PrometheusMetrics
+from slotserve.server.structured import GrammarCache
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
@@ -25,6 +26,7 @@ class ServerState:
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)
     metrics_key: str | None = None
     shutting_down: bool = False
+    grammars: GrammarCache | None = None
     _closer: threading.Thread | None = field(default=None, repr=False)
 
     def attach(self, engine: Engine) -> None:
@@ -32,6 +34,12 @@ class ServerState:
         self.engine = engine
         self.metrics = PrometheusMetrics(engine.stats)
         engine.on_finished = self.metrics.observe
+        self.grammars = GrammarCache(engine.model)
+
+    def grammars_of(self, engine: Engine) -> GrammarCache:
+        """The grammar cache of the served model (made by `attach`)."""
+        assert self.grammars is not None and engine is self.engine, "attach() the engine first"
+        return self.grammars
 
     def stop_admitting(self) -> None:
         """New requests get 503 from now on. Only sets a flag: safe in a signal handler."""

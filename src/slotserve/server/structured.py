@@ -3,9 +3,8 @@
 
 Grammars are compiled off the event loop (a large schema takes milliseconds to compile, the
 first one for a model also builds its tokenizer's index) and kept in a small LRU by schema,
-so a client that sends the same schema again pays nothing. The cache keeps one
-`GrammarCompiler` per model (held weakly: it goes with the model), so each model's tokenizer
-index is built once.
+so a client that sends the same schema again pays nothing. The server state owns one cache
+for its model, with one `GrammarCompiler`, so the tokenizer index is built once.
 """
 
 from __future__ import annotations
@@ -13,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import weakref
 from collections import OrderedDict
 from typing import Any
 
@@ -28,46 +26,32 @@ SCHEMA_PARAM = "response_format.json_schema.schema"
 
 
 class GrammarCache:
-    """Compiled grammars by (engine, schema text), least recently used dropped first, and
-    each model's `GrammarCompiler`. Any thread may call `get`; one lock guards both maps
-    (compiling happens outside it)."""
+    """One served model's grammars by schema text, least recently used dropped first, all
+    compiled by its one `GrammarCompiler` (one tokenizer index). Owned by the server state;
+    any thread may call `get` (compiling happens outside the lock)."""
 
-    def __init__(self, size: int = GRAMMAR_CACHE_SIZE) -> None:
+    def __init__(self, model: Model, size: int = GRAMMAR_CACHE_SIZE) -> None:
         self.size = size
-        self._grammars: OrderedDict[tuple[int, str], Grammar] = OrderedDict()
-        self._compilers: weakref.WeakKeyDictionary[Model, GrammarCompiler] = (
-            weakref.WeakKeyDictionary()
-        )
+        self.compiler = GrammarCompiler(model.tokenizer, model.info.vocab_size)
+        self._grammars: OrderedDict[str, Grammar] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, engine: Engine, schema: dict[str, Any] | None) -> Grammar:
+    def get(self, schema: dict[str, Any] | None) -> Grammar:
         """The grammar for ``schema`` (None: any JSON object); raises `GrammarError`."""
-        key = (id(engine), json.dumps(schema, sort_keys=True))
+        key = json.dumps(schema, sort_keys=True)
         with self._lock:
             if key in self._grammars:
                 self._grammars.move_to_end(key)
                 return self._grammars[key]
-        grammar = self.compiler(engine.model).json_schema(schema)
+        grammar = self.compiler.json_schema(schema)
         with self._lock:
             self._grammars[key] = grammar
             while len(self._grammars) > self.size:
                 self._grammars.popitem(last=False)
         return grammar
 
-    def compiler(self, model: Model) -> GrammarCompiler:
-        """The grammar compiler of ``model``'s tokenizer and logits width, made once."""
-        with self._lock:
-            compiler = self._compilers.get(model)
-            if compiler is None:
-                compiler = GrammarCompiler(model.tokenizer, model.info.vocab_size)
-                self._compilers[model] = compiler
-            return compiler
 
-
-GRAMMARS = GrammarCache()
-
-
-async def response_grammar(engine: Engine, body: SamplingFields) -> Grammar | None:
+async def response_grammar(grammars: GrammarCache, body: SamplingFields) -> Grammar | None:
     """The grammar ``response_format`` asks for (None for text); a schema the grammar
     engine cannot honour is a 400 that names what it does not support."""
     response_format = body.response_format
@@ -86,7 +70,7 @@ async def response_grammar(engine: Engine, body: SamplingFields) -> Grammar | No
         assert response_format.json_schema is not None  # ResponseFormat checks it
         schema = response_format.json_schema.schema_ or {}
     try:
-        return await asyncio.to_thread(GRAMMARS.get, engine, schema)
+        return await asyncio.to_thread(grammars.get, schema)
     except GrammarError as exc:
         raise APIError(
             400,
