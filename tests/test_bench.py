@@ -1,14 +1,21 @@
 """`slotserve bench` machinery on a tiny model: scenarios run, JSON keeps its documented
-field names, the report and the plots are written, and nothing leaks."""
+field names, options reach the scenarios through `run_bench` (and the command line goes
+only through it), the report and the plots are written, and nothing leaks."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 import slotserve as ss
-from slotserve.bench import SCENARIOS
+from slotserve.bench import SCENARIOS, BenchOptions, run_bench
 from slotserve.bench.plots import plot
 from slotserve.bench.report import markdown_report
+from slotserve.cli import main
+from slotserve.cli.bench import SCENARIO_NAMES
 
 
 def test_every_scenario_on_a_tiny_model(tiny: ss.Model, tmp_path: Path) -> None:
@@ -16,10 +23,18 @@ def test_every_scenario_on_a_tiny_model(tiny: ss.Model, tmp_path: Path) -> None:
     concurrency = results["concurrency"]
     assert [row["sessions"] for row in concurrency["rows"]] == [1, 2, 4, 8]
     assert concurrency["scaling_8_vs_1"] > 0
-    assert {"itl_ratio_isolate", "itl_ratio_fifo"} <= set(results["mixed"])
+    assert {"itl_ratio_isolate", "itl_ratio_fifo", "share_sweep"} <= set(results["mixed"])
     bargein = results["bargein"]
     assert {"cancel_release_p50_s", "cancel_release_p99_s", "step_p99_s"} <= set(bargein)
     assert bargein["slots_in_use_end"] == 0 and bargein["kv_blocks_leaked"] == 0
+    structured = results["structured"]
+    assert [row["batch"] for row in structured["rows"]] == [1, 8]
+    for row in structured["rows"]:
+        assert row["step_ms_free"]["median"] > 0 and row["step_ms_constrained"]["median"] > 0
+        assert row["step_ratio"]["median"] > 0
+        assert row["sampling_ms_per_token_constrained"]["median"] > 0
+    assert structured["step_ratio_batch_1"] > 0 and structured["step_ratio_batch_8"] > 0
+    assert structured["grammar_first_compile_s"] > 0
     for row in results["memory"]["layouts"].values():
         assert row["measured_pool_bytes"] == row["planned_bytes"]
         assert row["peak_rss_bytes"] > 0
@@ -28,13 +43,101 @@ def test_every_scenario_on_a_tiny_model(tiny: ss.Model, tmp_path: Path) -> None:
         if plot(name, result, tmp_path / f"{name}.png"):
             assert (tmp_path / f"{name}.png").stat().st_size > 1000
             images[name] = f"{name}.png"
+    assert {"mixed", "structured"} <= set(images)
     report = markdown_report(results, "slotserve bench all", images)
     for heading in (
         "## single",
         "## concurrency",
         "## mixed",
+        "### mixed: background share",
         "## bargein",
+        "## structured",
         "## layouts",
         "## memory",
     ):
         assert heading in report
+    assert "| 1 |" in report and "| 8 |" in report  # a structured row per batch size
+
+
+def _sweep_point(share: float, ratio: float, tokens: int) -> dict[str, Any]:
+    return {
+        "background_min_share": share,
+        "itl_p50_alone_s": 0.01,
+        "itl_p50_with_background_s": 0.01 * ratio,
+        "ratio_p50": ratio,
+        "ratio_mean": ratio + 0.1,
+        "ratio_p90": ratio + 0.5,
+        "ratio": ratio,
+        "background_tokens_during_turn": tokens,
+    }
+
+
+def test_share_sweep_is_a_table_and_a_panel(tmp_path: Path) -> None:
+    sweep = [_sweep_point(0.0, 1.0, 0), _sweep_point(0.1, 1.25, 3), _sweep_point(0.3, 1.8, 9)]
+    mixed = {
+        "isolate": sweep[1],
+        "fifo": _sweep_point(0.1, 2.5, 20),
+        "itl_ratio_isolate": 1.25,
+        "itl_ratio_fifo": 2.5,
+        "share_sweep": sweep,
+    }
+    report = markdown_report({"mixed": mixed}, "slotserve bench mixed", {})
+    lines = report.splitlines()
+    header = lines.index(
+        "| background share | ITL p50 ratio | ITL mean ratio | ITL p90 ratio "
+        "| background tokens during the turn |"
+    )
+    assert lines[header + 2 : header + 5] == [
+        "| 0 | 1.00 | 1.10 | 1.50 | 0 |",
+        "| 0.1 (default) | 1.25 | 1.35 | 1.75 | 3 |",
+        "| 0.3 | 1.80 | 1.90 | 2.30 | 9 |",
+    ]
+    assert plot("mixed", mixed, tmp_path / "mixed.png")
+    assert (tmp_path / "mixed.png").stat().st_size > 1000
+    del mixed["share_sweep"]  # an older result: the table and panel are left out
+    assert "### mixed: background share" not in markdown_report({"mixed": mixed}, "x", {})
+    assert plot("mixed", mixed, tmp_path / "old.png")
+
+
+def test_options_reach_the_scenarios_through_run_bench(tiny_dirs: dict[str, Path]) -> None:
+    spec = str(tiny_dirs["llama"])
+    result = json.loads(
+        run_bench(spec, "mixed", repeats=1, options=BenchOptions(shares=(0.0, 0.2)))
+    )["mixed"]
+    assert [point["background_min_share"] for point in result["share_sweep"]] == [0.0, 0.2]
+    preset = BenchOptions(preset="voice", memory_budget="64MiB")
+    bargein = json.loads(run_bench(spec, "bargein", repeats=1, options=preset))["bargein"]
+    assert bargein["slots_in_use_end"] == 0 and bargein["kv_blocks_leaked"] == 0
+
+
+def test_options_are_checked_before_the_model_loads() -> None:
+    with pytest.raises(ValueError, match=r"shares applies to the scenario\(s\) mixed"):
+        run_bench("no-such-model", "bargein", options=BenchOptions(shares=(0.1,)))
+    with pytest.raises(ValueError, match="preset applies"):
+        run_bench("no-such-model", "structured", options=BenchOptions(preset="chat"))
+    with pytest.raises(ValueError, match="not one of"):
+        run_bench("no-such-model", "nonesuch")
+    with pytest.raises(ValueError, match=r"shares: 1.0 is not in \[0, 1\)"):
+        BenchOptions(shares=(0.1, 1.0))
+    with pytest.raises(ValueError, match="empty"):
+        BenchOptions(shares=())
+    with pytest.raises(ValueError, match="give preset too"):
+        BenchOptions(memory_budget="1GiB")
+    with pytest.raises(ValueError, match="preset='nope'"):
+        BenchOptions(preset="nope")
+
+
+def test_command_line_runs_the_scenarios_through_run_bench(
+    tiny_dirs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (*SCENARIOS, "all") == SCENARIO_NAMES
+    out = tmp_path / "mixed.json"
+    args = ["bench", "mixed", "--model", str(tiny_dirs["llama"]), "--repeats", "1"]
+    assert main([*args, "--background-share", "0.05", "--json", str(out)]) == 0
+    sweep = json.loads(out.read_text())["mixed"]["share_sweep"]
+    assert [point["background_min_share"] for point in sweep] == [0.05]
+    assert json.loads(capsys.readouterr().out)["mixed"]["share_sweep"] == sweep
+    assert main([*args, "--background-share", "0.5,1"]) == 2  # out of range: refused
+    assert "shares: 1.0 is not in [0, 1)" in capsys.readouterr().err
+    assert main(["bench", "structured", "--preset", "chat"]) == 2
+    assert "preset applies to the scenario(s) mixed, bargein" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 Figures are medians with min–max over repeats, measured in one run; comparisons are ratios
 measured in the same run. `docs/BENCHMARKS.md` is written from here, never by hand.
+Scenario options (`BenchOptions`) reach the scenarios only through `run_bench`.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from typing import Any
 
 from slotserve.bench.layouts import run_layouts
 from slotserve.bench.memory import run_memory
+from slotserve.bench.options import BenchOptions, scenario_kwargs
 from slotserve.bench.report import markdown_report
 from slotserve.bench.serving import run_bargein, run_concurrency, run_mixed
 from slotserve.bench.single import run_single
+from slotserve.bench.structured import run_structured
 from slotserve.model import Model
 
 SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
@@ -24,11 +27,14 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "concurrency": run_concurrency,
     "mixed": run_mixed,
     "bargein": run_bargein,
+    "structured": run_structured,
     "layouts": run_layouts,
     "memory": run_memory,
 }
 DOCS = Path("docs/BENCHMARKS.md")
 log = logging.getLogger("slotserve")
+
+__all__ = ["DOCS", "SCENARIOS", "BenchOptions", "run_bench"]
 
 
 def run_bench(
@@ -37,6 +43,7 @@ def run_bench(
     *,
     weights: str = "fp32",
     repeats: int = 3,
+    options: BenchOptions | None = None,
     baselines: bool = False,
     json_path: Path | None = None,
     plot_path: Path | None = None,
@@ -44,16 +51,24 @@ def run_bench(
     command: str = "slotserve bench",
 ) -> str:
     """Run ``scenario`` (or ``"all"``, which also rewrites docs/BENCHMARKS.md and its plots)
-    on the model ``model_spec``; returns the report (JSON, or markdown with ``markdown``)."""
+    on the model ``model_spec``; returns the report (JSON, or markdown with ``markdown``).
+
+    ``options`` reach the scenarios that take them (`BenchOptions`); an option that none of
+    the scenarios to run takes is a ValueError, raised before the model loads."""
     from slotserve.artifact import load
     from slotserve.bench.plots import plot
 
-    model: Model = load(model_spec, weights=weights)
+    if scenario != "all" and scenario not in SCENARIOS:
+        raise ValueError(f"scenario {scenario!r} is not one of {', '.join(SCENARIOS)}, all")
+    options = options or BenchOptions()
     names = list(SCENARIOS) if scenario == "all" else [scenario]
+    options.check_applies(names)
+    model: Model = load(model_spec, weights=weights)
     results = {}
     for name in names:
         log.info("bench: %s", name)
-        results[name] = SCENARIOS[name](model, repeats=repeats)
+        kwargs = scenario_kwargs(name, options, model)
+        results[name] = SCENARIOS[name](model, repeats=repeats, **kwargs)
         if name == "single" and baselines:
             from slotserve.bench.baselines import run_baselines
 

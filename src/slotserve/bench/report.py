@@ -120,7 +120,42 @@ def _mixed(r: dict[str, Any]) -> list[str]:
         ]
         for policy in ("isolate", "fifo")
     ]
-    return lines + _table(["policy", "alone ms", "with background ms", "ratio"], rows)
+    lines += _table(["policy", "alone ms", "with background ms", "ratio"], rows)
+    return lines + _share_sweep(r.get("share_sweep", []), r["isolate"]["background_min_share"])
+
+
+def _share_sweep(sweep: list[dict[str, Any]], default: float) -> list[str]:
+    """The background minimum shares swept under ``isolate``, one row each."""
+    if not sweep:
+        return []
+    lines = [
+        "### mixed: background share vs the chat turn's ITL",
+        "",
+        "Under `isolate`, the background job's minimum share of contended steps "
+        "(`background_min_share`) against the chat turn's ITL: each ratio is the turn's "
+        "figure beside the job divided by its figure alone (back to back, median over "
+        "repeats); background tokens are those the job produced while the turn ran.",
+        "",
+    ]
+    rows = [
+        [
+            f"{point['background_min_share']:g}"
+            + (" (default)" if point["background_min_share"] == default else ""),
+            f"{point['ratio_p50']:.2f}",
+            f"{point['ratio_mean']:.2f}",
+            f"{point['ratio_p90']:.2f}",
+            str(point["background_tokens_during_turn"]),
+        ]
+        for point in sweep
+    ]
+    header = [
+        "background share",
+        "ITL p50 ratio",
+        "ITL mean ratio",
+        "ITL p90 ratio",
+        "background tokens during the turn",
+    ]
+    return lines + _table(header, rows)
 
 
 def _bargein(r: dict[str, Any]) -> list[str]:
@@ -147,6 +182,43 @@ def _bargein(r: dict[str, Any]) -> list[str]:
         "step p99 ms",
         "slots in use at end",
         "KV blocks leaked",
+    ]
+    return lines + _table(header, rows)
+
+
+def _structured(r: dict[str, Any]) -> list[str]:
+    lines = [
+        "## structured: constrained decoding (JSON schema) vs free, per decode step",
+        "",
+        f"Each request decodes {r['decode_tokens']} tokens with the server's default "
+        "sampling; constrained requests follow a JSON schema (an array of records, "
+        "llguidance) that cannot end sooner. Step time is the median gap between tokens "
+        "while every request of the batch decodes; the ratio is constrained ÷ free, the "
+        f"pair run back to back, over {r['repeats']} repeats. Compiling the schema took "
+        f"{r['grammar_first_compile_s'] * 1000:.0f} ms the first time (with the "
+        f"tokenizer's index), {r['grammar_compile_s'] * 1000:.1f} ms after.",
+        "",
+    ]
+    rows = [
+        [
+            str(x["batch"]),
+            _fmt(x["step_ms_free"]),
+            _fmt(x["step_ms_constrained"]),
+            f"**{_fmt(x['step_ratio'], 2)}**",
+            _fmt(x["grammar_ms_per_step"], 2),
+            _fmt(x["sampling_ms_per_token_free"], 2),
+            _fmt(x["sampling_ms_per_token_constrained"], 2),
+        ]
+        for x in r["rows"]
+    ]
+    header = [
+        "batch",
+        "free step ms",
+        "constrained step ms",
+        "ratio",
+        "grammar ms per step",
+        "sampling ms/token, free",
+        "sampling ms/token, constrained",
     ]
     return lines + _table(header, rows)
 
@@ -179,6 +251,7 @@ SECTIONS = {
     "concurrency": _concurrency,
     "mixed": _mixed,
     "bargein": _bargein,
+    "structured": _structured,
     "memory": _memory,
 }
 

@@ -1,22 +1,30 @@
 """``slotserve bench``: run benchmark scenarios and print or write their reports.
 
-``--background-share`` (the sweep points of ``mixed``) and ``--preset`` (the engine of the
-serving scenarios ``mixed`` and ``bargein``) run that one scenario here, with its options;
-everything else goes through `slotserve.bench.run_bench`.
+Every run goes through `slotserve.bench.run_bench`; ``--background-share`` (the sweep
+points of ``mixed``), ``--preset`` and ``--memory-budget`` (the engine of ``mixed`` and
+``bargein``) become its `BenchOptions`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
 
 from slotserve.cli.flags import add_preset_arg, add_weights_arg
 
-SCENARIO_NAMES = ("single", "concurrency", "mixed", "bargein", "layouts", "memory", "all")
-PRESET_SCENARIOS = ("mixed", "bargein")
+# `slotserve.bench.SCENARIOS` and "all" (spelled out: importing the benches is slow for --help).
+SCENARIO_NAMES = (
+    "single",
+    "concurrency",
+    "mixed",
+    "bargein",
+    "structured",
+    "layouts",
+    "memory",
+    "all",
+)
 
 
 def register(commands: Any) -> None:
@@ -48,27 +56,25 @@ def register(commands: Any) -> None:
 
 
 def _shares(text: str) -> tuple[float, ...]:
+    """Comma-separated numbers; their range is `BenchOptions`' to check."""
     try:
-        shares = tuple(float(part) for part in text.split(","))
+        return tuple(float(part) for part in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: give shares like 0,0.1,0.2") from None
-    bad = [s for s in shares if not 0.0 <= s < 1.0]
-    if bad:
-        raise argparse.ArgumentTypeError(f"share {bad[0]} is not in [0, 1)")
-    return shares
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.background_share is not None or args.preset is not None:
-        print(_run_with_options(args))
-        return 0
-    from slotserve.bench import run_bench
+    from slotserve.bench import BenchOptions, run_bench
 
+    options = BenchOptions(
+        shares=args.background_share, preset=args.preset, memory_budget=args.memory_budget
+    )
     report = run_bench(
         args.model,
         args.scenario,
         weights=args.weights,
         repeats=args.repeats,
+        options=options,
         baselines=args.baselines,
         json_path=Path(args.json_path) if args.json_path else None,
         plot_path=Path(args.plot) if args.plot else None,
@@ -77,28 +83,3 @@ def run(args: argparse.Namespace) -> int:
     )
     print(report)
     return 0
-
-
-def _run_with_options(args: argparse.Namespace) -> str:
-    """One serving scenario with ``--background-share`` / ``--preset``, as JSON."""
-    from slotserve.artifact import load
-    from slotserve.bench.serving import SHARES, run_bargein, run_mixed
-    from slotserve.engine import EngineConfig
-
-    if args.background_share is not None and args.scenario != "mixed":
-        raise ValueError("--background-share applies to the mixed scenario")
-    if args.preset is not None and args.scenario not in PRESET_SCENARIOS:
-        raise ValueError(f"--preset applies to the scenarios {', '.join(PRESET_SCENARIOS)}")
-    model = load(args.model, weights=args.weights)
-    config = None
-    if args.preset is not None:
-        config = EngineConfig.preset(args.preset, model, args.memory_budget)
-    if args.scenario == "mixed":
-        shares = args.background_share or SHARES
-        result = run_mixed(model, repeats=args.repeats, shares=shares, config=config)
-    else:
-        result = run_bargein(model, repeats=args.repeats, config=config)
-    results = {args.scenario: result}
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(results, indent=2))
-    return json.dumps(results, indent=2)
