@@ -14,23 +14,10 @@ import pytest
 
 import slotserve as ss
 from slotserve.artifact import load_gguf
-from slotserve.testing import write_tiny_gguf
 
 # GGUF value types whose payload is a fixed-size number: type id -> struct format.
 _NUMBER_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 10: "<Q"}
 _NUMBER_FORMATS |= {11: "<q", 12: "<d"}
-
-
-@pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    directory = tmp_path / "cache"
-    monkeypatch.setenv("SLOTSERVE_CACHE_DIR", str(directory))
-    return directory
-
-
-@pytest.fixture
-def gguf(tmp_path: Path) -> Path:
-    return write_tiny_gguf(tmp_path / "tiny.gguf", "llama", "Q8_0")
 
 
 def set_number(path: Path, key: str, value: float) -> None:

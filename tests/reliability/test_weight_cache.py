@@ -15,21 +15,8 @@ import torch
 import slotserve as ss
 from slotserve.artifact import load_gguf, weight_cache
 from slotserve.errors import ArtifactError
-from slotserve.testing import write_tiny_gguf
 
 PROMPT = [3, 40, 41, 42, 100, 7, 9]
-
-
-@pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    directory = tmp_path / "cache"
-    monkeypatch.setenv("SLOTSERVE_CACHE_DIR", str(directory))
-    return directory
-
-
-@pytest.fixture
-def gguf(tmp_path: Path) -> Path:
-    return write_tiny_gguf(tmp_path / "tiny.gguf", "llama", "Q8_0")
 
 
 def _entry(gguf: Path) -> Path:

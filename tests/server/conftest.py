@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 
@@ -88,3 +89,15 @@ def tiny_server(tiny_dirs: dict[str, Path]) -> Iterator[ServerProcess]:
     yield server
     assert server.stop() == 0
     assert "Traceback" not in server.output(), server.output()
+
+
+@pytest.fixture(scope="module")
+def client(tiny_server: ServerProcess) -> Iterator[openai.OpenAI]:
+    """The official OpenAI client on the tiny-model server, validating responses strictly."""
+    with openai.OpenAI(
+        base_url=tiny_server.url + "/v1",
+        api_key="unused",
+        max_retries=0,
+        _strict_response_validation=True,
+    ) as client:
+        yield client

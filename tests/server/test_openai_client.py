@@ -2,24 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import httpx
 import openai
 import pytest
 
 from tests.server.conftest import ServerProcess
-
-
-@pytest.fixture(scope="module")
-def client(tiny_server: ServerProcess) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(
-        base_url=tiny_server.url + "/v1",
-        api_key="unused",
-        max_retries=0,
-        _strict_response_validation=True,
-    ) as client:
-        yield client
 
 
 def chat(client: openai.OpenAI, model: str, **kwargs: object) -> object:

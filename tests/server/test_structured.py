@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,35 +24,14 @@ from slotserve.server.schemas import (
 from slotserve.server.structured import GrammarCache
 from slotserve.testing import tiny_model
 from tests.server.conftest import ServerProcess
+from tests.test_sampling import TINY_SCHEMA
 
-# Every property bounded, so even a random model finishes the document in ~70 tokens.
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "kind": {"const": "point"},
-        "color": {"enum": ["red", "green", "blue"]},
-        "name": {"type": "string", "maxLength": 6},
-        "x": {"type": "integer", "minimum": 0, "maximum": 99},
-    },
-    "required": ["kind", "color", "name", "x"],
-    "additionalProperties": False,
-}
+SCHEMA = TINY_SCHEMA  # every property bounded: a random model finishes in ~70 tokens
 JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "point", "schema": SCHEMA}}
 # Byte tokens of the tiny model for '"', '}' and ']': a small push towards closing strings,
 # objects and arrays, so free-form JSON objects from a random model end within the budget.
 CLOSERS = {"4": 5, "95": 5, "63": 5}
 MAX_TOKENS = 160
-
-
-@pytest.fixture(scope="module")
-def client(tiny_server: ServerProcess) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(
-        base_url=tiny_server.url + "/v1",
-        api_key="unused",
-        max_retries=0,
-        _strict_response_validation=True,
-    ) as client:
-        yield client
 
 
 def ask(client: openai.OpenAI, model: str, **kwargs: Any) -> Any:
