@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from slotserve.engine import Engine, Finished, TokenEvent
+from slotserve.engine.events import Priority, check_priority
 from slotserve.sampling import Grammar, SamplingParams
 from slotserve.server import responses as fmt
 from slotserve.server.defaults import SamplingDefaults
@@ -93,17 +94,14 @@ def sampling_params(
         raise APIError(400, str(exc), "invalid_request_error", code="invalid_value") from None
 
 
-def priority_of(body: SamplingFields, request: Request) -> str:
-    header = request.headers.get("x-priority")
-    value = body.priority or header or "normal"
-    if value not in ("interactive", "normal", "background"):
-        raise APIError(
-            400,
-            f"X-Priority {value!r}: use interactive, normal or background",
-            "invalid_request_error",
-            param="priority",
-        )
-    return value
+def priority_of(body: SamplingFields, request: Request) -> Priority:
+    """The request's class: the body's ``priority``, else the ``X-Priority`` header."""
+    value = body.priority or request.headers.get("x-priority") or "normal"
+    try:
+        return check_priority(value)
+    except ValueError as exc:
+        message = f"X-Priority: {exc}"
+        raise APIError(400, message, "invalid_request_error", param="priority") from None
 
 
 async def generate(

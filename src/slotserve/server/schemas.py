@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-Priority = Literal["interactive", "normal", "background"]
+from slotserve.engine.events import Priority
 
 UNSUPPORTED_PARAMETER = "unsupported_parameter"
 
