@@ -25,6 +25,7 @@ LAYERS: dict[str, int] = {
     "artifact": 3,
     "executor": 4,
     "presets": 4,
+    "prefix": 4,
     "engine": 5,
     "runner": 6,
     "server": 7,

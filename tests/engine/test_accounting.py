@@ -4,6 +4,7 @@ TTFT, ITL, queue time and prefill throughput equal hand-computed values."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import pytest
 import torch
@@ -100,3 +101,46 @@ def test_cancel_latency_is_measured_to_the_release(tiny: ss.Model) -> None:
         assert 0.0 <= ack.latency_s <= STEP_COST_PER_TOKEN + 1e-9  # at most one step
     finally:
         engine.close()
+
+
+def test_restoration_is_inside_the_prefill_span_and_only_computed_tokens_count(
+    tiny: ss.Model,
+) -> None:
+    """A restored prefix: the prefill span starts before the restoration (here it costs a
+    synthetic 0.05 s) and throughput divides computed tokens only by restore + compute."""
+    clock = FakeClock()
+    executor = SyntheticExecutor(clock, tiny.info.vocab_size)
+    config = ss.EngineConfig(
+        max_seqs=1, max_context=64, prefill_chunk=8, kv_layout="cell", block_size=4,
+        prefix_cache_bytes="1MiB",
+    )  # fmt: skip
+    engine = ss.Engine(tiny, config, executor=executor, clock=clock)
+    assert engine.prefix is not None
+    bind = engine.prefix.bind
+
+    def slow_bind(session: int, tokens: Sequence[int], n_tokens: int) -> int:
+        clock.advance(0.05)  # the restoration's synthetic cost
+        return bind(session, tokens, n_tokens)
+
+    engine.prefix.bind = slow_bind  # type: ignore[method-assign]
+    try:
+        params = ss.SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
+        system = list(range(10, 22))  # 12 tokens
+        first = engine.submit([*system, 30], params)  # at t=0; bind ends at 0.05
+        executor.tick(2)  # chunks 8 + 5: 0.13 s
+        a = first.result().timings
+        second = engine.submit([*system, 31, 32], params)  # restores 12, computes 2
+        executor.tick(1)
+        b = second.result().timings
+    finally:
+        engine.close()
+    assert a.prompt_tokens_restored == 0 and a.prompt_tokens_computed == 13
+    assert a.prefill_time == pytest.approx(0.05 + 0.13)  # a miss's lookup counts, too
+    started = b.restore_started
+    assert started is not None and b.first_scheduled is not None
+    assert b.prompt_tokens_restored == 12 and b.prompt_tokens_computed == 2
+    assert b.restore_time == pytest.approx(0.05)
+    assert b.first_scheduled - started == pytest.approx(0.05)
+    assert b.prefill_time == pytest.approx(0.05 + 0.02)
+    assert b.prefill_tok_s == pytest.approx(2 / 0.07)  # never 14 / 0.02
+    assert b.ttft == pytest.approx(0.07)

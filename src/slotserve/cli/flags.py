@@ -30,6 +30,12 @@ ENGINE_FLAGS: dict[str, tuple[str, Any, tuple[str, ...] | None, str]] = {
     "policy": ("policy", str, ("isolate", "fifo"), "isolate: never co-batch classes"),
     "queue_depth": ("queue_depth", int, None, "requests that may wait for a slot"),
     "queue_timeout": ("queue_timeout_s", float, None, "seconds a queued request may wait"),
+    "prefix_cache": (
+        "prefix_cache_bytes",
+        parse_bytes,
+        None,
+        "cell layout: KV bytes the prefix cache may pin (e.g. 256MiB; 0: off)",
+    ),
     "background_share": (
         "background_min_share",
         float,

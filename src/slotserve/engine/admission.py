@@ -19,6 +19,7 @@ from slotserve.engine.timings import EngineCounters, RequestTimings
 from slotserve.errors import AdmissionRefused, KVExhausted
 from slotserve.kv.pool import KVPool
 from slotserve.model import Model
+from slotserve.prefix import PrefixCache
 from slotserve.sampling import RequestSampler, SamplingParams, StopMatcher
 
 
@@ -77,9 +78,11 @@ class Admission:
         counters: EngineCounters,
         clock: Callable[[], float],
         under_pressure: Callable[[], bool],
+        prefix: PrefixCache | None = None,
     ) -> None:
         self.config, self.pool, self.counters = config, pool, counters
         self.clock, self.under_pressure = clock, under_pressure
+        self.prefix = prefix
         self.running: dict[int, Request] = {}
         self.queue: list[Request] = []
         self.closing = False
@@ -184,12 +187,29 @@ class Admission:
         return None
 
     def _bind(self, request: Request) -> None:
-        """Reserve the slot and the whole worst-case KV (raises KVExhausted, unchanged)."""
-        self.pool.reserve(request.request_id, request.reservation)
+        """Reserve the slot and the whole worst-case KV (raises KVExhausted, the request
+        unchanged). With the prefix cache, the longest usable prefix is restored into the
+        request's session (it then prefills only the rest), and the cache evicts snapshots
+        before the pool refuses."""
+        if self.prefix is None:
+            self.pool.reserve(request.request_id, request.reservation)
+        else:
+            self._bind_restoring(request, self.prefix)
         request.state = "running"
         request.timings.admitted = self.clock()
         self.running[request.request_id] = request
         self.counters.admitted += 1
+
+    def _bind_restoring(self, request: Request, prefix: PrefixCache) -> None:
+        """Bind through the cache, timing the lookup and restoration: the prefill span
+        starts here, so restoration is never left out of it."""
+        began = self.clock()
+        restored = prefix.bind(request.request_id, request.prompt, request.reservation)
+        timings = request.timings
+        timings.restore_started = began
+        timings.restore_time = self.clock() - began
+        timings.prompt_tokens_restored = restored
+        request.prefilled = restored
 
     def _message(self, reason: str) -> str:
         config = self.config

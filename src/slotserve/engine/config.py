@@ -37,6 +37,8 @@ class EngineConfig:
     starved); ``"fifo"`` co-batches everything.
     Prompts are prefilled ``prefill_chunk`` tokens at a time, interleaved with decodes, and a
     step computes at most ``max_batch_tokens`` tokens.
+    ``prefix_cache_bytes`` (bytes or ``"256MiB"``; 0: off) is the budget of KV blocks the
+    prefix cache may pin for snapshots of completed prompts; it needs ``kv_layout="cell"``.
     """
 
     max_seqs: int = 4
@@ -55,6 +57,7 @@ class EngineConfig:
     queue_depth: int = 0
     queue_timeout_s: float = 30.0
     background_min_share: float = DEFAULT_BACKGROUND_SHARE
+    prefix_cache_bytes: int | str = 0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -76,6 +79,17 @@ class EngineConfig:
         if isinstance(self.memory_budget, str):
             parse_bytes(self.memory_budget)  # fail here, with the parser's message
         self.kv_config()  # validates layout, dtype, sizes
+        if self.prefix_cache_budget and self.kv_layout != "cell":
+            raise ValueError(
+                f"prefix_cache_bytes={self.prefix_cache_bytes!r} needs kv_layout='cell' (its "
+                f"snapshots share blocks), not {self.kv_layout!r}; set kv_layout='cell' or "
+                "prefix_cache_bytes=0"
+            )
+
+    @property
+    def prefix_cache_budget(self) -> int:
+        """``prefix_cache_bytes`` in bytes (0: the prefix cache is off)."""
+        return parse_bytes(self.prefix_cache_bytes)
 
     @classmethod
     def preset(

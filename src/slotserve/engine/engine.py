@@ -8,6 +8,11 @@ queue, composes the step (`Scheduler`) and commits it in the pool (`KVPool.begin
 validation, copy-on-write, lengths); then, without the lock, runs it (`Stepper`); then,
 under the lock, releases what finished. It alone drives the pool's step bookkeeping.
 
+With ``prefix_cache_bytes`` set, the engine owns a `PrefixCache` over its pool, used only
+under the engine lock: admission restores the longest usable prefix into a new request's
+session, and a request whose opening prefill completed publishes its prompt's snapshot
+right after that step. Closing empties the cache, so the pool is back at its baseline.
+
 An engine still open when the interpreter exits is closed first (its thread stopped
 between steps), so a script may end while requests run.
 """
@@ -38,6 +43,7 @@ from slotserve.executor import Executor, TorchExecutor
 from slotserve.kv.batch import StepBatch
 from slotserve.kv.pool import KVPool
 from slotserve.model import Model
+from slotserve.prefix import PrefixCache
 from slotserve.sampling import SamplingParams
 
 log = logging.getLogger("slotserve")
@@ -65,6 +71,16 @@ class EngineStats:
     steps_by_batch_size: dict[int, int] = field(default_factory=dict)
     steps_by_class: dict[str, int] = field(default_factory=dict)
     pressure_level: float | None = None  # None: no pressure signal
+    # Prefix cache (all 0 when it is off): restores that hit or missed, token-equal
+    # prefixes a retention rule refused, tokens restored, bytes its snapshots pin,
+    # snapshots published and evicted.
+    prefix_hits: int = 0
+    prefix_misses: int = 0
+    prefix_rejections: int = 0
+    prefix_tokens_restored: int = 0
+    prefix_bytes_pinned: int = 0
+    prefix_snapshots: int = 0
+    prefix_evictions: int = 0
 
 
 class Engine:
@@ -96,13 +112,18 @@ class Engine:
         self.plan = self.config.plan(model.info, model.weight_bytes)
         self.plan.check()  # PlanError: refuse to start
         self.pool = KVPool(model.info, self.config.kv_config())
+        # One cache per engine, over this engine's pool: every snapshot was computed with
+        # this model's weights, weight format, rope settings and KV dtype, so no key needs
+        # to name them and a change of any of them cannot produce a stale hit.
+        budget = self.config.prefix_cache_budget
+        self.prefix = PrefixCache(self.pool, budget) if budget else None
         self.pressure = pressure
         self.on_finished = on_finished
         self.clock = clock
         self.counters = EngineCounters()
         self._lock = threading.Condition(threading.RLock())
         self._admission = Admission(
-            self.config, self.pool, self.counters, clock, self._under_pressure
+            self.config, self.pool, self.counters, clock, self._under_pressure, self.prefix
         )
         self._scheduler = scheduler or Scheduler(self.config)
         self._stepper = Stepper(executor or TorchExecutor(model), self.pool, clock)
@@ -217,7 +238,22 @@ class Engine:
                 steps_by_batch_size=dict(counters.steps_by_batch_size),
                 steps_by_class=dict(counters.steps_by_class),
                 pressure_level=None if self.pressure is None else self.pressure.reading(),
+                **self._prefix_stats(),
             )
+
+    def _prefix_stats(self) -> dict[str, int]:
+        if self.prefix is None:
+            return {}
+        stats = self.prefix.stats
+        return {
+            "prefix_hits": stats.hits,
+            "prefix_misses": stats.misses,
+            "prefix_rejections": stats.rejections,
+            "prefix_tokens_restored": stats.tokens_restored,
+            "prefix_bytes_pinned": self.prefix.bytes_pinned,
+            "prefix_snapshots": len(self.prefix),
+            "prefix_evictions": stats.evictions,
+        }
 
     def slots(self) -> list[dict[str, object]]:
         """Each slot of the pool: idle, or the request it serves (state, class, tokens, age)."""
@@ -231,6 +267,8 @@ class Engine:
         with self._lock:
             self.pool.check_integrity()
             self._admission.check_integrity()
+            if self.prefix is not None:
+                self.prefix.check_integrity()
 
     # -- engine thread ---------------------------------------------------------------
 
@@ -261,6 +299,7 @@ class Engine:
                 self._reap()
                 self._admission.readmit()
                 if self._admission.closing and self._admission.idle:
+                    self._clear_prefix()
                     return None
                 work = self._scheduler.select(
                     list(self._admission.running.values()), self._max_batch()
@@ -302,8 +341,24 @@ class Engine:
         seconds = self.clock() - began
         with self._lock:
             self.counters.count_step(len(work), work[0][0].priority, seconds)
+            failed = {id(r) for r, reason in finished if reason == "error"}
+            self._publish([r for r, _ in work if id(r) not in failed])
             for request, reason in finished:
                 self._end(request, reason)
+
+    def _publish(self, stepped: list[Request]) -> None:
+        """Under the lock, before anything is released: offer the prompt of each request
+        whose opening prefill just completed (in a step that did not fail) to the cache."""
+        if self.prefix is None:
+            return
+        for request in stepped:
+            if not request.published and not request.in_prefill and request.state == "running":
+                request.published = True
+                self.prefix.publish(request.request_id, request.prompt)
+
+    def _clear_prefix(self) -> None:
+        if self.prefix is not None:
+            self.prefix.clear()
 
     def _end(self, request: Request, reason: FinishReason) -> None:
         """Release the slot and KV first, then send the terminal event."""
@@ -348,6 +403,7 @@ class Engine:
                 self._end(request, "error")
             for request, _ in self._admission.take_leaving(self.clock()):
                 self._refuse_queued(request, "closed")
+            self._clear_prefix()
 
 
 def _exit_closer(engine_ref: weakref.ref[Engine]) -> Callable[[], None]:

@@ -42,6 +42,7 @@ class Request:
     pending_token: int | None = None  # sampled, to be fed by the next decode step
     eos_token: int | None = None
     last_step: int = -1  # the engine step that last advanced this request (fairness)
+    published: bool = False  # its prompt was offered to the prefix cache
     cancelled: threading.Event = field(default_factory=threading.Event)
     released: threading.Event = field(default_factory=threading.Event)
 

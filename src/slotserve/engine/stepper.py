@@ -51,7 +51,10 @@ class Stepper:
                 if request.in_prefill:
                     continue  # more prompt chunks to come; these logits are not needed
                 request.timings.prefill_done = self.clock()
-                request.timings.prompt_tokens_computed = len(request.prompt)
+                timings = request.timings
+                timings.prompt_tokens_computed = (
+                    len(request.prompt) - timings.prompt_tokens_restored
+                )
             request.pending_token = None
             if request.max_new_tokens == 0:
                 continue

@@ -2,9 +2,9 @@
 
 All times are seconds on the engine's clock (``time.monotonic`` unless a test injects one).
 Derived figures follow DESIGN's rules: TTFT is measured from submit; prefill throughput
-counts only computed prompt tokens. Nothing restores prompt tokens from a prefix cache yet,
-so ``prompt_tokens_restored`` is 0 and the prefill span is all computation; when a prefix
-cache lands, restored tokens leave the count and their restoration stays inside the span.
+counts only computed prompt tokens. Tokens restored from the prefix cache are counted apart
+(``prompt_tokens_restored``) and left out of throughput, while the time of the restoration
+(the cache lookup and the copy-on-write bind, at admission) is inside the prefill span.
 """
 
 from __future__ import annotations
@@ -30,6 +30,10 @@ class RequestTimings:
     cancel_requested: float | None = None
     prompt_tokens_computed: int = 0
     prompt_tokens_restored: int = 0
+    # When the prefix cache was consulted for this request (at admission; None: cache off)
+    # and how long the lookup and restoration took. The prefill span starts here.
+    restore_started: float | None = None
+    restore_time: float = 0.0
     # Seconds spent choosing this request's tokens from logits (its share of each batched
     # sampling call, split evenly between the requests sampled together).
     sampling_time: float = 0.0
@@ -56,15 +60,24 @@ class RequestTimings:
         return statistics.fmean(itl) if itl else None
 
     @property
+    def prefill_started(self) -> float | None:
+        """Start of the prefill span: the restoration if there was one (it comes first),
+        else the first step."""
+        starts = [t for t in (self.restore_started, self.first_scheduled) if t is not None]
+        return min(starts) if starts else None
+
+    @property
     def prefill_time(self) -> float | None:
-        if self.prefill_done is None or self.first_scheduled is None:
+        """From the start of restoration (or the first step) to the end of the prompt."""
+        started = self.prefill_started
+        if self.prefill_done is None or started is None:
             return None
-        return self.prefill_done - self.first_scheduled
+        return self.prefill_done - started
 
     @property
     def prefill_tok_s(self) -> float | None:
-        """Computed prompt tokens per second over the whole prefill span (restored tokens,
-        none yet, are left out of the count)."""
+        """Computed prompt tokens per second over the whole prefill span, restoration
+        included (restored tokens are left out of the count)."""
         span = self.prefill_time
         return self.prompt_tokens_computed / span if span else None
 
@@ -84,6 +97,7 @@ class RequestTimings:
             "prefill_tok_s": self.prefill_tok_s,
             "prompt_tokens_computed": self.prompt_tokens_computed,
             "prompt_tokens_restored": self.prompt_tokens_restored,
+            "restore_time_s": self.restore_time,
             "cancel_to_release_s": self.cancel_to_release,
             "sampling_time_s": self.sampling_time,
         }

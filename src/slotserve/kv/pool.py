@@ -5,6 +5,11 @@ the block allocator. Sessions are bound by `reserve`, grown by `extend`, forked 
 (copy-on-write for cell blocks), shortened by `rewind` and unbound by `release`. Every
 operation either completes or raises a typed error having changed nothing. The model sees
 only `update_and_attend`.
+
+Snapshots (cell layout only) are read-only, slotless holders of blocks: `publish` freezes
+a session's first positions into one, `reserve_from` binds a new session that starts from
+a snapshot's blocks (copy-on-write), `drop_snapshot` lets its blocks go. A snapshot holds no
+slot (the ``max_seqs`` ceiling is for live sessions) and no step can write into it.
 """
 
 from __future__ import annotations
@@ -100,6 +105,8 @@ class KVPool:
         self._rings = [g for g in self.groups if isinstance(g, RingGroup)]
         self.blocks = BlockAllocator(config.total_blocks if self._cells else 0)
         self.sessions: dict[int, SessionKV] = {}
+        # Read-only snapshots (slot -1): block holders that no step can name or write.
+        self.snapshots: dict[int, SessionKV] = {}
         self._free_slots = list(range(config.max_seqs - 1, -1, -1))
 
     # -- sizes -----------------------------------------------------------------------
@@ -200,6 +207,92 @@ class KVPool:
     def length(self, session: int) -> int:
         return self._get(session).length
 
+    # -- snapshots (cell layout) -----------------------------------------------------
+
+    @property
+    def supports_snapshots(self) -> bool:
+        """True when every layer is in the cell layout: a snapshot is then only block
+        references. Flat/ring rows belong to a slot, and a ring (a sliding-window layer)
+        drops positions, so neither can be frozen without a slot or a copy."""
+        return bool(self._cells) and len(self._cells) == len(self.groups)
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one cell block across every layer (K and V)."""
+        return sum(g.nbytes for g in self._cells) // max(self.config.total_blocks, 1)
+
+    def snapshot_ids(self) -> set[int]:
+        return set(self.snapshots)
+
+    def snapshot_blocks(self, snapshot: int) -> list[int]:
+        """The blocks ``snapshot`` holds (a copy of its table)."""
+        return list(self._get_snapshot(snapshot).table)
+
+    def publish(self, session: int, upto: int, into: int) -> None:
+        """Freeze the first ``upto`` committed positions of ``session`` as the read-only
+        snapshot ``into``: its blocks are shared by refcount, not copied, and it takes no
+        slot. The session keeps running; its next write into a now-shared block copies it
+        (room for that copy is checked here: `KVExhausted`, nothing changed)."""
+        self._check_snapshots_supported()
+        source = self._get(session)
+        if into in self.sessions or into in self.snapshots:
+            raise SessionError(f"session {into} already exists")
+        if not 0 < upto <= source.length:
+            raise SessionError(
+                f"publish upto={upto} is outside 1..{source.length} (session {session}'s "
+                "committed length)"
+            )
+        shared = source.table[: self._blocks_for(upto)]
+        snapshot = SessionKV(-1, upto, upto, list(shared), upto)
+        self._check_cow_room(self.sessions, {**self.snapshots, into: snapshot})
+        self.blocks.share(shared)
+        self.snapshots[into] = snapshot
+
+    def reserve_from(self, session: int, n_tokens: int, snapshot: int, upto: int) -> None:
+        """`reserve` ``session`` for ``n_tokens`` positions whose first ``upto`` are those
+        of ``snapshot`` (its blocks shared copy-on-write, the rest fresh): all or nothing.
+        The session's length starts at ``upto``."""
+        self._check_snapshots_supported()
+        if session in self.sessions or session in self.snapshots:
+            raise SessionError(f"session {session} already holds a reservation; use extend()")
+        self._check_context(n_tokens)
+        source = self._get_snapshot(snapshot)
+        if not 0 <= upto <= min(source.length, n_tokens):
+            raise SessionError(
+                f"restore upto={upto} is outside 0..{min(source.length, n_tokens)} "
+                f"(snapshot {snapshot} holds {source.length}, the reservation {n_tokens})"
+            )
+        if not self._free_slots:
+            raise KVExhausted("session slots", 1, 0, f"max_seqs={self.config.max_seqs}")
+        shared = source.table[: self._blocks_for(upto)]
+        bound = SessionKV(self._free_slots[-1], n_tokens, upto, list(shared), upto)
+        fresh = self._blocks_for(n_tokens) - len(shared)
+        spare = self.blocks.n_free - self._cow_needed({**self.sessions, session: bound})
+        if fresh > spare:
+            raise KVExhausted("KV blocks", fresh, max(spare, 0), "release sessions or add blocks")
+        self.blocks.share(shared)
+        bound.table.extend(self.blocks.allocate(fresh))
+        self._free_slots.pop()
+        self.sessions[session] = bound
+
+    def drop_snapshot(self, snapshot: int) -> None:
+        """Let go of ``snapshot``: blocks no one else holds return to the free list."""
+        frozen = self._get_snapshot(snapshot)
+        del self.snapshots[snapshot]
+        self.blocks.drop(frozen.table)
+
+    def _get_snapshot(self, snapshot: int) -> SessionKV:
+        if snapshot not in self.snapshots:
+            raise SessionError(f"unknown snapshot {snapshot} (never published, or dropped)")
+        return self.snapshots[snapshot]
+
+    def _check_snapshots_supported(self) -> None:
+        if not self.supports_snapshots:
+            raise SessionError(
+                "snapshots need every layer in the cell layout (kv_layout='cell' and no "
+                "sliding-window layer shorter than max_context)"
+            )
+
     # -- the step --------------------------------------------------------------------
 
     def begin_step(self, batch: StepBatch) -> None:
@@ -260,13 +353,19 @@ class KVPool:
             )
         return self.blocks.allocate(n_blocks)
 
-    def _cow_needed(self, sessions: dict[int, SessionKV]) -> int:
+    def _cow_needed(
+        self, sessions: dict[int, SessionKV], snapshots: dict[int, SessionKV] | None = None
+    ) -> int:
         """Blocks that copy-on-write may still take: for each shared block, one per holder
-        that may still write into it, at most refcount - 1."""
+        that may still write into it, at most refcount - 1. Snapshots (``self.snapshots``
+        unless given) hold blocks but never write."""
         if not self._cells:
             return 0
         holders: dict[int, int] = {}
         writers: dict[int, int] = {}
+        for frozen in (self.snapshots if snapshots is None else snapshots).values():
+            for block in frozen.table:
+                holders[block] = holders.get(block, 0) + 1
         bs = self.config.block_size
         for bound in sessions.values():
             for index, block in enumerate(bound.table):
@@ -275,8 +374,10 @@ class KVPool:
                     writers[block] = writers.get(block, 0) + 1
         return sum(min(writers.get(b, 0), n - 1) for b, n in holders.items() if n > 1)
 
-    def _check_cow_room(self, sessions: dict[int, SessionKV]) -> None:
-        needed = self._cow_needed(sessions)
+    def _check_cow_room(
+        self, sessions: dict[int, SessionKV], snapshots: dict[int, SessionKV] | None = None
+    ) -> None:
+        needed = self._cow_needed(sessions, snapshots)
         if needed > self.blocks.n_free:
             raise KVExhausted(
                 "KV blocks (held back for copy-on-write)",
@@ -309,5 +410,12 @@ class KVPool:
         for sid, bound in self.sessions.items():
             assert 0 <= bound.length <= bound.capacity <= self.config.max_context, sid
             assert len(bound.table) == self._blocks_for(bound.capacity), f"table size {sid}"
-        self.blocks.check_integrity(s.table for s in self.sessions.values())
+        for sid, frozen in self.snapshots.items():
+            assert sid not in self.sessions, f"snapshot {sid} is also a session"
+            assert frozen.slot == -1, f"snapshot {sid} holds a slot"
+            assert 0 < frozen.length == frozen.capacity, f"snapshot {sid} length"
+            assert len(frozen.table) == self._blocks_for(frozen.capacity), f"table size {sid}"
+        assert not self.snapshots or self.supports_snapshots, "snapshot in a non-cell pool"
+        tables = [s.table for s in (*self.sessions.values(), *self.snapshots.values())]
+        self.blocks.check_integrity(tables)
         assert self._cow_needed(self.sessions) <= self.blocks.n_free, "copy-on-write overcommitted"

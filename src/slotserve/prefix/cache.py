@@ -1,0 +1,204 @@
+"""`PrefixCache`: immutable KV snapshots of completed prefills, reused by later requests.
+
+It owns the snapshots it published in the pool (`KVPool.publish`: slotless, read-only,
+blocks shared by refcount), a `TokenTrie` over their tokens for longest-match, an LRU order
+and a byte budget on the blocks they pin. It binds new requests (`bind`): the longest usable
+prefix is restored into the request's own session copy-on-write and the rest is reserved
+fresh, evicting snapshots while the pool lacks room. It never touches the step.
+
+Validity. A snapshot serves a prefix only if every layer still holds every position of it:
+the cache runs only on pools where every layer is in the cell layout (`supports_snapshots`),
+which keep every position, so token equality is then enough. Sliding-window rings drop
+positions; the cache refuses such pools instead of risking a stale hit. Anything else that
+changes KV contents (weights, their format, KV dtype, rope settings) is fixed for the life
+of one pool and one engine, and a cache lives and dies with its engine's pool: snapshots
+never cross a change of those.
+
+Locking: not thread-safe. The engine uses its cache only under the engine lock (admission,
+publication after a step, close), like the pool itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from slotserve.errors import KVExhausted
+from slotserve.kv.pool import KVPool
+from slotserve.prefix.trie import TokenTrie
+
+
+@dataclass
+class PrefixStats:
+    """Monotone counters of one cache. ``rejections``: token-equal prefixes a retention
+    rule refused (none while the cache runs only on cell pools, which drop nothing)."""
+
+    hits: int = 0
+    misses: int = 0
+    rejections: int = 0
+    tokens_restored: int = 0
+    published: int = 0
+    evictions: int = 0
+
+
+@dataclass
+class Snapshot:
+    """One published snapshot: pool snapshot ``key`` holding ``tokens``' KV. ``pins``
+    counts the restores in progress from it (it is never evicted while pinned)."""
+
+    key: int
+    tokens: tuple[int, ...]
+    pins: int = 0
+
+
+class PrefixCache:
+    """Snapshots of prompts in one pool, under a byte budget. See the module docstring."""
+
+    def __init__(self, pool: KVPool, budget_bytes: int) -> None:
+        if budget_bytes <= 0:
+            raise ValueError(f"prefix cache budget_bytes={budget_bytes} must be > 0")
+        if not pool.supports_snapshots:
+            raise ValueError(
+                "the prefix cache needs every layer in the cell layout: use kv_layout='cell' "
+                "(a model with sliding-window layers shorter than max_context cannot use it "
+                "yet; set prefix_cache_bytes=0)"
+            )
+        self.pool, self.budget_bytes = pool, budget_bytes
+        self.stats = PrefixStats()
+        self._entries: OrderedDict[int, Snapshot] = OrderedDict()  # least recently used first
+        self._trie = TokenTrie()
+        self._block_holders: Counter[int] = Counter()  # block → snapshots holding it
+        self._keys = itertools.count(-1, -1)  # pool ids below 0: never a request's id
+
+    # -- reads -----------------------------------------------------------------------
+
+    @property
+    def bytes_pinned(self) -> int:
+        """Bytes of the distinct blocks the snapshots hold (a block shared by several
+        snapshots, or with running requests, counts once)."""
+        return len(self._block_holders) * self.pool.block_nbytes
+
+    @property
+    def pins(self) -> int:
+        return sum(e.pins for e in self._entries.values())
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    # -- binding a request -----------------------------------------------------------
+
+    def bind(self, session: int, tokens: Sequence[int], n_tokens: int) -> int:
+        """Reserve ``session`` for ``n_tokens`` positions, its first positions restored from
+        the longest usable snapshot of ``tokens``; returns how many were restored (0 on a
+        miss). At most ``len(tokens) - 1`` are restored, so the last prompt token is always
+        computed again and its logits are fresh (stored logits are never served). While the
+        pool lacks room it evicts the least recently used snapshot not being restored from;
+        raises `KVExhausted` when nothing more can be evicted."""
+        match = self._match(tokens)
+        if match is not None:
+            match[0].pins += 1
+        try:
+            restored = self._bind_evicting(session, n_tokens, match)
+        finally:
+            if match is not None:
+                match[0].pins -= 1
+        if restored:
+            self.stats.hits += 1
+            self.stats.tokens_restored += restored
+        else:
+            self.stats.misses += 1
+        return restored
+
+    def _match(self, tokens: Sequence[int]) -> tuple[Snapshot, int] | None:
+        """The most recently used snapshot sharing the most leading ``tokens``, and how
+        many it can restore (None: nothing usable)."""
+        depth, keys = self._trie.longest(tokens)
+        usable = min(depth, len(tokens) - 1)
+        if usable <= 0:
+            return None
+        key = next(k for k in reversed(self._entries) if k in keys)
+        self._entries.move_to_end(key)
+        return self._entries[key], usable
+
+    def _bind_evicting(
+        self, session: int, n_tokens: int, match: tuple[Snapshot, int] | None
+    ) -> int:
+        while True:
+            try:
+                if match is None:
+                    self.pool.reserve(session, n_tokens)
+                    return 0
+                self.pool.reserve_from(session, n_tokens, match[0].key, match[1])
+                return match[1]
+            except KVExhausted:
+                # Evicting frees blocks, never slots: with no slot, yield nothing.
+                if not self.pool.free_slots or not self.evict_one():
+                    raise
+
+    # -- publication and eviction ----------------------------------------------------
+
+    def publish(self, session: int, tokens: Sequence[int]) -> bool:
+        """Snapshot the first ``len(tokens)`` positions of ``session`` (which hold
+        ``tokens``' KV), then evict LRU snapshots down to the budget. False, changing
+        nothing, when a snapshot already covers ``tokens`` (it is marked used), when one
+        snapshot of this size would pass the budget, or when the pool lacks room for the
+        copy-on-write the session's next write would need."""
+        frozen = tuple(tokens)
+        depth, keys = self._trie.longest(frozen)
+        if depth == len(frozen) and keys:
+            self._entries.move_to_end(next(k for k in reversed(self._entries) if k in keys))
+            return False
+        blocks_needed = -(-len(frozen) // self.pool.config.block_size)
+        if blocks_needed * self.pool.block_nbytes > self.budget_bytes:
+            return False
+        key = next(self._keys)
+        try:
+            self.pool.publish(session, len(frozen), key)
+        except KVExhausted:
+            return False
+        self._entries[key] = Snapshot(key, frozen)
+        self._trie.insert(key, frozen)
+        self._block_holders.update(self.pool.snapshot_blocks(key))
+        self.stats.published += 1
+        while self.bytes_pinned > self.budget_bytes and self.evict_one():
+            pass
+        return True
+
+    def evict_one(self) -> bool:
+        """Drop the least recently used snapshot that no restore pins; False if none."""
+        for key, entry in self._entries.items():
+            if entry.pins == 0:
+                self._drop(key)
+                self.stats.evictions += 1
+                return True
+        return False
+
+    def clear(self) -> None:
+        """Drop every snapshot (the engine's close); none may be pinned."""
+        assert self.pins == 0, "clearing a prefix cache under a live restore"
+        for key in list(self._entries):
+            self._drop(key)
+
+    def _drop(self, key: int) -> None:
+        entry = self._entries.pop(key)
+        self._trie.remove(key, entry.tokens)
+        self._block_holders.subtract(self.pool.snapshot_blocks(key))
+        self._block_holders = +self._block_holders  # forget blocks no snapshot holds
+        self.pool.drop_snapshot(key)
+
+    # -- checks ----------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """The entries are exactly the pool's snapshots, with their lengths; the trie and
+        the block counts match them; nothing is pinned outside a restore; the budget holds
+        unless one snapshot is all that is left."""
+        assert set(self._entries) == self.pool.snapshot_ids(), "entries ≠ pool snapshots"
+        for key, entry in self._entries.items():
+            assert entry.pins == 0, f"snapshot {key} pinned outside a restore"
+            assert self.pool.snapshots[key].length == len(entry.tokens), f"length {key}"
+        self._trie.check_integrity({k: e.tokens for k, e in self._entries.items()})
+        held = Counter(b for k in self._entries for b in self.pool.snapshot_blocks(k))
+        assert held == self._block_holders, "pinned block counts drifted"
+        assert self.bytes_pinned <= self.budget_bytes or len(self._entries) <= 1, "over budget"

@@ -1,0 +1,133 @@
+"""The prefix cache in the engine: cache on = cache off token for token (greedy), restored
+tokens counted apart, the cache yields under KV pressure, cancellation and close leave
+nothing pinned or leaked, and configurations that could give a stale hit are refused."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import slotserve as ss
+
+GREEDY = ss.SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+CELL: dict[str, Any] = {"kv_layout": "cell", "block_size": 8, "max_seqs": 2, "max_context": 160}
+
+
+def family(system: list[int], n: int = 4) -> list[list[int]]:
+    """Prompts sharing ``system``: different questions, a repeat, the system prompt alone
+    and one that stops inside it."""
+    questions = [[*system, 40 + i, 90 + 3 * i, 7] for i in range(n)]
+    return [*questions, questions[0], system, system[: len(system) // 2 + 1]]
+
+
+def run_all(engine: ss.Engine, prompts: list[list[int]]) -> list[ss.Finished]:
+    finals = []
+    for prompt in prompts:
+        finals.append(engine.submit(prompt, GREEDY).result())
+        engine.check_integrity()
+    return finals
+
+
+@pytest.mark.parametrize("kind", ["llama", "llama3-rope", "qwen3"])
+def test_cache_on_equals_cache_off_on_tiny_models(
+    kind: str, tiny_dirs: dict[str, Path], make_engine: Callable[..., ss.Engine]
+) -> None:
+    model = ss.load(tiny_dirs[kind])
+    prompts = family([5 + (i * 37) % 200 for i in range(61)])  # 61: ends mid-block
+    off = run_all(make_engine(model, **CELL), prompts)
+    engine = make_engine(model, **CELL, prefix_cache_bytes="1MiB")
+    on = run_all(engine, prompts)
+    assert [f.tokens for f in on] == [f.tokens for f in off]
+    restored = [f.usage.cached_tokens for f in on]
+    assert restored == [0, 61, 61, 61, 63, 60, 30]  # a full match replays its last token
+    for final in on:
+        timings = final.timings
+        assert timings.prompt_tokens_restored == final.usage.cached_tokens
+        assert (
+            timings.prompt_tokens_computed
+            == final.usage.prompt_tokens - timings.prompt_tokens_restored
+        )
+    stats = engine.stats()
+    assert (stats.prefix_hits, stats.prefix_misses) == (6, 1)
+    assert stats.prefix_tokens_restored == sum(restored) and stats.prefix_bytes_pinned > 0
+
+
+def test_cache_on_equals_cache_off_on_the_bundled_model(
+    bundled: ss.Model, make_engine: Callable[..., ss.Engine]
+) -> None:
+    system = bundled.tokenizer.encode(
+        "You are a careful assistant. Answer briefly and precisely, in plain English. " * 3
+    )
+    prompts = [
+        system + bundled.tokenizer.encode(q)
+        for q in (" Why is the sky blue?", " Name a prime.", " Why is the sea salty?")
+    ]
+    config = {**CELL, "max_context": 256, "block_size": 16}
+    off = run_all(make_engine(bundled, **config), prompts)
+    engine = make_engine(bundled, **config, prefix_cache_bytes="64MiB")
+    on = run_all(engine, prompts + prompts[:1])
+    assert [f.tokens for f in on] == [f.tokens for f in off + off[:1]]
+    assert all(f.usage.cached_tokens >= len(system) for f in on[1:])
+
+
+def test_the_cache_yields_before_a_request_is_refused_kv_exhausted(
+    make_engine: Callable[..., ss.Engine],
+) -> None:
+    engine = make_engine(**CELL, num_blocks=12, prefix_cache_bytes="1MiB")
+    for first in (10, 20, 30):
+        engine.submit([first] * 24, GREEDY).result()  # each snapshot pins 3 blocks
+    assert engine.stats().prefix_snapshots == 3 and engine.stats().kv_blocks_used == 9
+    big = engine.submit([50] * 60, GREEDY).result()  # 66 positions: 9 blocks
+    assert big.reason == "length"
+    stats = engine.stats()
+    assert stats.refusals == {} and stats.prefix_evictions >= 2
+
+
+def test_cancelling_a_restored_request_leaves_nothing_pinned_or_leaked(
+    make_engine: Callable[..., ss.Engine],
+) -> None:
+    engine = make_engine(**CELL, prefix_cache_bytes="1MiB")
+    system = list(range(3, 40))
+    engine.submit([*system, 1], GREEDY).result()
+    used = engine.stats().kv_blocks_used  # the snapshot's blocks only
+    for tail in range(5):
+        handle = engine.submit([*system, tail, 2], ss.SamplingParams(max_new_tokens=50))
+        handle.cancel(wait=True)  # restored at admission, cancelled at the next boundary
+        engine.check_integrity()
+        assert engine.prefix is not None and engine.prefix.pins == 0
+    stats = engine.stats()
+    assert stats.prefix_hits == 5 and stats.cancellations == 5
+    assert stats.slots_in_use == 0 and stats.kv_blocks_used >= used
+    engine.close()
+    engine.check_integrity()
+    assert engine.stats().kv_blocks_used == 0 and engine.stats().prefix_snapshots == 0
+
+
+def test_close_empties_the_cache_and_returns_the_pool_to_baseline(
+    make_engine: Callable[..., ss.Engine],
+) -> None:
+    engine = make_engine(**CELL, prefix_cache_bytes="1MiB")
+    run_all(engine, family(list(range(3, 30))))
+    assert engine.stats().prefix_snapshots > 0
+    engine.close()
+    engine.check_integrity()
+    stats = engine.stats()
+    assert (stats.kv_blocks_used, stats.prefix_snapshots, stats.prefix_bytes_pinned) == (0, 0, 0)
+
+
+def test_configurations_that_could_serve_a_stale_prefix_are_refused(
+    tiny_dirs: dict[str, Path],
+) -> None:
+    with pytest.raises(ValueError, match=r"kv_layout='cell'.*'flat'"):
+        ss.EngineConfig(kv_layout="flat", prefix_cache_bytes=1 << 20)
+    with pytest.raises(ValueError, match=r"kv_layout='cell'.*'ring'"):
+        ss.EngineConfig(kv_layout="ring", prefix_cache_bytes="1MiB")
+    with pytest.raises(ValueError):
+        ss.EngineConfig(kv_layout="cell", prefix_cache_bytes=-1)
+    mixed = ss.load(tiny_dirs["mixed"])  # sliding-window layers: their rings drop positions
+    with pytest.raises(ValueError, match="sliding-window"):
+        ss.Engine(mixed, ss.EngineConfig(**CELL, prefix_cache_bytes="1MiB"))
+    ss.EngineConfig(kv_layout="flat")  # off by default, any layout

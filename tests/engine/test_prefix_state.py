@@ -1,0 +1,83 @@
+"""The engine with a prefix cache under random requests and cancellations (hypothesis
+state machine): engine, pool and cache invariants hold after every step, nothing stays
+pinned, finished requests count restored + computed = prompt, and closing returns the pool
+to its baseline with the cache emptied."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+import slotserve as ss
+from slotserve.testing import write_tiny_hf_dir
+
+SYSTEMS = [list(range(3, 3 + n)) for n in (5, 19, 33)]
+PROMPT = st.tuples(
+    st.integers(0, len(SYSTEMS) - 1), st.lists(st.integers(40, 60), min_size=0, max_size=6)
+)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> ss.Model:
+    return ss.load(write_tiny_hf_dir(tmp_path_factory.mktemp("prefix") / "llama", "llama"))
+
+
+class PrefixEngineMachine(RuleBasedStateMachine):
+    model: ss.Model
+
+    def __init__(self) -> None:
+        super().__init__()
+        config = ss.EngineConfig(
+            kv_layout="cell", block_size=4, num_blocks=40, max_seqs=3, max_context=64,
+            queue_depth=4, prefill_chunk=8, prefix_cache_bytes=12 * 4 * 2 * 2 * 2 * 32 * 4,
+        )  # fmt: skip
+        self.engine = ss.Engine(self.model, config)
+        self.handles: list[tuple[ss.RequestHandle, int]] = []
+
+    @rule(prompt=PROMPT, new=st.integers(1, 8))
+    def submit(self, prompt: tuple[int, list[int]], new: int) -> None:
+        tokens = SYSTEMS[prompt[0]] + prompt[1]
+        params = ss.SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
+        with contextlib.suppress(ss.AdmissionRefused):
+            self.handles.append((self.engine.submit(tokens, params), len(tokens)))
+
+    @precondition(lambda self: bool(self.handles))
+    @rule(index=st.integers(0, 100), wait=st.booleans())
+    def cancel(self, index: int, wait: bool) -> None:
+        handle, _ = self.handles[index % len(self.handles)]
+        handle.cancel(wait=wait)
+
+    @precondition(lambda self: bool(self.handles))
+    @rule()
+    def finish_oldest(self) -> None:
+        handle, n_prompt = self.handles.pop(0)
+        try:
+            final = handle.result()
+        except ss.AdmissionRefused:
+            return
+        timings = final.timings
+        if final.reason != "cancelled" or timings.prefill_done is not None:
+            assert timings.prompt_tokens_restored + timings.prompt_tokens_computed == n_prompt
+        assert timings.prompt_tokens_restored == final.usage.cached_tokens < n_prompt
+
+    @invariant()
+    def integrity(self) -> None:
+        self.engine.check_integrity()
+        assert self.engine.prefix is not None and self.engine.prefix.pins == 0
+
+    def teardown(self) -> None:
+        self.engine.close()
+        self.engine.check_integrity()
+        stats = self.engine.stats()
+        assert (stats.kv_blocks_used, stats.prefix_snapshots, stats.slots_in_use) == (0, 0, 0)
+
+
+def test_prefix_engine_state_machine(model: ss.Model) -> None:
+    PrefixEngineMachine.model = model
+    machine = PrefixEngineMachine.TestCase
+    machine.settings = settings(max_examples=30, stateful_step_count=25, deadline=None)
+    machine().runTest()

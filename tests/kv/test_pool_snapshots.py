@@ -1,0 +1,111 @@
+"""KVPool snapshots: slotless, read-only block holders that copy-on-write keeps intact."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slotserve.errors import KVExhausted, SessionError
+from slotserve.info import ModelInfo
+from slotserve.kv import KVConfig, KVPool, StepBatch
+
+INFO = ModelInfo(
+    arch="llama", n_layers=2, dim=16, n_heads=2, n_kv_heads=1, head_dim=4, ffn_dim=32,
+    vocab_size=50, max_context=32,
+)  # fmt: skip
+
+
+def cell_pool(num_blocks: int = 12, max_seqs: int = 2) -> KVPool:
+    config = KVConfig(
+        layout="cell", max_seqs=max_seqs, max_context=32, block_size=4, num_blocks=num_blocks
+    )
+    return KVPool(INFO, config)
+
+
+def write(pool: KVPool, session: int, n: int, value: float) -> None:
+    """Commit ``n`` positions of ``session`` whose keys are all ``value`` (layer 0)."""
+    start = pool.length(session)
+    batch = StepBatch([session], [start], [n])
+    pool.begin_step(batch)
+    k = torch.full((n, INFO.n_kv_heads, INFO.head_dim), value)
+    q = torch.zeros(n, INFO.n_heads, INFO.head_dim)
+    pool.update_and_attend(0, q, k, k, batch)
+
+
+def keys(pool: KVPool, session: int, n: int, snapshots: bool = False) -> torch.Tensor:
+    table = (pool.snapshots if snapshots else pool.sessions)[session]
+    group = pool.groups[0]
+    cells = group.cell_index(table, torch.arange(n))
+    return group.keys[0].gather(cells.view(1, -1))[0, :, 0, 0]
+
+
+def test_a_snapshot_takes_no_slot_and_survives_writes_of_its_source() -> None:
+    pool = cell_pool(max_seqs=1)
+    pool.reserve(0, 16)
+    write(pool, 0, 6, 1.0)
+    pool.publish(0, 6, into=-1)
+    assert pool.free_slots == 0 and pool.snapshot_ids() == {-1}
+    write(pool, 0, 2, 2.0)  # into the shared second block: copy-on-write
+    pool.check_integrity()
+    assert keys(pool, -1, 6, snapshots=True).tolist() == [1.0] * 6
+    pool.release(0)
+    pool.reserve_from(0, 12, -1, 5)  # the only slot, restored from the snapshot
+    assert pool.length(0) == 5
+    write(pool, 0, 3, 3.0)
+    assert keys(pool, 0, 8).tolist() == [1.0] * 5 + [3.0] * 3
+    assert keys(pool, -1, 6, snapshots=True).tolist() == [1.0] * 6
+    pool.check_integrity()
+    pool.release(0)
+    pool.drop_snapshot(-1)
+    pool.check_integrity()
+    assert pool.blocks.n_free == pool.blocks.total and pool.free_slots == 1
+
+
+def test_no_step_can_write_into_a_snapshot() -> None:
+    pool = cell_pool()
+    pool.reserve(0, 8)
+    write(pool, 0, 4, 1.0)
+    pool.publish(0, 4, into=-1)
+    with pytest.raises(SessionError):
+        pool.begin_step(StepBatch([-1], [4], [1]))
+
+
+def test_reserve_from_is_all_or_nothing() -> None:
+    pool = cell_pool(num_blocks=4)
+    pool.reserve(0, 8)
+    write(pool, 0, 6, 1.0)
+    pool.publish(0, 6, into=-1)
+    pool.release(0)
+    before = (sorted(pool.blocks.free), list(pool.blocks.refcount), pool.free_slots)
+    with pytest.raises(KVExhausted):
+        pool.reserve_from(1, 32, -1, 6)  # 8 blocks: 2 shared + 6 fresh > 2 free
+    assert before == (sorted(pool.blocks.free), list(pool.blocks.refcount), pool.free_slots)
+    with pytest.raises(SessionError):
+        pool.reserve_from(1, 8, -1, 7)  # past the snapshot
+    with pytest.raises(SessionError):
+        pool.reserve_from(1, 8, -5, 2)  # unknown snapshot
+    pool.check_integrity()
+
+
+def test_copy_on_write_room_counts_snapshot_holders() -> None:
+    """A request restored mid-block will copy that block: the room is held back."""
+    pool = cell_pool(num_blocks=3)
+    pool.reserve(0, 4)
+    write(pool, 0, 3, 1.0)
+    pool.publish(0, 3, into=-1)
+    pool.release(0)
+    pool.reserve_from(1, 8, -1, 3)  # 1 shared block (to be copied) + 1 fresh
+    assert pool._cow_needed(pool.sessions) == 1
+    with pytest.raises(KVExhausted):
+        pool.reserve(2, 4)  # the last free block is the pending copy's
+    write(pool, 1, 2, 2.0)
+    pool.check_integrity()
+
+
+def test_snapshots_need_an_all_cell_pool() -> None:
+    flat = KVPool(INFO, KVConfig(layout="flat", max_seqs=2, max_context=32))
+    flat.reserve(0, 8)
+    write(flat, 0, 2, 1.0)
+    assert not flat.supports_snapshots
+    with pytest.raises(SessionError, match="cell layout"):
+        flat.publish(0, 2, into=-1)

@@ -1,0 +1,107 @@
+"""PrefixCache over a real cell pool (no model): longest usable match, final-token replay,
+LRU eviction by bytes, pins, eviction under KV pressure, and clear."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from slotserve.errors import KVExhausted
+from slotserve.info import ModelInfo
+from slotserve.kv import KVConfig, KVPool, StepBatch
+from slotserve.prefix import PrefixCache
+
+INFO = ModelInfo(
+    arch="llama", n_layers=2, dim=16, n_heads=2, n_kv_heads=1, head_dim=4, ffn_dim=32,
+    vocab_size=50, max_context=32,
+)  # fmt: skip
+BS = 4
+
+
+def make(num_blocks: int = 24, budget_blocks: int = 8, max_seqs: int = 4) -> PrefixCache:
+    config = KVConfig(
+        layout="cell", max_seqs=max_seqs, max_context=32, block_size=BS, num_blocks=num_blocks
+    )
+    pool = KVPool(INFO, config)
+    return PrefixCache(pool, budget_blocks * pool.block_nbytes)
+
+
+def prefill(cache: PrefixCache, session: int, tokens: list[int], extra: int = 4) -> int:
+    """Bind ``session`` through the cache, 'compute' the rest of ``tokens``, publish."""
+    restored = cache.bind(session, tokens, len(tokens) + extra)
+    pool = cache.pool
+    n = len(tokens) - restored
+    batch = StepBatch([session], [restored], [n])
+    pool.begin_step(batch)
+    k = torch.zeros(n, INFO.n_kv_heads, INFO.head_dim)
+    pool.update_and_attend(0, torch.zeros(n, INFO.n_heads, INFO.head_dim), k, k, batch)
+    cache.publish(session, tokens)
+    cache.check_integrity()
+    pool.check_integrity()
+    return restored
+
+
+def test_longest_usable_match_and_final_token_replay() -> None:
+    cache = make()
+    system = [1, 2, 3, 4, 5, 6]
+    assert prefill(cache, 0, [*system, 7]) == 0
+    assert prefill(cache, 1, [*system, 8, 9]) == 6  # shares the system prompt only
+    assert prefill(cache, 2, [*system, 7]) == 6  # whole prompt matched: last one replayed
+    assert prefill(cache, 3, [9, 9]) == 0
+    assert (cache.stats.hits, cache.stats.misses, cache.stats.tokens_restored) == (2, 2, 12)
+    assert len(cache) == 3  # the repeated prompt was already covered: not published again
+
+
+def test_lru_eviction_by_bytes_keeps_the_budget() -> None:
+    cache = make(budget_blocks=4)
+    for session, first in enumerate((10, 20, 30)):
+        prefill(cache, session, [first, 1, 2, 3, 4, 5])  # 2 blocks each
+        cache.pool.release(session)
+    assert len(cache) == 2 and cache.stats.evictions == 1
+    assert cache.bytes_pinned <= cache.budget_bytes
+    assert prefill(cache, 5, [10, 1, 2]) == 0  # the oldest was the one evicted
+    cache.pool.release(5)
+    assert prefill(cache, 6, [30, 1, 2]) == 2
+
+
+def test_a_snapshot_over_the_budget_is_not_published() -> None:
+    cache = make(budget_blocks=1)
+    prefill(cache, 0, list(range(1, 10)))  # 3 blocks > 1
+    assert len(cache) == 0 and cache.pool.snapshot_ids() == set()
+
+
+def test_bind_evicts_before_kv_is_exhausted_but_never_its_own_source() -> None:
+    cache = make(num_blocks=8, budget_blocks=8, max_seqs=3)
+    prefill(cache, 0, [1, 2, 3, 4, 5, 6, 7, 8], extra=0)  # 2 blocks
+    prefill(cache, 1, [9, 9, 9, 9, 9, 9, 9, 9], extra=0)  # 2 more
+    cache.pool.release(0)
+    cache.pool.release(1)
+    assert cache.pool.blocks.n_free == 4
+    # Restores 7 from [1..8] (2 shared blocks) and needs 4 fresh: evicts [9...] only.
+    assert cache.bind(2, [1, 2, 3, 4, 5, 6, 7, 8], 24) == 7
+    assert cache.stats.evictions == 1 and len(cache) == 1
+    assert cache.pins == 0
+    cache.check_integrity()
+    with pytest.raises(KVExhausted):  # even an empty cache could not make room
+        cache.bind(3, [4, 4], 32)
+    cache.pool.check_integrity()
+    cache.check_integrity()
+
+
+def test_clear_returns_the_pool_to_baseline() -> None:
+    cache = make()
+    prefill(cache, 0, [1, 2, 3, 4, 5])
+    prefill(cache, 1, [1, 2, 3, 4, 6])
+    for session in (0, 1):
+        cache.pool.release(session)
+    cache.clear()
+    cache.check_integrity()
+    assert cache.pool.blocks.n_free == cache.pool.blocks.total and cache.bytes_pinned == 0
+
+
+def test_the_cache_refuses_pools_that_drop_positions() -> None:
+    flat = KVPool(INFO, KVConfig(layout="flat", max_seqs=2, max_context=32))
+    with pytest.raises(ValueError, match="cell layout"):
+        PrefixCache(flat, 1 << 20)
+    with pytest.raises(ValueError, match="budget_bytes"):
+        PrefixCache(make().pool, 0)
