@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
@@ -12,7 +13,7 @@ from typing import Any
 import pytest
 
 import slotserve as ss
-from slotserve.runner import GenerationConfig
+from slotserve.runner import GenerationConfig, common_prefix
 
 
 @pytest.mark.parametrize(
@@ -381,3 +382,65 @@ def test_warmup_runs_once_then_resets(tiny: ss.Model, monkeypatch: pytest.Monkey
     assert runner.stats.inference_start_ms == runner.stats.num_generated_tokens == 0
     after = runner.generate([5, 6, 7], GREEDY)
     assert after.tokens == ss.TextLLMRunner(tiny, max_context=64).generate([5, 6, 7], GREEDY).tokens
+
+
+# -- issue 13: the conversation's KV stays cached between turns -------------------------
+
+
+def _chat(runner: ss.TextLLMRunner, turns: list[list[int]]) -> list[ss.GenerationResult]:
+    """`slotserve chat`'s loop on token-level messages: each turn's conversation is the
+    previous one plus the reply and the new message; only what differs is placed after
+    the longest prefix the runner holds."""
+    results, in_conversation = [], []
+    for message in turns:
+        tokens = [*in_conversation, *message]
+        keep = common_prefix(in_conversation, tokens, runner.position)
+        result = runner.generate_from_pos(tokens[keep:], keep, GREEDY)
+        results.append(result)
+        in_conversation = tokens + result.tokens
+    return results
+
+
+def test_chat_turns_restore_the_conversation_instead_of_prefilling_it(tiny: ss.Model) -> None:
+    turns = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18], [19, 20]]
+    cached = _chat(ss.TextLLMRunner(tiny, max_context=256), turns)
+    plain = _chat(ss.TextLLMRunner(tiny, max_context=256, prefix_cache=False), turns)
+    assert [r.tokens for r in cached] == [r.tokens for r in plain]  # token for token
+    computed = [r.stats.prompt_tokens_computed for r in cached]
+    for message, result, n in zip(turns, cached, computed, strict=True):
+        # The turn's new tokens (the last reply token, never fed, then the message)
+        # and at most one replayed token: flat, not growing with the conversation.
+        assert n <= result.stats.num_prompt_tokens + 1 <= len(message) + 2
+    restored = [r.stats.prompt_tokens_restored for r in cached]
+    assert restored[0] == 0 and all(a < b for a, b in itertools.pairwise(restored))
+    whole = [r.stats.prompt_tokens_computed for r in plain]  # without the cache: growing
+    assert whole == [r + c for r, c in zip(restored, computed, strict=True)]
+    assert all(a < b for a, b in itertools.pairwise(whole))
+
+
+def test_generate_continues_from_the_cached_conversation(tiny: ss.Model) -> None:
+    runner = ss.TextLLMRunner(tiny, max_context=64)
+    first = runner.generate([5, 6, 7], GREEDY)
+    second = runner.generate([8, 9], GREEDY)
+    # Computed: the pending last token of the first turn and the two new ones.
+    assert second.stats.num_prompt_tokens == 3 == second.stats.prompt_tokens_computed
+    assert second.stats.prompt_tokens_restored == 3 + len(first.tokens) - 1
+    rewound = runner.generate_from_pos([10, 11], 3, GREEDY)  # inside the cached turn
+    assert rewound.stats.prompt_tokens_restored == 3
+    fresh = ss.TextLLMRunner(tiny, max_context=64, prefix_cache=False)
+    assert rewound.tokens == fresh.generate([5, 6, 7, 10, 11], GREEDY).tokens
+
+
+def test_a_turn_that_reserves_the_whole_context_still_restores(tiny: ss.Model) -> None:
+    # The one-slot pool has no block to spare: the turn takes over the cached
+    # conversation's blocks (the snapshot is consumed) instead of computing it again.
+    unbounded = GenerationConfig(echo=False, temperature=0, ignore_eos=True)
+    results = []
+    for cache in (True, False):
+        runner = ss.TextLLMRunner(tiny, max_context=40, prefix_cache=cache)
+        runner.generate([5, 6, 7, 8, 9], GREEDY)
+        results.append(runner.generate([10, 11], unbounded))
+    cached, plain = results
+    assert cached.tokens == plain.tokens and len(cached.tokens) == 40 - 5 - 11 - 3
+    assert cached.stats.prompt_tokens_restored == 5 + 11
+    assert cached.stats.prompt_tokens_computed == 3

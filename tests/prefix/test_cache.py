@@ -105,3 +105,39 @@ def test_the_cache_refuses_pools_that_drop_positions() -> None:
         PrefixCache(flat, 1 << 20)
     with pytest.raises(ValueError, match="budget_bytes"):
         PrefixCache(make().pool, 0)
+
+
+def test_release_into_keeps_a_finished_conversation_and_replaces_what_it_extends() -> None:
+    cache = make(num_blocks=16, budget_blocks=16)
+    pool = cache.pool
+    prefill(cache, 0, [1, 2, 3, 4, 5])  # publishes the prompt
+    pool.begin_step(StepBatch([0], [5], [3]))  # three decode positions, as the engine would
+    assert cache.release_into(0, [1, 2, 3, 4, 5, 6, 7, 8])
+    assert len(cache) == 1 and 0 not in pool.session_ids()  # the prompt's snapshot replaced
+    cache.check_integrity()
+    pool.check_integrity()
+    assert cache.bind(1, [1, 2, 3, 4, 5, 6, 7, 8, 9], 12) == 8
+    pool.release(1)
+    prefill(cache, 2, [7, 7])
+    assert not cache.release_into(2, [7, 7])  # covered already: a plain release
+    assert 2 not in pool.session_ids() and len(cache) == 2
+    cache.check_integrity()
+    pool.check_integrity()
+
+
+def test_a_full_pool_restores_by_consuming_the_matched_snapshot() -> None:
+    # One slot, blocks for one max_context session: the conversation's snapshot holds
+    # blocks the next turn's whole-context reservation needs.
+    cache = make(num_blocks=8, budget_blocks=8, max_seqs=1)
+    pool = cache.pool
+    prefill(cache, 0, [1, 2, 3, 4, 5, 6], extra=2)
+    pool.begin_step(StepBatch([0], [6], [1]))
+    cache.release_into(0, [1, 2, 3, 4, 5, 6, 9])  # 7 positions: its last block half full
+    assert cache.bind(1, [1, 2, 3, 4, 5, 6, 9, 10], 32) == 7  # all 8 blocks reserved
+    assert len(cache) == 0 and cache.stats.evictions == 1  # consumed, counted
+    cache.check_integrity()
+    pool.check_integrity()
+    pool.begin_step(StepBatch([1], [7], [25]))  # writes into the once-shared block: no copy
+    pool.release(1)
+    pool.check_integrity()
+    assert pool.usage().used == 0

@@ -2,9 +2,11 @@
 
 Each turn encodes the whole conversation with `Tokenizer.encode_chat` (special-token text a
 user types stays text) and places only its new tokens after the longest prefix the
-runner's conversation already holds (`TextLLMRunner.generate_from_pos`); the engine request
-of a turn still prefills the conversation so far, until a prefix cache restores it from the
-pool.
+runner's conversation already holds (`TextLLMRunner.generate_from_pos`). The runner's
+prefix cache keeps the conversation's KV between turns (each turn's prompt and reply), so a
+turn computes only the tokens that differ from it: the new message, the template's markers
+around it, and any reply tokens the template encodes differently. Models with
+sliding-window layers (whose rings drop positions) compute the whole conversation each turn.
 """
 
 from __future__ import annotations
@@ -21,15 +23,25 @@ from slotserve.cli.generate import generation_config, print_piece
 def register(commands: Any) -> None:
     parser = commands.add_parser("chat", help="interactive terminal chat")
     parser.add_argument("--system", default=None, help="system message")
+    parser.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="compute the whole conversation every turn (default: keep its KV between turns)",
+    )
     add_sampling_args(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    from slotserve.runner import TextLLMRunner
+    from slotserve.runner import TextLLMRunner, common_prefix
 
     # The runner's per-turn stats report (an info log line) would interleave with the chat.
     logging.getLogger("slotserve.runner").setLevel(logging.WARNING)
-    runner = TextLLMRunner(args.model, max_context=args.max_context, weights=args.weights)
+    runner = TextLLMRunner(
+        args.model,
+        max_context=args.max_context,
+        weights=args.weights,
+        prefix_cache=not args.no_prefix_cache,
+    )
     runner.load()
     tokenizer = runner.model.tokenizer
     messages: list[dict[str, Any]] = []
@@ -54,14 +66,3 @@ def run(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": result.text})
         in_conversation = tokens + result.tokens
     return 0
-
-
-def common_prefix(held: list[int], tokens: list[int], limit: int) -> int:
-    """Length of the common prefix of ``held[:limit]`` and ``tokens``, leaving at least one
-    token of ``tokens`` to feed."""
-    n = 0
-    for a, b in zip(held[:limit], tokens, strict=False):
-        if a != b:
-            break
-        n += 1
-    return min(n, len(tokens) - 1)

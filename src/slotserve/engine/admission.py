@@ -150,9 +150,17 @@ class Admission:
             self.queue.remove(request)
         return leaving
 
-    def release(self, request: Request) -> None:
-        """Unbind a running request: its slot and KV go back to the pool."""
-        if self.running.pop(request.request_id, None) is not None:
+    def release(self, request: Request, keep: bool = False) -> None:
+        """Unbind a running request: its slot and KV go back to the pool. With ``keep``
+        (and the prefix cache), the KV it committed, prompt then completion, is handed to
+        the cache as a snapshot instead (`PrefixCache.release_into`)."""
+        if self.running.pop(request.request_id, None) is None:
+            return
+        if keep and self.prefix is not None:
+            committed = self.pool.length(request.request_id)
+            tokens = [*request.prompt, *request.generated][:committed]
+            self.prefix.release_into(request.request_id, tokens)
+        else:
             self.pool.release(request.request_id)
 
     def check_integrity(self) -> None:

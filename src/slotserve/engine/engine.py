@@ -10,8 +10,10 @@ under the lock, releases what finished. It alone drives the pool's step bookkeep
 
 With ``prefix_cache_bytes`` set, the engine owns a `PrefixCache` over its pool, used only
 under the engine lock: admission restores the longest usable prefix into a new request's
-session, and a request whose opening prefill completed publishes its prompt's snapshot
-right after that step. Closing empties the cache, so the pool is back at its baseline.
+session, a request whose opening prefill completed publishes its prompt's snapshot right
+after that step, and one submitted with ``publish_completion`` hands its prompt and
+completion to the cache when it ends (a conversation's next turn restores them). Closing
+empties the cache, so the pool is back at its baseline.
 
 An engine still open when the interpreter exits is closed first (its thread stopped
 between steps), so a script may end while requests run.
@@ -28,6 +30,7 @@ import weakref
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from slotserve.engine.admission import Admission, build_request
 from slotserve.engine.config import EngineConfig
@@ -71,12 +74,14 @@ class EngineStats:
     steps_by_batch_size: dict[int, int] = field(default_factory=dict)
     steps_by_class: dict[str, int] = field(default_factory=dict)
     pressure_level: float | None = None  # None: no pressure signal
-    # Prefix cache (all 0 when it is off): restores that hit or missed, token-equal
-    # prefixes a retention rule refused, tokens restored, bytes its snapshots pin,
-    # snapshots published and evicted.
+    # Prefix cache (all 0 when it is off): the bytes it may pin, restores that hit or
+    # missed, token-equal prefixes a retention rule refused (in all and by rule), tokens
+    # restored, bytes its snapshots pin, snapshots held and evicted.
+    prefix_budget_bytes: int = 0
     prefix_hits: int = 0
     prefix_misses: int = 0
     prefix_rejections: int = 0
+    prefix_rejections_by_rule: dict[str, int] = field(default_factory=dict)
     prefix_tokens_restored: int = 0
     prefix_bytes_pinned: int = 0
     prefix_snapshots: int = 0
@@ -144,10 +149,14 @@ class Engine:
         priority: str = "normal",
         *,
         queue: bool = True,
+        publish_completion: bool = False,
     ) -> RequestHandle:
         """Admit a request, queue it (``queue`` and room in the queue), or raise
         `AdmissionRefused`. ``prompt`` is text (tokenised here) or token ids. Returns the
-        handle to iterate for its events."""
+        handle to iterate for its events. With ``publish_completion`` and the prefix cache
+        on, the request's prompt and completion stay cached when it ends (unless it fails),
+        so a next turn that continues the conversation restores them instead of computing
+        them again."""
         params = params or SamplingParams()
         try:
             request = build_request(
@@ -163,6 +172,7 @@ class Engine:
             with self._lock:
                 self.counters.refusals[refusal.reason] += 1
             raise
+        request.publish_completion = publish_completion
         with self._lock:
             self._admission.admit(request, queue)
             self._known[request.request_id] = request
@@ -241,14 +251,16 @@ class Engine:
                 **self._prefix_stats(),
             )
 
-    def _prefix_stats(self) -> dict[str, int]:
+    def _prefix_stats(self) -> dict[str, Any]:
         if self.prefix is None:
             return {}
         stats = self.prefix.stats
         return {
+            "prefix_budget_bytes": self.prefix.budget_bytes,
             "prefix_hits": stats.hits,
             "prefix_misses": stats.misses,
             "prefix_rejections": stats.rejections,
+            "prefix_rejections_by_rule": dict(stats.rejections_by_rule),
             "prefix_tokens_restored": stats.tokens_restored,
             "prefix_bytes_pinned": self.prefix.bytes_pinned,
             "prefix_snapshots": len(self.prefix),
@@ -364,7 +376,7 @@ class Engine:
         """Release the slot and KV first, then send the terminal event."""
         if request.state == "done":
             return
-        self._admission.release(request)
+        self._admission.release(request, keep=request.publish_completion and reason != "error")
         now = self.clock()
         request.timings.released = now
         self.counters.finished[reason] += 1

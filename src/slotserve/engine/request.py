@@ -43,6 +43,7 @@ class Request:
     eos_token: int | None = None
     last_step: int = -1  # the engine step that last advanced this request (fairness)
     published: bool = False  # its prompt was offered to the prefix cache
+    publish_completion: bool = False  # at the end, keep prompt + completion in the cache
     cancelled: threading.Event = field(default_factory=threading.Event)
     released: threading.Event = field(default_factory=threading.Event)
 

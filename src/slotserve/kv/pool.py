@@ -248,10 +248,15 @@ class KVPool:
         self.blocks.share(shared)
         self.snapshots[into] = snapshot
 
-    def reserve_from(self, session: int, n_tokens: int, snapshot: int, upto: int) -> None:
+    def reserve_from(
+        self, session: int, n_tokens: int, snapshot: int, upto: int, *, consume: bool = False
+    ) -> None:
         """`reserve` ``session`` for ``n_tokens`` positions whose first ``upto`` are those
         of ``snapshot`` (its blocks shared copy-on-write, the rest fresh): all or nothing.
-        The session's length starts at ``upto``."""
+        The session's length starts at ``upto``. With ``consume``, the snapshot is dropped
+        in the same move: its blocks past ``upto`` that no one else holds count as free,
+        and a block it shared only with the new session is no longer copied on write (a
+        one-slot pool continuing a conversation needs exactly that room)."""
         self._check_snapshots_supported()
         if session in self.sessions or session in self.snapshots:
             raise SessionError(f"session {session} already holds a reservation; use extend()")
@@ -267,13 +272,41 @@ class KVPool:
         shared = source.table[: self._blocks_for(upto)]
         bound = SessionKV(self._free_slots[-1], n_tokens, upto, list(shared), upto)
         fresh = self._blocks_for(n_tokens) - len(shared)
-        spare = self.blocks.n_free - self._cow_needed({**self.sessions, session: bound})
+        others = {k: s for k, s in self.snapshots.items() if not (consume and k == snapshot)}
+        freed = 0
+        if consume:
+            tail = source.table[len(shared) :]
+            freed = sum(1 for block in tail if self.blocks.refcount[block] == 1)
+        sessions = {**self.sessions, session: bound}
+        spare = self.blocks.n_free + freed - self._cow_needed(sessions, others)
         if fresh > spare:
             raise KVExhausted("KV blocks", fresh, max(spare, 0), "release sessions or add blocks")
         self.blocks.share(shared)
+        if consume:
+            del self.snapshots[snapshot]
+            self.blocks.drop(source.table)
         bound.table.extend(self.blocks.allocate(fresh))
         self._free_slots.pop()
         self.sessions[session] = bound
+
+    def release_into(self, session: int, upto: int, into: int) -> None:
+        """`release` ``session``, keeping its first ``upto`` committed positions as the
+        read-only snapshot ``into`` (its blocks, not copies; the rest go back to the free
+        list). Nothing is allocated and nothing will be written, so it cannot fail for
+        room: a finished request hands over its KV instead of freeing it."""
+        self._check_snapshots_supported()
+        source = self._get(session)
+        if into in self.sessions or into in self.snapshots:
+            raise SessionError(f"session {into} already exists")
+        if not 0 < upto <= source.length:
+            raise SessionError(
+                f"release_into upto={upto} is outside 1..{source.length} (session "
+                f"{session}'s committed length)"
+            )
+        kept = source.table[: self._blocks_for(upto)]
+        self.blocks.share(kept)
+        self.release(session)
+        self.snapshots[into] = SessionKV(-1, upto, upto, list(kept), upto)
 
     def drop_snapshot(self, snapshot: int) -> None:
         """Let go of ``snapshot``: blocks no one else holds return to the free list."""

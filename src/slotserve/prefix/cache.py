@@ -4,7 +4,10 @@ It owns the snapshots it published in the pool (`KVPool.publish`: slotless, read
 blocks shared by refcount), a `TokenTrie` over their tokens for longest-match, an LRU order
 and a byte budget on the blocks they pin. It binds new requests (`bind`): the longest usable
 prefix is restored into the request's own session copy-on-write and the rest is reserved
-fresh, evicting snapshots while the pool lacks room. It never touches the step.
+fresh, evicting snapshots while the pool lacks room (last of all the matched snapshot
+itself, consumed by the restore). A finished request may hand its KV over (`release_into`):
+its prompt and completion become a snapshot, so the next turn of a conversation restores
+them. A new snapshot replaces those whose tokens it extends. It never touches the step.
 
 Validity. A snapshot serves a prefix only if every layer still holds every position of it:
 the cache runs only on pools where every layer is in the cell layout (`supports_snapshots`),
@@ -23,7 +26,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from slotserve.errors import KVExhausted
 from slotserve.kv.pool import KVPool
@@ -38,6 +41,7 @@ class PrefixStats:
     hits: int = 0
     misses: int = 0
     rejections: int = 0
+    rejections_by_rule: Counter[str] = field(default_factory=Counter)
     tokens_restored: int = 0
     published: int = 0
     evictions: int = 0
@@ -134,8 +138,25 @@ class PrefixCache:
                 return match[1]
             except KVExhausted:
                 # Evicting frees blocks, never slots: with no slot, yield nothing.
-                if not self.pool.free_slots or not self.evict_one():
+                if not self.pool.free_slots:
                     raise
+                if self.evict_one():
+                    continue
+                if match is None:
+                    raise
+                return self._restore_consuming(session, n_tokens, match)
+
+    def _restore_consuming(self, session: int, n_tokens: int, match: tuple[Snapshot, int]) -> int:
+        """The last resort before refusing: restore from the matched snapshot while
+        dropping it (`KVPool.reserve_from` with ``consume``), so the blocks it holds past
+        the prefix, and the copy-on-write of its boundary block, are room for the request.
+        A one-slot engine continuing its conversation lands here every turn."""
+        entry, upto = match
+        blocks = self.pool.snapshot_blocks(entry.key)
+        self.pool.reserve_from(session, n_tokens, entry.key, upto, consume=True)
+        self._forget(entry.key, blocks)
+        self.stats.evictions += 1
+        return upto
 
     # -- publication and eviction ----------------------------------------------------
 
@@ -158,13 +179,46 @@ class PrefixCache:
             self.pool.publish(session, len(frozen), key)
         except KVExhausted:
             return False
-        self._entries[key] = Snapshot(key, frozen)
-        self._trie.insert(key, frozen)
+        self._enter(key, frozen)
+        return True
+
+    def release_into(self, session: int, tokens: Sequence[int]) -> bool:
+        """Release ``session``, keeping its first ``len(tokens)`` positions (which hold
+        ``tokens``' KV: a finished request's prompt and completion) as a snapshot, so the
+        next turn of a conversation restores it (`KVPool.release_into`: its blocks change
+        hands, nothing is copied or allocated). Evicts LRU snapshots down to the budget.
+        False, and a plain release, when ``tokens`` is empty, a snapshot already covers
+        it (that one is marked used) or one snapshot of this size would pass the budget."""
+        frozen = tuple(tokens)
+        depth, keys = self._trie.longest(frozen)
+        covered = bool(keys) and depth == len(frozen)
+        blocks_needed = -(-len(frozen) // self.pool.config.block_size)
+        if not frozen or covered or blocks_needed * self.pool.block_nbytes > self.budget_bytes:
+            if covered:
+                self._entries.move_to_end(next(k for k in reversed(self._entries) if k in keys))
+            self.pool.release(session)
+            return False
+        key = next(self._keys)
+        self.pool.release_into(session, len(frozen), key)
+        self._enter(key, frozen)
+        return True
+
+    def _enter(self, key: int, tokens: tuple[int, ...]) -> None:
+        """List the pool's new snapshot ``key``; drop the snapshots it covers (their tokens
+        are a prefix of its own, so any match they give it gives too); keep the budget."""
+        covered = [
+            k
+            for k, e in self._entries.items()
+            if e.pins == 0 and len(e.tokens) <= len(tokens) and tokens[: len(e.tokens)] == e.tokens
+        ]
+        for old in covered:
+            self._drop(old)
+        self._entries[key] = Snapshot(key, tokens)
+        self._trie.insert(key, tokens)
         self._block_holders.update(self.pool.snapshot_blocks(key))
         self.stats.published += 1
         while self.bytes_pinned > self.budget_bytes and self.evict_one():
             pass
-        return True
 
     def evict_one(self) -> bool:
         """Drop the least recently used snapshot that no restore pins; False if none."""
@@ -182,11 +236,15 @@ class PrefixCache:
             self._drop(key)
 
     def _drop(self, key: int) -> None:
+        self._forget(key, self.pool.snapshot_blocks(key))
+        self.pool.drop_snapshot(key)
+
+    def _forget(self, key: int, blocks: list[int]) -> None:
+        """Unlist ``key``, whose snapshot held ``blocks`` (trie, LRU, block counts)."""
         entry = self._entries.pop(key)
         self._trie.remove(key, entry.tokens)
-        self._block_holders.subtract(self.pool.snapshot_blocks(key))
+        self._block_holders.subtract(blocks)
         self._block_holders = +self._block_holders  # forget blocks no snapshot holds
-        self.pool.drop_snapshot(key)
 
     # -- checks ----------------------------------------------------------------------
 

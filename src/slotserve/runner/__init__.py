@@ -3,6 +3,6 @@
 
 from slotserve.runner.config import GenerationConfig
 from slotserve.runner.result import GenerationResult, Stats
-from slotserve.runner.runner import TextLLMRunner
+from slotserve.runner.runner import TextLLMRunner, common_prefix
 
-__all__ = ["GenerationConfig", "GenerationResult", "Stats", "TextLLMRunner"]
+__all__ = ["GenerationConfig", "GenerationResult", "Stats", "TextLLMRunner", "common_prefix"]

@@ -61,6 +61,10 @@ class Stats:
     gpu_free_after_load_bytes: int | None = None
     gpu_free_after_generate_bytes: int | None = None
     gpu_peak_usage_mb: float | None = None
+    # slotserve's own (not in ExecuTorch's JSON): prompt positions the engine computed for
+    # this call and those it restored from the prefix cache (the conversation so far).
+    prompt_tokens_computed: int = 0
+    prompt_tokens_restored: int = 0
 
     @property
     def prefill_tokens_per_s(self) -> float | None:
@@ -81,12 +85,15 @@ class Stats:
 
     def record_engine_timings(self, timings: RequestTimings) -> None:
         """Fill what the engine measured for the request: prompt eval end and first token
-        (when the first token was sampled, or the prefill's end if none was) and the
-        request's share of the batched sampling time."""
+        (when the first token was sampled, or the prefill's end if none was), the
+        request's share of the batched sampling time, and its prompt positions computed
+        and restored."""
         first = timings.token_times[0] if timings.token_times else timings.prefill_done
         if first is not None:
             self.prompt_eval_end_ms = self.first_token_ms = _ms(first)
         self.aggregate_sampling_time_ms = round(timings.sampling_time * 1000)
+        self.prompt_tokens_computed = timings.prompt_tokens_computed
+        self.prompt_tokens_restored = timings.prompt_tokens_restored
 
     def to_dict(self) -> dict[str, float | int]:
         """The object ``stats_to_json_string`` writes, key for key and in its order."""

@@ -3,7 +3,14 @@
 One caller, one conversation. ``generate`` continues after the conversation so far
 (multi-turn), ``generate_from_pos`` places the prompt at an explicit position, ``reset``
 starts over, ``stop`` (from any thread) ends the running generation before its next token.
-The conversation's tokens live here; each turn is one engine request over them.
+The conversation's tokens live here; each turn is one engine request over them. The
+engine keeps the conversation's KV between turns: its one slot runs the cell layout with a
+prefix cache, each turn hands its prompt and completion to the cache when it ends, and the
+next turn restores them, so it computes only its new tokens (plus the last prompt token,
+when the whole prompt was cached: logits are never stored). ``prefix_cache=False``, or a
+model with sliding-window layers (whose rings drop positions), computes every turn whole.
+`Stats` keeps ExecuTorch's meanings (``num_prompt_tokens``: the tokens this call adds);
+``prompt_tokens_computed`` and ``prompt_tokens_restored`` say what the engine did.
 
 Where ExecuTorch's ``TextLLMRunner`` (extension/llm/runner/text_llm_runner.cpp) defines a
 behaviour, this one follows it: the refusals of a prompt that leaves no room to generate,
@@ -21,6 +28,7 @@ from pathlib import Path
 
 from slotserve.engine import Engine, EngineConfig, Finished, RequestHandle, TokenEvent
 from slotserve.errors import ContextOverflow
+from slotserve.kv.pool import layer_rules
 from slotserve.model import Model
 from slotserve.runner.config import GenerationConfig
 from slotserve.runner.result import GenerationResult, Stats, now_ms
@@ -40,8 +48,10 @@ class TextLLMRunner:
         *,
         max_context: int | None = None,
         weights: str = "fp32",
+        prefix_cache: bool = True,
     ):
         self._spec = model
+        self._prefix_cache = prefix_cache
         self._weights = weights
         self._model = model if isinstance(model, Model) else None
         self._requested_context = max_context
@@ -66,6 +76,8 @@ class TextLLMRunner:
         info = self._model.info
         context = min(self._requested_context or min(info.max_context, 4096), info.max_context)
         config = EngineConfig(max_seqs=1, max_context=context, kv_layout="flat")
+        if self._prefix_cache:
+            config = _caching(config, self._model)
         self._engine = Engine(self._model, config)
         self.stats.model_load_end_ms = now_ms()
 
@@ -234,7 +246,8 @@ class TextLLMRunner:
         """One engine request over the conversation; streams until done or stopped."""
         assert self._engine is not None
         self._stop.clear()
-        handle = self._handle = self._engine.submit(tokens, config.sampling_params(max_new))
+        params = config.sampling_params(max_new)
+        handle = self._handle = self._engine.submit(tokens, params, publish_completion=True)
         try:
             return self._consume(handle, token_callback)
         except BaseException:
@@ -276,6 +289,30 @@ class TextLLMRunner:
             self._history, self._pending = prompt + sampled, []
         else:
             self._history, self._pending = prompt + sampled[:-1], sampled[-1:]
+
+
+def common_prefix(held: list[int], tokens: list[int], limit: int) -> int:
+    """Length of the common prefix of ``held[:limit]`` and ``tokens``, leaving at least one
+    token of ``tokens`` to feed (how `slotserve chat` places a turn's tokens with
+    `TextLLMRunner.generate_from_pos`)."""
+    n = 0
+    for a, b in zip(held[:limit], tokens, strict=False):
+        if a != b:
+            break
+        n += 1
+    return min(n, len(tokens) - 1)
+
+
+def _caching(config: EngineConfig, model: Model) -> EngineConfig:
+    """``config`` with the cell layout and a prefix cache that may pin the whole pool (one
+    conversation), or unchanged when a layer could not keep every position (a
+    sliding-window ring)."""
+    block_size = next(b for b in (16, 8, 4, 2, 1) if config.max_context % b == 0)
+    cell = replace(config, kv_layout="cell", block_size=block_size)
+    if any(kind != "cell" for kind, _ in layer_rules(model.info, cell.kv_config())):
+        return config
+    pool_bytes = cell.plan(model.info, model.weight_bytes).kv_bytes
+    return replace(cell, prefix_cache_bytes=pool_bytes)
 
 
 def _decode_step_tokens(result: GenerationResult) -> int:
