@@ -156,3 +156,19 @@ def test_plan_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
         "max_context_that_fits",
     } <= set(report)
     assert report["measured"]["pool_bytes"] == report["arenas"]["kv"]
+
+
+def test_the_plan_states_what_the_prefix_cache_may_pin() -> None:
+    config = KVConfig(layout="cell", max_seqs=2, max_context=256, block_size=16)
+    plan = CapacityPlan(INFO, config, 0)
+    assert plan.prefix_cache is None and plan.to_dict()["prefix_cache"] is None
+    block = plan.kv_bytes // config.total_blocks
+    cached = dataclasses.replace(plan, prefix_cache_bytes=5 * block + 1)
+    stated = cached.to_dict()["prefix_cache"]
+    assert stated["pinnable_bytes"] == 5 * block and stated["blocks"] == 5  # whole blocks
+    assert stated["pool_fraction"] == 5 / config.total_blocks
+    assert cached.worst_case_bytes == plan.worst_case_bytes  # inside the pool, not beside it
+    whole = dataclasses.replace(plan, prefix_cache_bytes=10 * plan.kv_bytes)
+    assert whole.to_dict()["prefix_cache"]["pool_fraction"] == 1.0
+    engine_plan = ss.EngineConfig(kv_layout="cell", prefix_cache_bytes="1MiB").plan(INFO, 0)
+    assert engine_plan.to_dict()["prefix_cache"]["budget_bytes"] == 1 << 20

@@ -101,10 +101,13 @@ class CapacityPlan:
     max_batch_tokens: int = 256
     memory_budget: int | None = None
     memory_map: MemoryMap | None = None
+    prefix_cache_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None and self.memory_map is not None:
             raise ValueError("give memory_budget or memory_map, not both")
+        if self.prefix_cache_bytes < 0:
+            raise ValueError(f"prefix_cache_bytes={self.prefix_cache_bytes} must be >= 0")
         if self.max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens={self.max_batch_tokens} must be >= 1")
 
@@ -143,6 +146,26 @@ class CapacityPlan:
             limits = dataclasses.asdict(self.memory_map)
             return all(used <= limits[name] for name, used in self.arenas.items())
         return self.memory_budget is None or self.worst_case_bytes <= self.memory_budget
+
+    @property
+    def prefix_cache(self) -> dict[str, Any] | None:
+        """How much of the KV pool the prefix cache may pin (None: the cache is off). Its
+        snapshots live inside the pool, not beside it: they hold blocks no session is using,
+        and the cache evicts before a request is refused, so it adds no bytes to the plan;
+        at most ``pinnable_bytes`` (``pool_fraction`` of the pool, whole blocks) are held
+        while idle, and a request admitted at ``max_seqs`` worst case makes it yield."""
+        if not self.prefix_cache_bytes:
+            return None
+        pool = self.kv_bytes
+        block = pool // max(self.kv.total_blocks, 1)
+        pinnable = min(self.prefix_cache_bytes // block * block, pool) if block else 0
+        return {
+            "budget_bytes": self.prefix_cache_bytes,
+            "pinnable_bytes": pinnable,
+            "pool_fraction": pinnable / pool if pool else 0.0,
+            "block_bytes": block,
+            "blocks": pinnable // block if block else 0,
+        }
 
     @property
     def headroom(self) -> int | None:
@@ -199,6 +222,7 @@ class CapacityPlan:
             "headroom_bytes": self.headroom,
             "max_seqs_that_fit": self.max_seqs_that_fit(),
             "max_context_that_fits": self.max_context_that_fits(),
+            "prefix_cache": self.prefix_cache,
         }
 
 

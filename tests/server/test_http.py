@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -221,3 +222,34 @@ def test_slots_and_tokenize_need_the_key(bundled_server: ServerProcess) -> None:
     assert httpx.get(bundled_server.url + "/slots").status_code == 401
     assert httpx.get(bundled_server.url + "/slots", headers=AUTH).status_code == 200
     assert httpx.post(bundled_server.url + "/tokenize", json={"text": "a"}).status_code == 401
+
+
+def test_prefix_cache_metrics(tiny_dirs: dict[str, Path]) -> None:
+    server = ServerProcess(
+        str(tiny_dirs["llama"]),
+        "--kv-layout",
+        "cell",
+        "--block-size",
+        "8",
+        "--max-context",
+        "256",
+        "--prefix-cache",
+        "1MiB",
+    )
+    try:
+        system = "You are terse. " * 4
+        for question in ("a?", "b?", "c?"):
+            body = {"model": server.model_name, "prompt": system + question, "max_tokens": 2}
+            assert httpx.post(server.url + "/v1/completions", json=body).status_code == 200
+        assert metric(server, "slotserve_prefix_hits_total") == 2
+        assert metric(server, "slotserve_prefix_misses_total") == 1
+        assert metric(server, "slotserve_prefix_tokens_restored_total") >= 2 * len(system)
+        assert metric(server, "slotserve_prefix_bytes_pinned") > 0
+        assert metric(server, "slotserve_prefix_budget_bytes") == 1 << 20
+        assert metric(server, "slotserve_prefix_snapshots") >= 1
+        text = httpx.get(server.url + "/metrics").text
+        for name in ("slotserve_prefix_evictions_total", "slotserve_prefix_rejections"):
+            assert name in text, name
+    finally:
+        assert server.stop() == 0
+    assert "Traceback" not in server.output(), server.output()

@@ -76,6 +76,10 @@ def _print_table(report: dict[str, object]) -> None:
     for key in ("bytes_per_session", "worst_case_bytes", "memory_budget", "headroom_bytes"):
         value = report[key]
         table.add_row(key, format_bytes(value) if isinstance(value, int) else "-")
+    prefix = report.get("prefix_cache")
+    if isinstance(prefix, dict):
+        share = f" ({prefix['pool_fraction']:.0%} of the KV pool)"
+        table.add_row("prefix cache may pin" + share, format_bytes(prefix["pinnable_bytes"]))
     measured = report.get("measured")
     if isinstance(measured, dict):
         for name, size in measured.items():

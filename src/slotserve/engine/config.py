@@ -135,5 +135,11 @@ class EngineConfig:
     def plan(self, info: ModelInfo, weight_bytes: int) -> CapacityPlan:
         budget = None if self.memory_budget is None else parse_bytes(self.memory_budget)
         return CapacityPlan(
-            info, self.kv_config(), weight_bytes, self.max_batch_tokens, budget, self.memory_map
+            info,
+            self.kv_config(),
+            weight_bytes,
+            self.max_batch_tokens,
+            budget,
+            self.memory_map,
+            self.prefix_cache_budget,
         )

@@ -113,3 +113,36 @@ class _EngineCollector:
         for reason, count in sorted(stats.finished.items()):
             finished.add_metric([reason], count)
         yield finished
+        if stats.prefix_budget_bytes:  # only with the prefix cache (serve --prefix-cache)
+            yield from _prefix_metrics(stats)
+
+
+def _prefix_metrics(stats: EngineStats) -> Iterator[Any]:
+    """The prefix cache's counters and gauges."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    for name, doc, count in (
+        ("slotserve_prefix_hits", "Admissions that restored a cached prefix", stats.prefix_hits),
+        ("slotserve_prefix_misses", "Admissions with no usable prefix", stats.prefix_misses),
+        (
+            "slotserve_prefix_tokens_restored",
+            "Prompt tokens restored from the cache instead of computed",
+            stats.prefix_tokens_restored,
+        ),
+        ("slotserve_prefix_evictions", "Snapshots evicted", stats.prefix_evictions),
+    ):
+        yield CounterMetricFamily(name, doc, value=count)
+    rejections = CounterMetricFamily(
+        "slotserve_prefix_rejections",
+        "Token-equal prefixes a retention rule refused, by rule",
+        labels=["rule"],
+    )
+    for rule, count in sorted(stats.prefix_rejections_by_rule.items()):
+        rejections.add_metric([rule], count)
+    yield rejections
+    for name, doc, value in (
+        ("slotserve_prefix_bytes_pinned", "KV bytes the snapshots pin", stats.prefix_bytes_pinned),
+        ("slotserve_prefix_budget_bytes", "KV bytes the cache may pin", stats.prefix_budget_bytes),
+        ("slotserve_prefix_snapshots", "Snapshots held", stats.prefix_snapshots),
+    ):
+        yield GaugeMetricFamily(name, doc, value=value)
