@@ -4,6 +4,7 @@ only through it), the report and the plots are written, and nothing leaks."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,7 @@ def test_every_scenario_on_a_tiny_model(tiny: ss.Model, tmp_path: Path) -> None:
         "### mixed: background share",
         "## bargein",
         "## structured",
+        "## prefix",
         "## layouts",
         "## memory",
     ):
@@ -141,3 +143,36 @@ def test_command_line_runs_the_scenarios_through_run_bench(
     assert "shares: 1.0 is not in [0, 1)" in capsys.readouterr().err
     assert main(["bench", "structured", "--preset", "chat"]) == 2
     assert "preset applies to the scenario(s) mixed, bargein" in capsys.readouterr().err
+
+
+def test_prefix_scenario_on_a_tiny_model(tiny: ss.Model) -> None:
+    from slotserve.bench.prefix import run_prefix
+
+    result = run_prefix(tiny, repeats=1)
+    system, n = result["system_tokens"], result["questions"]
+    assert system == tiny.info.max_context // 8 and n == 8
+    off, on = result["off"], result["on"]
+    # Cache off computes every prompt whole; on, 7 of the 8 restore the system prompt.
+    assert off["prompt_tokens_restored"] == 0
+    # (at least: questions that open alike share a few more tokens).
+    assert on["prompt_tokens_restored"] >= (n - 1) * system
+    assert (
+        on["prompt_tokens_computed"] + on["prompt_tokens_restored"]
+        == (off["prompt_tokens_computed"])
+    )
+    assert result["ttft_ratio"]["median"] > 0 and result["prefill_tok_s_on"]["median"] > 0
+    chat_on, chat_off = result["chat"]["on"], result["chat"]["off"]
+    assert len(chat_on) >= 2
+    assert [t["conversation_tokens"] for t in chat_on] == [
+        t["conversation_tokens"] for t in chat_off
+    ]
+    computed_off = [t["prompt_tokens_computed"] for t in chat_off]
+    assert computed_off == [t["conversation_tokens"] for t in chat_off]  # whole, growing
+    for before, turn in itertools.pairwise(chat_on):
+        # At least the previous turn's prompt is restored (a random model's reply may
+        # not encode back to the same tokens, so it may be computed again).
+        assert turn["prompt_tokens_restored"] >= before["conversation_tokens"]
+        assert (
+            turn["prompt_tokens_restored"] + turn["prompt_tokens_computed"]
+            == (turn["conversation_tokens"])
+        )

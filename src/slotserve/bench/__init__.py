@@ -16,6 +16,7 @@ from typing import Any
 from slotserve.bench.layouts import run_layouts
 from slotserve.bench.memory import run_memory
 from slotserve.bench.options import BenchOptions, scenario_kwargs
+from slotserve.bench.prefix import run_prefix
 from slotserve.bench.report import markdown_report
 from slotserve.bench.serving import run_bargein, run_concurrency, run_mixed
 from slotserve.bench.single import run_single
@@ -28,6 +29,7 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "mixed": run_mixed,
     "bargein": run_bargein,
     "structured": run_structured,
+    "prefix": run_prefix,
     "layouts": run_layouts,
     "memory": run_memory,
 }

@@ -223,6 +223,75 @@ def _structured(r: dict[str, Any]) -> list[str]:
     return lines + _table(header, rows)
 
 
+def _prefix(r: dict[str, Any]) -> list[str]:
+    on, off = r["on"], r["off"]
+    lines = [
+        "## prefix: a shared system prompt, and a multi-turn chat, cache off vs on",
+        "",
+        f"The same {r['system_tokens']}-token system prompt with {r['questions']} different "
+        f"short questions, one after another ({r['new_tokens']} tokens each, greedy), on a "
+        "fresh one-slot cell engine without and then with the prefix cache, back to back "
+        f"in each of {r['repeats']} repeats. With the cache the first question computes the "
+        "system prompt and publishes it; the others restore it. Prefill throughput counts "
+        "computed tokens only, over a span that includes the restoration.",
+        "",
+    ]
+    rows = [
+        [
+            "off",
+            _fmt({k: v * 1000 for k, v in r["ttft_p50_s_off"].items()}),
+            str(off["prompt_tokens_computed"]),
+            str(off["prompt_tokens_restored"]),
+            _fmt(r["prefill_tok_s_off"]),
+        ],
+        [
+            "on",
+            _fmt({k: v * 1000 for k, v in r["ttft_p50_s_on"].items()}),
+            str(on["prompt_tokens_computed"]),
+            str(on["prompt_tokens_restored"]),
+            _fmt(r["prefill_tok_s_on"]),
+        ],
+    ]
+    header = [
+        "cache",
+        "TTFT p50 ms",
+        "prompt tokens computed",
+        "restored",
+        "prefill tok/s (computed)",
+    ]
+    lines += _table(header, rows)
+    lines += [f"TTFT p50 ratio off ÷ on: **{_fmt(r['ttft_ratio'], 2)}×**.", ""]
+    chat = r["chat"]
+    lines += [
+        f"Multi-turn chat through `TextLLMRunner` ({len(chat['on'])} turns after the "
+        f"system prompt, {r['chat_new_tokens']} tokens a reply): prompt tokens each turn "
+        "computed.",
+        "",
+    ]
+    chat_rows = [
+        [
+            str(i + 1),
+            str(a["conversation_tokens"]),
+            str(b["prompt_tokens_computed"]),
+            str(a["prompt_tokens_computed"]),
+            str(a["prompt_tokens_restored"]),
+            f"{b['ttft_s'] * 1000:.0f}",
+            f"{a['ttft_s'] * 1000:.0f}",
+        ]
+        for i, (a, b) in enumerate(zip(chat["on"], chat["off"], strict=True))
+    ]
+    chat_header = [
+        "turn",
+        "conversation tokens",
+        "computed, off",
+        "computed, on",
+        "restored, on",
+        "TTFT ms, off",
+        "TTFT ms, on",
+    ]
+    return lines + _table(chat_header, chat_rows)
+
+
 def _memory(r: dict[str, Any]) -> list[str]:
     lines = [
         f"## memory: KV pool at max_seqs={r['max_seqs']}, max_context={r['max_context']}",
@@ -252,6 +321,7 @@ SECTIONS = {
     "mixed": _mixed,
     "bargein": _bargein,
     "structured": _structured,
+    "prefix": _prefix,
     "memory": _memory,
 }
 

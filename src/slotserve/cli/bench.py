@@ -21,6 +21,7 @@ SCENARIO_NAMES = (
     "mixed",
     "bargein",
     "structured",
+    "prefix",
     "layouts",
     "memory",
     "all",
