@@ -24,6 +24,7 @@ LAYERS: dict[str, int] = {
     "plan": 2,
     "artifact": 3,
     "executor": 4,
+    "export": 4,
     "presets": 4,
     "prefix": 4,
     "engine": 5,

@@ -9,7 +9,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from slotserve.info import RopeConfig
+from slotserve.info import ModelInfo, RopeConfig
 
 
 class Linear(Protocol):
@@ -101,3 +101,20 @@ class RopeTables:
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
+
+
+def fused_rope_rows(
+    info: ModelInfo, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos``/``sin`` rows ``[T, hd]`` (rotate-half layout) laid over the fused Q/K/V row:
+    repeated for every query and key head, with the sign of rotate-half folded into ``sin``,
+    and 1/0 over the value heads (which RoPE leaves alone)."""
+    rotated = info.n_heads + info.n_kv_heads
+    half = info.head_dim // 2
+    signed_sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=1)
+    values = info.n_kv_heads * info.head_dim
+    ones = cos.new_ones(cos.shape[0], values)
+    return (
+        torch.cat([cos.repeat(1, rotated), ones], dim=1),
+        torch.cat([signed_sin.repeat(1, rotated), torch.zeros_like(ones)], dim=1),
+    )
