@@ -172,3 +172,7 @@ def test_the_plan_states_what_the_prefix_cache_may_pin() -> None:
     assert whole.to_dict()["prefix_cache"]["pool_fraction"] == 1.0
     engine_plan = ss.EngineConfig(kv_layout="cell", prefix_cache_bytes="1MiB").plan(INFO, 0)
     assert engine_plan.to_dict()["prefix_cache"]["budget_bytes"] == 1 << 20
+    assert stated["ring_copy_bytes"] == 0
+    mixed = CapacityPlan(MIXED, config, 0, prefix_cache_bytes=1 << 20)
+    pool = KVPool(MIXED, config)
+    assert mixed.to_dict()["prefix_cache"]["ring_copy_bytes"] == pool.snapshot_ring_nbytes > 0

@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -416,6 +417,19 @@ def test_chat_turns_restore_the_conversation_instead_of_prefilling_it(tiny: ss.M
     whole = [r.stats.prompt_tokens_computed for r in plain]  # without the cache: growing
     assert whole == [r + c for r, c in zip(restored, computed, strict=True)]
     assert all(a < b for a, b in itertools.pairwise(whole))
+
+
+def test_chat_on_a_sliding_window_model_restores_past_the_window(
+    tiny_dirs: dict[str, Path],
+) -> None:
+    mixed = ss.load(tiny_dirs["mixed"])  # sliding-window layers keep their last 5 positions
+    turns = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [15, 16, 17, 18], [19, 20]]
+    cached = _chat(ss.TextLLMRunner(mixed, max_context=256), turns)
+    plain = _chat(ss.TextLLMRunner(mixed, max_context=256, prefix_cache=False), turns)
+    assert [r.tokens for r in cached] == [r.tokens for r in plain]
+    for result in cached[1:]:
+        assert result.stats.prompt_tokens_computed <= result.stats.num_prompt_tokens + 1
+        assert result.stats.prompt_tokens_restored > 5
 
 
 def test_generate_continues_from_the_cached_conversation(tiny: ss.Model) -> None:

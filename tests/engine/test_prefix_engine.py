@@ -127,7 +127,57 @@ def test_configurations_that_could_serve_a_stale_prefix_are_refused(
         ss.EngineConfig(kv_layout="ring", prefix_cache_bytes="1MiB")
     with pytest.raises(ValueError):
         ss.EngineConfig(kv_layout="cell", prefix_cache_bytes=-1)
-    mixed = ss.load(tiny_dirs["mixed"])  # sliding-window layers: their rings drop positions
-    with pytest.raises(ValueError, match="sliding-window"):
-        ss.Engine(mixed, ss.EngineConfig(**CELL, prefix_cache_bytes="1MiB"))
     ss.EngineConfig(kv_layout="flat")  # off by default, any layout
+    # A model with sliding-window layers is served, under the retention rule (below).
+
+
+def _mixed_prompts() -> list[list[int]]:
+    """Prompts sharing a 20-token system prompt (4x the mixed model's window of 5), and a
+    conversation's next turn (the first prompt, its reply, a new message)."""
+    system = [5 + (i * 37) % 200 for i in range(20)]
+    return family(system, 3)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int8"])
+def test_sliding_window_layers_reject_a_token_equal_prefix_they_no_longer_hold(
+    dtype: str, tiny_dirs: dict[str, Path], make_engine: Callable[..., ss.Engine]
+) -> None:
+    mixed = ss.load(tiny_dirs["mixed"])  # layers 1 and 3 keep a ring of the last 5
+    prompts = _mixed_prompts()
+    config = {**CELL, "kv_dtype": dtype}
+    off = run_all(make_engine(mixed, **config), prompts)
+    engine = make_engine(mixed, **config, prefix_cache_bytes="1MiB")
+    on = run_all(engine, prompts)
+    assert [f.tokens for f in on] == [f.tokens for f in off]
+    # Questions 2 and 3 share the 20 system tokens with question 1's snapshot, but its
+    # rings were written up to 23: positions 15..19 they need were overwritten. The
+    # repeat of question 1 restores all but its last token (its rings end there).
+    restored = [f.usage.cached_tokens for f in on]
+    assert restored == [0, 0, 0, 22, 0, 0]
+    stats = engine.stats()
+    assert stats.prefix_rejections == 4 and stats.prefix_rejections_by_rule == {"sliding_window": 4}
+    # A conversation's next turn extends the snapshot: restored although it is far
+    # longer than the window.
+    first = on[0]
+    turn = [*prompts[0], *first.tokens[:-1], 60, 61]
+    expected = make_engine(mixed, **config).submit(turn, GREEDY).result()
+    engine.submit(prompts[0], GREEDY, publish_completion=True).result()
+    followed = engine.submit(turn, GREEDY).result()
+    assert followed.tokens == expected.tokens
+    assert followed.usage.cached_tokens == len(prompts[0]) + len(first.tokens) - 1
+
+
+def test_without_the_retention_rule_the_same_scenario_answers_wrong(
+    tiny_dirs: dict[str, Path],
+    make_engine: Callable[..., ss.Engine],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Proof that the test above can fail: with `KVPool.retains` always True, the stale
+    rings are restored and question 2 gets a different answer from the cache-off run."""
+    mixed = ss.load(tiny_dirs["mixed"])
+    prompts = _mixed_prompts()[:2]
+    off = run_all(make_engine(mixed, **CELL), prompts)
+    monkeypatch.setattr(ss.kv.KVPool, "retains", lambda self, snapshot, upto: True)
+    on = run_all(make_engine(mixed, **CELL, prefix_cache_bytes="1MiB"), prompts)
+    assert on[1].usage.cached_tokens == 20  # the stale hit the rule refuses
+    assert on[1].tokens != off[1].tokens

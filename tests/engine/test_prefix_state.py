@@ -1,7 +1,8 @@
-"""The engine with a prefix cache under random requests and cancellations (hypothesis
-state machine): engine, pool and cache invariants hold after every step, nothing stays
-pinned, finished requests count restored + computed = prompt, and closing returns the pool
-to its baseline with the cache emptied."""
+"""The engine with a prefix cache under random requests (some keeping their completion in
+the cache) and cancellations, on a full-attention model and on one with sliding-window
+layers (hypothesis state machine): engine, pool and cache invariants hold after every
+step, nothing stays pinned, finished requests count restored + computed = prompt, and
+closing returns the pool to its baseline with the cache emptied."""
 
 from __future__ import annotations
 
@@ -21,9 +22,12 @@ PROMPT = st.tuples(
 )
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> ss.Model:
-    return ss.load(write_tiny_hf_dir(tmp_path_factory.mktemp("prefix") / "llama", "llama"))
+@pytest.fixture(scope="module", params=["llama", "mixed"])
+def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> ss.Model:
+    """A full-attention model, and one whose sliding-window layers (a ring of 5) make the
+    retention rule refuse token-equal prefixes."""
+    kind = request.param
+    return ss.load(write_tiny_hf_dir(tmp_path_factory.mktemp("prefix") / kind, kind))
 
 
 class PrefixEngineMachine(RuleBasedStateMachine):
@@ -38,12 +42,13 @@ class PrefixEngineMachine(RuleBasedStateMachine):
         self.engine = ss.Engine(self.model, config)
         self.handles: list[tuple[ss.RequestHandle, int]] = []
 
-    @rule(prompt=PROMPT, new=st.integers(1, 8))
-    def submit(self, prompt: tuple[int, list[int]], new: int) -> None:
+    @rule(prompt=PROMPT, new=st.integers(1, 8), keep=st.booleans())
+    def submit(self, prompt: tuple[int, list[int]], new: int, keep: bool) -> None:
         tokens = SYSTEMS[prompt[0]] + prompt[1]
         params = ss.SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
         with contextlib.suppress(ss.AdmissionRefused):
-            self.handles.append((self.engine.submit(tokens, params), len(tokens)))
+            handle = self.engine.submit(tokens, params, publish_completion=keep)
+            self.handles.append((handle, len(tokens)))
 
     @precondition(lambda self: bool(self.handles))
     @rule(index=st.integers(0, 100), wait=st.booleans())

@@ -3,10 +3,12 @@ LRU eviction by bytes, pins, eviction under KV pressure, and clear."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from slotserve.errors import KVExhausted
+from slotserve.errors import KVExhausted, SessionError
 from slotserve.info import ModelInfo
 from slotserve.kv import KVConfig, KVPool, StepBatch
 from slotserve.prefix import PrefixCache
@@ -139,5 +141,25 @@ def test_a_full_pool_restores_by_consuming_the_matched_snapshot() -> None:
     pool.check_integrity()
     pool.begin_step(StepBatch([1], [7], [25]))  # writes into the once-shared block: no copy
     pool.release(1)
+    pool.check_integrity()
+    assert pool.usage().used == 0
+
+
+def test_a_sliding_window_ring_serves_only_what_it_still_holds() -> None:
+    info = dataclasses.replace(INFO, sliding_window=(None, 4))  # layer 1: a ring of 4
+    pool = KVPool(info, KVConfig(layout="cell", max_seqs=2, max_context=32, block_size=BS))
+    assert pool.supports_snapshots and pool.snapshot_ring_nbytes > 0
+    pool.reserve(0, 16)
+    pool.begin_step(StepBatch([0], [0], [10]))  # the ring now holds positions 6..9
+    pool.publish(0, 10, -1)
+    assert pool.retains(-1, 10) and pool.retains(-1, 9) and not pool.retains(-1, 8)
+    with pytest.raises(SessionError, match="wrapped"):
+        pool.reserve_from(1, 16, -1, 6)
+    pool.check_integrity()
+    pool.reserve_from(1, 16, -1, 9)
+    assert pool.sessions[1].high_water == 10  # its ring row is the snapshot's
+    pool.release(1)
+    pool.drop_snapshot(-1)
+    pool.release(0)
     pool.check_integrity()
     assert pool.usage().used == 0

@@ -5,8 +5,8 @@ user types stays text) and places only its new tokens after the longest prefix t
 runner's conversation already holds (`TextLLMRunner.generate_from_pos`). The runner's
 prefix cache keeps the conversation's KV between turns (each turn's prompt and reply), so a
 turn computes only the tokens that differ from it: the new message, the template's markers
-around it, and any reply tokens the template encodes differently. Models with
-sliding-window layers (whose rings drop positions) compute the whole conversation each turn.
+around it, and any reply tokens the template encodes differently (their sliding-window
+layers too: a turn continues where their rings end).
 """
 
 from __future__ import annotations

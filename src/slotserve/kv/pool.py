@@ -9,7 +9,11 @@ only `update_and_attend`.
 Snapshots (cell layout only) are read-only, slotless holders of blocks: `publish` freezes
 a session's first positions into one, `reserve_from` binds a new session that starts from
 a snapshot's blocks (copy-on-write), `drop_snapshot` lets its blocks go. A snapshot holds no
-slot (the ``max_seqs`` ceiling is for live sessions) and no step can write into it.
+slot (the ``max_seqs`` ceiling is for live sessions) and no step can write into it. The
+sliding-window layers of a cell pool keep a ring row per slot, not blocks: a snapshot keeps
+a copy of its session's ring rows (outside the pool's storage), and `retains` says whether
+those rows still hold what a restore from a given position needs (a ring that has wrapped
+past it does not; `reserve_from` refuses it).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from slotserve.kv.batch import StepBatch
 from slotserve.kv.config import KVConfig
 from slotserve.kv.layouts import CellGroup, FlatGroup, GroupShape, LayerGroup, RingGroup
 from slotserve.kv.session import SessionKV
+from slotserve.kv.storage import KVStorage
 
 Rule = tuple[str, int | None]  # (placement, attention window)
 
@@ -107,6 +112,9 @@ class KVPool:
         self.sessions: dict[int, SessionKV] = {}
         # Read-only snapshots (slot -1): block holders that no step can name or write.
         self.snapshots: dict[int, SessionKV] = {}
+        # Each snapshot's copy of its session's ring rows (sliding-window layers), one
+        # (data, int8 scales) pair per ring storage, in `_ring_storages` order.
+        self._snapshot_rings: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self._free_slots = list(range(config.max_seqs - 1, -1, -1))
 
     # -- sizes -----------------------------------------------------------------------
@@ -211,10 +219,23 @@ class KVPool:
 
     @property
     def supports_snapshots(self) -> bool:
-        """True when every layer is in the cell layout: a snapshot is then only block
-        references. Flat/ring rows belong to a slot, and a ring (a sliding-window layer)
-        drops positions, so neither can be frozen without a slot or a copy."""
-        return bool(self._cells) and len(self._cells) == len(self.groups)
+        """True for the cell layout: a snapshot is block references, plus a copy of the
+        ring rows of sliding-window layers if the model has any. Flat rows and the ring
+        layout's rows belong to a slot and hold every layer, so they are not frozen."""
+        return bool(self._cells) and self.config.layout == "cell"
+
+    @property
+    def snapshot_ring_nbytes(self) -> int:
+        """Bytes of the ring rows one snapshot copies (0 without sliding-window layers)."""
+        return sum(g.nbytes for g in self._rings) // max(self.config.max_seqs, 1)
+
+    def retains(self, snapshot: int, upto: int) -> bool:
+        """Whether every layer of ``snapshot`` still holds what a session restored from its
+        first ``upto`` positions needs: cell layers keep every position; a sliding-window
+        ring written up to the snapshot's end keeps only its last window, which serves
+        ``upto`` only near that end (or if it never wrapped)."""
+        frozen = self._get_snapshot(snapshot)
+        return all(ring.can_truncate(frozen.high_water, upto) for ring in self._rings)
 
     @property
     def block_nbytes(self) -> int:
@@ -243,10 +264,11 @@ class KVPool:
                 "committed length)"
             )
         shared = source.table[: self._blocks_for(upto)]
-        snapshot = SessionKV(-1, upto, upto, list(shared), upto)
+        snapshot = SessionKV(-1, upto, upto, list(shared), source.high_water)
         self._check_cow_room(self.sessions, {**self.snapshots, into: snapshot})
         self.blocks.share(shared)
         self.snapshots[into] = snapshot
+        self._freeze_rings(source, into)
 
     def reserve_from(
         self, session: int, n_tokens: int, snapshot: int, upto: int, *, consume: bool = False
@@ -267,10 +289,16 @@ class KVPool:
                 f"restore upto={upto} is outside 0..{min(source.length, n_tokens)} "
                 f"(snapshot {snapshot} holds {source.length}, the reservation {n_tokens})"
             )
+        if not self.retains(snapshot, upto):
+            raise SessionError(
+                f"snapshot {snapshot} (written up to {source.high_water}) no longer holds what "
+                f"a restore from {upto} needs: a sliding-window ring has wrapped past it"
+            )
         if not self._free_slots:
             raise KVExhausted("session slots", 1, 0, f"max_seqs={self.config.max_seqs}")
         shared = source.table[: self._blocks_for(upto)]
-        bound = SessionKV(self._free_slots[-1], n_tokens, upto, list(shared), upto)
+        high_water = source.high_water if self._rings else upto
+        bound = SessionKV(self._free_slots[-1], n_tokens, upto, list(shared), high_water)
         fresh = self._blocks_for(n_tokens) - len(shared)
         others = {k: s for k, s in self.snapshots.items() if not (consume and k == snapshot)}
         freed = 0
@@ -282,9 +310,9 @@ class KVPool:
         if fresh > spare:
             raise KVExhausted("KV blocks", fresh, max(spare, 0), "release sessions or add blocks")
         self.blocks.share(shared)
+        self._thaw_rings(snapshot, bound)
         if consume:
-            del self.snapshots[snapshot]
-            self.blocks.drop(source.table)
+            self.drop_snapshot(snapshot)
         bound.table.extend(self.blocks.allocate(fresh))
         self._free_slots.pop()
         self.sessions[session] = bound
@@ -305,14 +333,40 @@ class KVPool:
             )
         kept = source.table[: self._blocks_for(upto)]
         self.blocks.share(kept)
+        self._freeze_rings(source, into)
         self.release(session)
-        self.snapshots[into] = SessionKV(-1, upto, upto, list(kept), upto)
+        self.snapshots[into] = SessionKV(-1, upto, upto, list(kept), source.high_water)
 
     def drop_snapshot(self, snapshot: int) -> None:
         """Let go of ``snapshot``: blocks no one else holds return to the free list."""
         frozen = self._get_snapshot(snapshot)
         del self.snapshots[snapshot]
+        self._snapshot_rings.pop(snapshot, None)
         self.blocks.drop(frozen.table)
+
+    def _ring_storages(self) -> list[tuple[RingGroup, KVStorage]]:
+        return [(g, s) for g in self._rings for s in (*g.keys.values(), *g.values.values())]
+
+    def _freeze_rings(self, source: SessionKV, into: int) -> None:
+        """Keep a copy of ``source``'s ring rows as snapshot ``into``'s."""
+        if not self._rings:
+            return
+        copies = []
+        for ring, storage in self._ring_storages():
+            cells = torch.arange(source.slot * ring.row, (source.slot + 1) * ring.row)
+            scales = None if storage.scales is None else storage.scales[cells].clone()
+            copies.append((storage.data[cells].clone(), scales))
+        self._snapshot_rings[into] = copies
+
+    def _thaw_rings(self, snapshot: int, bound: SessionKV) -> None:
+        """Write snapshot ``snapshot``'s ring rows into ``bound``'s slot."""
+        copies = self._snapshot_rings.get(snapshot, [])
+        for (ring, storage), (data, scales) in zip(self._ring_storages(), copies, strict=True):
+            cells = torch.arange(bound.slot * ring.row, (bound.slot + 1) * ring.row)
+            storage.data.index_copy_(0, cells, data)
+            if scales is not None:
+                assert storage.scales is not None
+                storage.scales.index_copy_(0, cells, scales)
 
     def _get_snapshot(self, snapshot: int) -> SessionKV:
         if snapshot not in self.snapshots:
@@ -449,6 +503,8 @@ class KVPool:
             assert 0 < frozen.length == frozen.capacity, f"snapshot {sid} length"
             assert len(frozen.table) == self._blocks_for(frozen.capacity), f"table size {sid}"
         assert not self.snapshots or self.supports_snapshots, "snapshot in a non-cell pool"
+        expected_rings = set(self.snapshots) if self._rings else set()
+        assert set(self._snapshot_rings) == expected_rings, "snapshot ring copies drifted"
         tables = [s.table for s in (*self.sessions.values(), *self.snapshots.values())]
         self.blocks.check_integrity(tables)
         assert self._cow_needed(self.sessions) <= self.blocks.n_free, "copy-on-write overcommitted"

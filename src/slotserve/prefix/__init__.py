@@ -1,5 +1,6 @@
-"""Prefix reuse: `PrefixCache` keeps immutable KV snapshots of completed prefills (cell
-layout, blocks shared by refcount) and restores the longest usable one into new requests."""
+"""Prefix reuse: `PrefixCache` keeps immutable KV snapshots of completed prefills and
+finished conversations (cell layout, blocks shared by refcount, sliding-window rings copied)
+and restores the longest one every layer still holds into new requests."""
 
 from slotserve.prefix.cache import PrefixCache, PrefixStats, Snapshot
 from slotserve.prefix.trie import TokenTrie

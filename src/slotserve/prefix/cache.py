@@ -9,10 +9,12 @@ itself, consumed by the restore). A finished request may hand its KV over (`rele
 its prompt and completion become a snapshot, so the next turn of a conversation restores
 them. A new snapshot replaces those whose tokens it extends. It never touches the step.
 
-Validity. A snapshot serves a prefix only if every layer still holds every position of it:
-the cache runs only on pools where every layer is in the cell layout (`supports_snapshots`),
-which keep every position, so token equality is then enough. Sliding-window rings drop
-positions; the cache refuses such pools instead of risking a stale hit. Anything else that
+Validity. A snapshot serves a prefix only if every layer still holds what the suffix
+needs (`KVPool.retains`): token equality is not enough. Cell layers keep every position. A
+sliding-window layer keeps a ring of its last ``window`` positions, so a snapshot written up
+to position ``h`` serves a prefix ``p`` only if its ring never wrapped or ``p >= h - 1`` (a
+conversation's next turn, a repeated prompt); a token-equal prefix that diverges earlier is
+rejected, counted in ``stats.rejections`` (by rule), and computed instead. Anything else that
 changes KV contents (weights, their format, KV dtype, rope settings) is fixed for the life
 of one pool and one engine, and a cache lives and dies with its engine's pool: snapshots
 never cross a change of those.
@@ -32,11 +34,14 @@ from slotserve.errors import KVExhausted
 from slotserve.kv.pool import KVPool
 from slotserve.prefix.trie import TokenTrie
 
+SLIDING_WINDOW_RULE = "sliding_window"
+
 
 @dataclass
 class PrefixStats:
-    """Monotone counters of one cache. ``rejections``: token-equal prefixes a retention
-    rule refused (none while the cache runs only on cell pools, which drop nothing)."""
+    """Monotone counters of one cache. ``rejections``: admissions whose token-equal
+    prefixes a retention rule refused (``rejections_by_rule``: by rule; the one rule today
+    is ``sliding_window``: a ring that has wrapped past the prefix's end)."""
 
     hits: int = 0
     misses: int = 0
@@ -65,9 +70,8 @@ class PrefixCache:
             raise ValueError(f"prefix cache budget_bytes={budget_bytes} must be > 0")
         if not pool.supports_snapshots:
             raise ValueError(
-                "the prefix cache needs every layer in the cell layout: use kv_layout='cell' "
-                "(a model with sliding-window layers shorter than max_context cannot use it "
-                "yet; set prefix_cache_bytes=0)"
+                "the prefix cache needs a pool in the cell layout: use kv_layout='cell' "
+                "or set prefix_cache_bytes=0"
             )
         self.pool, self.budget_bytes = pool, budget_bytes
         self.stats = PrefixStats()
@@ -81,8 +85,16 @@ class PrefixCache:
     @property
     def bytes_pinned(self) -> int:
         """Bytes of the distinct blocks the snapshots hold (a block shared by several
-        snapshots, or with running requests, counts once)."""
-        return len(self._block_holders) * self.pool.block_nbytes
+        snapshots, or with running requests, counts once), and of their copies of
+        sliding-window ring rows."""
+        rings = len(self._entries) * self.pool.snapshot_ring_nbytes
+        return len(self._block_holders) * self.pool.block_nbytes + rings
+
+    def _too_big(self, n_tokens: int) -> bool:
+        """Whether one snapshot of ``n_tokens`` alone would pass the budget."""
+        blocks = -(-n_tokens // self.pool.config.block_size)
+        size = blocks * self.pool.block_nbytes + self.pool.snapshot_ring_nbytes
+        return size > self.budget_bytes
 
     @property
     def pins(self) -> int:
@@ -100,7 +112,7 @@ class PrefixCache:
         computed again and its logits are fresh (stored logits are never served). While the
         pool lacks room it evicts the least recently used snapshot not being restored from;
         raises `KVExhausted` when nothing more can be evicted."""
-        match = self._match(tokens)
+        match, rejected = self._match(tokens)
         if match is not None:
             match[0].pins += 1
         try:
@@ -113,18 +125,25 @@ class PrefixCache:
             self.stats.tokens_restored += restored
         else:
             self.stats.misses += 1
+        if rejected:
+            self.stats.rejections += 1
+            self.stats.rejections_by_rule[SLIDING_WINDOW_RULE] += 1
         return restored
 
-    def _match(self, tokens: Sequence[int]) -> tuple[Snapshot, int] | None:
-        """The most recently used snapshot sharing the most leading ``tokens``, and how
-        many it can restore (None: nothing usable)."""
+    def _match(self, tokens: Sequence[int]) -> tuple[tuple[Snapshot, int] | None, bool]:
+        """The most recently used snapshot sharing the most leading ``tokens`` whose every
+        layer still holds them (`KVPool.retains`), and how many it can restore (None:
+        nothing usable); True when token-equal snapshots were there but every one was
+        refused by the retention rule."""
         depth, keys = self._trie.longest(tokens)
         usable = min(depth, len(tokens) - 1)
         if usable <= 0:
-            return None
-        key = next(k for k in reversed(self._entries) if k in keys)
-        self._entries.move_to_end(key)
-        return self._entries[key], usable
+            return None, False
+        for key in [k for k in reversed(self._entries) if k in keys]:
+            if self.pool.retains(key, usable):
+                self._entries.move_to_end(key)
+                return (self._entries[key], usable), False
+        return None, True
 
     def _bind_evicting(
         self, session: int, n_tokens: int, match: tuple[Snapshot, int] | None
@@ -171,8 +190,7 @@ class PrefixCache:
         if depth == len(frozen) and keys:
             self._entries.move_to_end(next(k for k in reversed(self._entries) if k in keys))
             return False
-        blocks_needed = -(-len(frozen) // self.pool.config.block_size)
-        if blocks_needed * self.pool.block_nbytes > self.budget_bytes:
+        if self._too_big(len(frozen)):
             return False
         key = next(self._keys)
         try:
@@ -192,8 +210,7 @@ class PrefixCache:
         frozen = tuple(tokens)
         depth, keys = self._trie.longest(frozen)
         covered = bool(keys) and depth == len(frozen)
-        blocks_needed = -(-len(frozen) // self.pool.config.block_size)
-        if not frozen or covered or blocks_needed * self.pool.block_nbytes > self.budget_bytes:
+        if not frozen or covered or self._too_big(len(frozen)):
             if covered:
                 self._entries.move_to_end(next(k for k in reversed(self._entries) if k in keys))
             self.pool.release(session)

@@ -7,8 +7,10 @@ The conversation's tokens live here; each turn is one engine request over them. 
 engine keeps the conversation's KV between turns: its one slot runs the cell layout with a
 prefix cache, each turn hands its prompt and completion to the cache when it ends, and the
 next turn restores them, so it computes only its new tokens (plus the last prompt token,
-when the whole prompt was cached: logits are never stored). ``prefix_cache=False``, or a
-model with sliding-window layers (whose rings drop positions), computes every turn whole.
+when the whole prompt was cached: logits are never stored). Sliding-window layers keep
+only their last window, which still serves a turn that continues the conversation (the
+cache's retention rule refuses a restore they could not serve). ``prefix_cache=False``
+computes every turn whole.
 `Stats` keeps ExecuTorch's meanings (``num_prompt_tokens``: the tokens this call adds);
 ``prompt_tokens_computed`` and ``prompt_tokens_restored`` say what the engine did.
 
@@ -28,7 +30,6 @@ from pathlib import Path
 
 from slotserve.engine import Engine, EngineConfig, Finished, RequestHandle, TokenEvent
 from slotserve.errors import ContextOverflow
-from slotserve.kv.pool import layer_rules
 from slotserve.model import Model
 from slotserve.runner.config import GenerationConfig
 from slotserve.runner.result import GenerationResult, Stats, now_ms
@@ -305,12 +306,10 @@ def common_prefix(held: list[int], tokens: list[int], limit: int) -> int:
 
 def _caching(config: EngineConfig, model: Model) -> EngineConfig:
     """``config`` with the cell layout and a prefix cache that may pin the whole pool (one
-    conversation), or unchanged when a layer could not keep every position (a
-    sliding-window ring)."""
+    conversation: its blocks, and a copy of its sliding-window rings if the model has
+    any)."""
     block_size = next(b for b in (16, 8, 4, 2, 1) if config.max_context % b == 0)
     cell = replace(config, kv_layout="cell", block_size=block_size)
-    if any(kind != "cell" for kind, _ in layer_rules(model.info, cell.kv_config())):
-        return config
     pool_bytes = cell.plan(model.info, model.weight_bytes).kv_bytes
     return replace(cell, prefix_cache_bytes=pool_bytes)
 
