@@ -5,6 +5,7 @@ what each sequence gives alone (per-token quantisation makes rows independent)."
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 
 import slotserve as ss
 from slotserve.artifact.gguf_blocks import q4_blocks
+from slotserve.cli.executors import executor_for, program_path
 from slotserve.errors import ArtifactError
 from slotserve.executor.xnnpack import XnnpackExecutor
 from slotserve.export import export_layer_program
@@ -22,12 +24,39 @@ MAX_TOKENS = 64
 
 
 @pytest.fixture(scope="module")
-def q41(tmp_path_factory: pytest.TempPathFactory) -> tuple[ss.Model, XnnpackExecutor]:
-    root = tmp_path_factory.mktemp("xnnpack")
-    gguf = write_tiny_gguf(root / "tiny-q4_1.gguf", "llama", "Q4_1")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    directory = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SLOTSERVE_CACHE_DIR", str(directory))
+        yield directory
+
+
+@pytest.fixture(scope="module")
+def q41(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> tuple[ss.Model, XnnpackExecutor]:
+    """The tiny Q4_1 model and its executor, lowered once through `--executor xnnpack`'s
+    path (`executor_for`), which caches the program by the file's digest."""
+    gguf = write_tiny_gguf(tmp_path_factory.mktemp("xnnpack") / "tiny-q4_1.gguf", "llama", "Q4_1")
     model = ss.load(gguf, progress=False)
-    spec = export_layer_program(model, gguf, root / "tiny.pte", max_tokens=MAX_TOKENS)
-    return model, XnnpackExecutor(model, spec.path)
+    executor = executor_for("xnnpack", model, MAX_TOKENS)
+    assert isinstance(executor, XnnpackExecutor)
+    return model, executor
+
+
+def test_the_program_is_cached_by_the_files_digest(
+    q41: tuple[ss.Model, XnnpackExecutor], cache: Path
+) -> None:
+    model, executor = q41
+    path = program_path(Path(model.source), MAX_TOKENS)
+    assert executor.program_path == path and path.parent == cache
+    written = path.stat().st_mtime_ns
+    again = executor_for("xnnpack", model, MAX_TOKENS)  # found, not lowered again
+    assert isinstance(again, XnnpackExecutor) and path.stat().st_mtime_ns == written
+    assert executor_for("torch", model, MAX_TOKENS) is None
+
+
+def test_xnnpack_needs_a_gguf(tiny: ss.Model) -> None:
+    with pytest.raises(ValueError, match="needs a Q4_0/Q4_1 GGUF model"):
+        executor_for("xnnpack", tiny, MAX_TOKENS)
 
 
 def _step(

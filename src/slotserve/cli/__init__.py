@@ -11,7 +11,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from slotserve.cli import bench, chat, generate, inspect, plan, serve
+from slotserve.cli import bench, chat, export, generate, inspect, plan, serve
 from slotserve.errors import SlotserveError
 
 COMMANDS = {
@@ -21,6 +21,7 @@ COMMANDS = {
     "plan": plan,
     "serve": serve,
     "bench": bench,
+    "export": export,
 }
 
 

@@ -11,6 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from slotserve.cli.executors import add_executor_arg, executor_for
 from slotserve.cli.flags import add_engine_args, add_pressure_arg, engine_config, pressure_source
 from slotserve.engine.config import EngineConfig
 
@@ -36,6 +37,7 @@ def register(commands: Any) -> None:
         "--queue-depth 0 refuses them at once (429).",
     )
     add_engine_args(parser)
+    add_executor_arg(parser)
     add_pressure_arg(parser)
     parser.add_argument(
         "--host",
@@ -124,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
     model = load(args.model, weights=args.weights)
     config = engine_config(args, model)  # with --preset: sized for this model
     config = with_server_queue(config, args)
-    engine = Engine(model, config, pressure=pressure_source(args))  # PlanError if no fit
+    executor = executor_for(args.executor, model, config.max_batch_tokens)
+    engine = Engine(model, config, pressure=pressure_source(args), executor=executor)
     return serve(
         engine,
         args.served_model_name or served_name(args.model),

@@ -56,7 +56,7 @@ class ExactQ4Linear(nn.Module):
         weight = IntxUnpackedToInt8Tensor.from_hp(
             symmetric,
             (1, BLOCK),
-            torch.int4,  # a dtype torch's stubs do not list
+            torch.int4,  # type: ignore[attr-defined]  # not in torch's stubs
             activation_quantization="int8_asym_per_token",
             intx_choose_qparams_algorithm=None,
             custom_scale=blocks.d.clone(),
