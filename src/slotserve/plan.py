@@ -154,18 +154,19 @@ class CapacityPlan:
         and the cache evicts before a request is refused, so it adds no bytes to the plan;
         at most ``pinnable_bytes`` (``pool_fraction`` of the pool, whole blocks) are held
         while idle, and a request admitted at ``max_seqs`` worst case makes it yield. A
-        model with sliding-window layers also copies their ring rows into each snapshot
-        (``ring_copy_bytes`` each, outside the pool, inside the same budget)."""
+        model with sliding-window layers (or the ring layout, whose snapshots hold no
+        blocks) also copies its ring rows into each snapshot (``ring_copy_bytes`` each,
+        outside the pool, inside the same budget)."""
         if not self.prefix_cache_bytes:
             return None
         pool = self.kv_bytes
-        block = pool // max(self.kv.total_blocks, 1)
+        block = pool // max(self.kv.total_blocks, 1) if self.kv.layout == "cell" else 0
         pinnable = min(self.prefix_cache_bytes // block * block, pool) if block else 0
         cell = kv_cell_bytes(self.info, self.kv)
         rings = layer_rules(self.info, self.kv).items()
         ring_copy = sum(
             2 * len(layers) * cells_per_session(r, self.kv) * cell for r, layers in rings
-            if r[0] == "ring"
+            if r[0] in ("ring", "ring-full")
         )  # fmt: skip
         return {
             "ring_copy_bytes": ring_copy,

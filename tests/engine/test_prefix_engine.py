@@ -123,8 +123,7 @@ def test_configurations_that_could_serve_a_stale_prefix_are_refused(
 ) -> None:
     with pytest.raises(ValueError, match=r"kv_layout='cell'.*'flat'"):
         ss.EngineConfig(kv_layout="flat", prefix_cache_bytes=1 << 20)
-    with pytest.raises(ValueError, match=r"kv_layout='cell'.*'ring'"):
-        ss.EngineConfig(kv_layout="ring", prefix_cache_bytes="1MiB")
+    # The ring layout is served under the retention rule (test_the_ring_layout_...).
     with pytest.raises(ValueError):
         ss.EngineConfig(kv_layout="cell", prefix_cache_bytes=-1)
     ss.EngineConfig(kv_layout="flat")  # off by default, any layout
@@ -155,7 +154,7 @@ def test_sliding_window_layers_reject_a_token_equal_prefix_they_no_longer_hold(
     restored = [f.usage.cached_tokens for f in on]
     assert restored == [0, 0, 0, 22, 0, 0]
     stats = engine.stats()
-    assert stats.prefix_rejections == 4 and stats.prefix_rejections_by_rule == {"sliding_window": 4}
+    assert stats.prefix_rejections == 4 and stats.prefix_rejections_by_rule == {"ring_wrapped": 4}
     # A conversation's next turn extends the snapshot: restored although it is far
     # longer than the window.
     first = on[0]
@@ -167,17 +166,49 @@ def test_sliding_window_layers_reject_a_token_equal_prefix_they_no_longer_hold(
     assert followed.usage.cached_tokens == len(prompts[0]) + len(first.tokens) - 1
 
 
+@pytest.mark.parametrize("case", ["mixed model", "ring layout"])
 def test_without_the_retention_rule_the_same_scenario_answers_wrong(
+    case: str,
     tiny_dirs: dict[str, Path],
     make_engine: Callable[..., ss.Engine],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Proof that the test above can fail: with `KVPool.retains` always True, the stale
-    rings are restored and question 2 gets a different answer from the cache-off run."""
-    mixed = ss.load(tiny_dirs["mixed"])
-    prompts = _mixed_prompts()[:2]
-    off = run_all(make_engine(mixed, **CELL), prompts)
+    """Proof that the tests of the rule can fail: with `KVPool.retains` always True, the
+    stale rings are restored and question 2 gets a different answer from the cache-off
+    run."""
+    if case == "mixed model":
+        model, config = ss.load(tiny_dirs["mixed"]), CELL
+        prompts, shared = _mixed_prompts()[:2], 20
+    else:
+        model, config = ss.load(tiny_dirs["llama"]), {**CELL, **RING}
+        prompts, shared = _ring_prompts()[:2], 40
+    off = run_all(make_engine(model, **config), prompts)
     monkeypatch.setattr(ss.kv.KVPool, "retains", lambda self, snapshot, upto: True)
-    on = run_all(make_engine(mixed, **CELL, prefix_cache_bytes="1MiB"), prompts)
-    assert on[1].usage.cached_tokens == 20  # the stale hit the rule refuses
+    on = run_all(make_engine(model, **config, prefix_cache_bytes="1MiB"), prompts)
+    assert on[1].usage.cached_tokens == shared  # the stale hit the rule refuses
     assert on[1].tokens != off[1].tokens
+
+
+RING: dict[str, Any] = {"kv_layout": "ring", "ring_window": 16, "sinks": 4}
+
+
+def _ring_prompts() -> list[list[int]]:
+    return family([5 + (i * 37) % 200 for i in range(40)], 3)  # 40 > 4 + 16: wrapped
+
+
+def test_the_ring_layout_after_it_has_wrapped(make_engine: Callable[..., ss.Engine]) -> None:
+    ring = {**CELL, **RING}
+    prompts = _ring_prompts()
+    off = run_all(make_engine(**ring), prompts)
+    engine = make_engine(**ring, prefix_cache_bytes="1MiB")
+    on = run_all(engine, prompts)
+    assert [f.tokens for f in on] == [f.tokens for f in off]
+    assert [f.usage.cached_tokens for f in on] == [0, 0, 0, 42, 0, 0]
+    assert engine.stats().prefix_rejections_by_rule == {"ring_wrapped": 4}
+    # A conversation's next turn continues where the rings end: restored.
+    first = engine.submit(prompts[0], GREEDY, publish_completion=True).result()
+    turn = [*prompts[0], *first.tokens[:-1], 60, 61]
+    expected = make_engine(**ring).submit(turn, GREEDY).result()
+    followed = engine.submit(turn, GREEDY).result()
+    assert followed.tokens == expected.tokens
+    assert followed.usage.cached_tokens == len(prompts[0]) + len(first.tokens) - 1

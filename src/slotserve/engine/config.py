@@ -38,7 +38,9 @@ class EngineConfig:
     Prompts are prefilled ``prefill_chunk`` tokens at a time, interleaved with decodes, and a
     step computes at most ``max_batch_tokens`` tokens.
     ``prefix_cache_bytes`` (bytes or ``"256MiB"``; 0: off) is the budget of KV blocks the
-    prefix cache may pin for snapshots of completed prompts; it needs ``kv_layout="cell"``.
+    prefix cache may pin for snapshots of completed prompts; it needs ``kv_layout="cell"``
+    (blocks shared) or ``"ring"`` (rings copied; the retention rule refuses a prefix a
+    wrapped ring no longer holds).
     """
 
     max_seqs: int = 4
@@ -79,11 +81,11 @@ class EngineConfig:
         if isinstance(self.memory_budget, str):
             parse_bytes(self.memory_budget)  # fail here, with the parser's message
         self.kv_config()  # validates layout, dtype, sizes
-        if self.prefix_cache_budget and self.kv_layout != "cell":
+        if self.prefix_cache_budget and self.kv_layout == "flat":
             raise ValueError(
                 f"prefix_cache_bytes={self.prefix_cache_bytes!r} needs kv_layout='cell' (its "
-                f"snapshots share blocks), not {self.kv_layout!r}; set kv_layout='cell' or "
-                "prefix_cache_bytes=0"
+                "snapshots share blocks) or 'ring' (they copy the rings), not 'flat'; set "
+                "kv_layout='cell' or prefix_cache_bytes=0"
             )
 
     @property

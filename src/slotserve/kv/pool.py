@@ -219,10 +219,11 @@ class KVPool:
 
     @property
     def supports_snapshots(self) -> bool:
-        """True for the cell layout: a snapshot is block references, plus a copy of the
-        ring rows of sliding-window layers if the model has any. Flat rows and the ring
-        layout's rows belong to a slot and hold every layer, so they are not frozen."""
-        return bool(self._cells) and self.config.layout == "cell"
+        """True when every layer is in cells or rings: a snapshot is block references
+        (cell layers) plus a copy of its session's ring rows (sliding-window layers, or
+        every layer of the ring layout). Flat rows hold a whole context per slot and are
+        not frozen."""
+        return bool(self.groups) and all(isinstance(g, CellGroup | RingGroup) for g in self.groups)
 
     @property
     def snapshot_ring_nbytes(self) -> int:
@@ -376,8 +377,8 @@ class KVPool:
     def _check_snapshots_supported(self) -> None:
         if not self.supports_snapshots:
             raise SessionError(
-                "snapshots need every layer in the cell layout (kv_layout='cell' and no "
-                "sliding-window layer shorter than max_context)"
+                "snapshots need every layer in the cell layout or a ring (kv_layout='cell', "
+                "or 'ring' with a window shorter than max_context)"
             )
 
     # -- the step --------------------------------------------------------------------

@@ -11,8 +11,9 @@ them. A new snapshot replaces those whose tokens it extends. It never touches th
 
 Validity. A snapshot serves a prefix only if every layer still holds what the suffix
 needs (`KVPool.retains`): token equality is not enough. Cell layers keep every position. A
-sliding-window layer keeps a ring of its last ``window`` positions, so a snapshot written up
-to position ``h`` serves a prefix ``p`` only if its ring never wrapped or ``p >= h - 1`` (a
+sliding-window layer (or any layer of the ring layout) keeps a ring of its last ``window``
+positions (and its sinks), so a snapshot written up to position ``h`` serves a prefix ``p``
+only if its ring never wrapped or ``p >= h - 1`` (a
 conversation's next turn, a repeated prompt); a token-equal prefix that diverges earlier is
 rejected, counted in ``stats.rejections`` (by rule), and computed instead. Anything else that
 changes KV contents (weights, their format, KV dtype, rope settings) is fixed for the life
@@ -34,14 +35,15 @@ from slotserve.errors import KVExhausted
 from slotserve.kv.pool import KVPool
 from slotserve.prefix.trie import TokenTrie
 
-SLIDING_WINDOW_RULE = "sliding_window"
+RING_WRAPPED_RULE = "ring_wrapped"
 
 
 @dataclass
 class PrefixStats:
     """Monotone counters of one cache. ``rejections``: admissions whose token-equal
     prefixes a retention rule refused (``rejections_by_rule``: by rule; the one rule today
-    is ``sliding_window``: a ring that has wrapped past the prefix's end)."""
+    is ``ring_wrapped``: a ring, of a sliding-window layer or the ring layout, that has
+    wrapped past what the prefix needs)."""
 
     hits: int = 0
     misses: int = 0
@@ -70,8 +72,9 @@ class PrefixCache:
             raise ValueError(f"prefix cache budget_bytes={budget_bytes} must be > 0")
         if not pool.supports_snapshots:
             raise ValueError(
-                "the prefix cache needs a pool in the cell layout: use kv_layout='cell' "
-                "or set prefix_cache_bytes=0"
+                "the prefix cache needs every layer in the cell layout or a ring "
+                "(kv_layout='cell', or 'ring' with a window shorter than max_context); "
+                "use kv_layout='cell' or set prefix_cache_bytes=0"
             )
         self.pool, self.budget_bytes = pool, budget_bytes
         self.stats = PrefixStats()
@@ -127,7 +130,7 @@ class PrefixCache:
             self.stats.misses += 1
         if rejected:
             self.stats.rejections += 1
-            self.stats.rejections_by_rule[SLIDING_WINDOW_RULE] += 1
+            self.stats.rejections_by_rule[RING_WRAPPED_RULE] += 1
         return restored
 
     def _match(self, tokens: Sequence[int]) -> tuple[tuple[Snapshot, int] | None, bool]:
