@@ -127,7 +127,9 @@ async def generate(
     grammar = await response_grammar(state.grammars_of(engine), body)
     bias = logit_bias(engine, body)
     params = [sampling_params(body, room, i, state.sampling, grammar, bias) for i in range(n)]
-    handles = submit_all(engine, tokens, params, priority_of(body, request), param)
+    handles = submit_all(
+        engine, tokens, params, priority_of(body, request), param, keep_conversation=kind == "chat"
+    )
     request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     if body.stream:

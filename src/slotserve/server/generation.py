@@ -34,13 +34,22 @@ def submit_all(
     params: list[SamplingParams],
     priority: str,
     prompt_param: str | None = None,
+    *,
+    keep_conversation: bool = False,
 ) -> list[RequestHandle]:
     """Submit one request per choice; all are admitted, or none stays admitted.
-    ``prompt_param`` names the request field a too-long prompt came from."""
+    ``prompt_param`` names the request field a too-long prompt came from. With
+    ``keep_conversation`` (a one-choice chat turn), the prompt and the reply stay in the
+    engine's prefix cache, if it has one, for the conversation's next turn."""
     handles: list[RequestHandle] = []
+    publish = keep_conversation and len(params) == 1
     try:
         for choice_params in params:
-            handles.append(engine.submit(prompt, choice_params, priority, queue=True))
+            handles.append(
+                engine.submit(
+                    prompt, choice_params, priority, queue=True, publish_completion=publish
+                )
+            )
     except AdmissionRefused as refusal:
         for handle in handles:
             handle.cancel()
