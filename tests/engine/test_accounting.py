@@ -40,6 +40,8 @@ class SyntheticExecutor:
         for _ in range(steps):
             self.gate.release()
 
+    weight_bytes = 0  # weightless: it predicts a constant
+
     def step(self, tokens: torch.Tensor, batch: StepBatch, kv: KVStore) -> torch.Tensor:
         assert self.gate.acquire(timeout=10), "test did not tick"
         self.clock.advance(STEP_COST_PER_TOKEN * len(tokens))

@@ -114,7 +114,8 @@ class Engine:
                 f"max_context={self.config.max_context} exceeds the model's context "
                 f"{model.info.max_context}; use at most {model.info.max_context}"
             )
-        self.plan = self.config.plan(model.info, model.weight_bytes)
+        executor = executor or TorchExecutor(model)
+        self.plan = self.config.plan(model.info, executor.weight_bytes)
         self.plan.check()  # PlanError: refuse to start
         self.pool = KVPool(model.info, self.config.kv_config())
         # One cache per engine, over this engine's pool: every snapshot was computed with
@@ -131,7 +132,7 @@ class Engine:
             self.config, self.pool, self.counters, clock, self._under_pressure, self.prefix
         )
         self._scheduler = scheduler or Scheduler(self.config)
-        self._stepper = Stepper(executor or TorchExecutor(model), self.pool, clock)
+        self._stepper = Stepper(executor, self.pool, clock)
         self._known: weakref.WeakValueDictionary[int, Request] = weakref.WeakValueDictionary()
         self._ids = itertools.count()
         self._steps_taken = 0

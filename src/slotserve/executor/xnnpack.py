@@ -32,6 +32,12 @@ class XnnpackExecutor:
         self._out = [program.load_method(f"layer{i}_out") for i in layers]
         self._head: Any = program.load_method("head")
 
+    @property
+    def weight_bytes(self) -> int:
+        """The program's bytes, plus the eager model's, which stay resident beside it (it
+        supplies the embedding and RoPE tables; dropping its projections is still to do)."""
+        return self.program_path.stat().st_size + self.model.weight_bytes
+
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, batch: StepBatch, kv: KVStore) -> torch.Tensor:
         info, rope = self.model.info, self.model.rope
