@@ -145,10 +145,17 @@ def test_refuses_models_outside_the_llama_layers(tmp_path: Path) -> None:
         export_layer_program(model, gguf, tmp_path / "x.pte", max_tokens=8)
 
 
-def test_the_plan_counts_the_program(q41: tuple[ss.Model, XnnpackExecutor]) -> None:
+def test_the_plan_counts_the_program_and_not_the_dropped_layers(
+    q41: tuple[ss.Model, XnnpackExecutor],
+) -> None:
     model, executor = q41
     program = executor.program_path.stat().st_size
-    assert executor.weight_bytes == model.weight_bytes + program
+    kept = executor.model.weight_bytes  # embedding and norms only
+    weights = model.weights
+    assert kept == weights.embed.nbytes + weights.norm.nbytes
+    assert executor.weight_bytes == program + kept < model.weight_bytes + program
     config = ss.EngineConfig(max_seqs=1, max_context=MAX_TOKENS)
-    with ss.Engine(model, config, executor=executor) as engine:
-        assert engine.plan.to_dict()["arenas"]["weights"] == model.weight_bytes + program
+    with ss.Engine(executor.model, config, executor=executor) as engine:
+        assert engine.plan.to_dict()["arenas"]["weights"] == program + kept
+    with pytest.raises(ValueError, match="handed to a lowered program"):
+        executor.model.logits([5, 6])

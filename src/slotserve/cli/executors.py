@@ -10,9 +10,12 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from slotserve.executor import Executor
 from slotserve.model import Model
+
+if TYPE_CHECKING:
+    from slotserve.executor.xnnpack import XnnpackExecutor
 
 EXECUTORS = ("torch", "xnnpack")
 log = logging.getLogger("slotserve")
@@ -35,8 +38,9 @@ def program_path(gguf: Path, max_tokens: int) -> Path:
     return cache_dir() / f"xnnpack-{file_digest(gguf)[:32]}-t{max_tokens}.pte"
 
 
-def executor_for(name: str, model: Model, max_tokens: int) -> Executor | None:
-    """The executor ``name`` for ``model`` (None: the engine's default, eager torch)."""
+def executor_for(name: str, model: Model, max_tokens: int) -> XnnpackExecutor | None:
+    """The executor ``name`` for ``model`` (None: the engine's default, eager torch). Give
+    the engine ``executor.model``: it no longer holds the projections the program runs."""
     if name == "torch":
         return None
     from slotserve.executor.xnnpack import XnnpackExecutor

@@ -127,6 +127,8 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config(args, model)  # with --preset: sized for this model
     config = with_server_queue(config, args)
     executor = executor_for(args.executor, model, config.max_batch_tokens)
+    if executor is not None:
+        model = executor.model  # without the projections the program holds
     engine = Engine(model, config, pressure=pressure_source(args), executor=executor)
     return serve(
         engine,

@@ -1,5 +1,8 @@
 """`XnnpackExecutor`: the step with each layer's projections in an ExecuTorch program.
 
+Serve with ``Engine(executor.model, config, executor=executor)``: ``executor.model`` is the
+model without its projections, so the fp32 layers are not kept beside the program.
+
 The program (`slotserve.export.export_layer_program`) holds two methods per layer and the
 head; this executor runs them in order and does attention in between through the KV pool's
 ``update_and_attend``, like the eager model. It needs the optional ``executorch`` package.
@@ -26,7 +29,10 @@ class XnnpackExecutor:
 
         program = Runtime.get().load_program(str(program_path))
         layers = range(model.info.n_layers)
-        self.model = model
+        # The program holds the layers and the head: keep only what the step still needs
+        # (embedding, RoPE, tokenizer), so the eager projections can be freed. The engine
+        # should be given this `model`.
+        self.model = model.without_projections()
         self.program_path = program_path
         self._qkv = [program.load_method(f"layer{i}_qkv") for i in layers]
         self._out = [program.load_method(f"layer{i}_out") for i in layers]
@@ -34,8 +40,7 @@ class XnnpackExecutor:
 
     @property
     def weight_bytes(self) -> int:
-        """The program's bytes, plus the eager model's, which stay resident beside it (it
-        supplies the embedding and RoPE tables; dropping its projections is still to do)."""
+        """The program's bytes plus what the step keeps of the eager model (embedding, norms)."""
         return self.program_path.stat().st_size + self.model.weight_bytes
 
     @torch.inference_mode()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from slotserve.info import ModelInfo
@@ -9,7 +11,7 @@ from slotserve.kv.batch import StepBatch
 from slotserve.kv.config import KVConfig
 from slotserve.kv.pool import KVPool
 from slotserve.kv.store import KVStore
-from slotserve.model.layers import RopeTables
+from slotserve.model.layers import DenseLinear, RopeTables
 from slotserve.model.llama import forward_hidden
 from slotserve.model.weights import LlamaWeights
 from slotserve.tokenizer import Tokenizer
@@ -32,6 +34,19 @@ class Model:
     def weight_bytes(self) -> int:
         return self.weights.nbytes
 
+    @property
+    def has_projections(self) -> bool:
+        """False for a model whose layers were handed to a lowered program
+        (`without_projections`): it keeps only the embedding, norms, RoPE and tokenizer."""
+        return len(self.weights.layers) == self.info.n_layers
+
+    def without_projections(self) -> Model:
+        """This model without its layers and head, for an executor that runs them from a
+        lowered program: their memory is freed once nothing else holds them."""
+        weights = self.weights
+        light = replace(weights, layers=(), lm_head=DenseLinear(weights.embed), tied=True)
+        return Model(self.info, self.tokenizer, light, self.source)
+
     @torch.inference_mode()
     def forward(
         self, tokens: torch.Tensor, batch: StepBatch, kv: KVStore, *, all_logits: bool = False
@@ -41,6 +56,11 @@ class Model:
 
         The caller has committed ``batch`` in the KV store (`KVPool.begin_step`); the model
         only writes and attends through ``update_and_attend``."""
+        if not self.has_projections:
+            raise ValueError(
+                "this model's layers were handed to a lowered program (without_projections); "
+                "run it with that program's executor"
+            )
         if tokens.shape != (batch.n_tokens,):
             raise ValueError(f"tokens shape {tuple(tokens.shape)} != ({batch.n_tokens},)")
         if max(batch.ends) > self.info.max_context:
