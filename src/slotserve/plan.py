@@ -16,7 +16,7 @@ from typing import Any
 from slotserve.errors import PlanError
 from slotserve.info import ModelInfo
 from slotserve.kv.config import KVConfig
-from slotserve.kv.pool import cells_per_layer, cells_per_session, layer_rules
+from slotserve.kv.placement import cells_per_layer, cells_per_session, layer_rules
 
 _UNITS = {
     "": 1,

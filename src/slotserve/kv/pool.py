@@ -28,11 +28,10 @@ from slotserve.info import ModelInfo
 from slotserve.kv.allocator import BlockAllocator
 from slotserve.kv.batch import StepBatch
 from slotserve.kv.config import KVConfig
-from slotserve.kv.layouts import CellGroup, FlatGroup, GroupShape, LayerGroup, RingGroup
+from slotserve.kv.layouts import CellGroup, RingGroup
+from slotserve.kv.placement import build_groups
 from slotserve.kv.session import SessionKV
 from slotserve.kv.storage import KVStorage
-
-Rule = tuple[str, int | None]  # (placement, attention window)
 
 
 @dataclass(frozen=True)
@@ -42,61 +41,6 @@ class PoolUsage:
     unit: str
     free: int
     used: int
-
-
-def layer_rules(info: ModelInfo, config: KVConfig) -> dict[Rule, list[int]]:
-    """Which layers share a placement rule. Sliding-window layers get a ring of their
-    window ("ring"); the others get the configured layout ("flat", "cell", or "ring-full"
-    for a StreamingLLM-style ring with sinks)."""
-    rules: dict[Rule, list[int]] = {}
-    ring_fits = config.ring_window + config.sinks < config.max_context
-    for layer in range(info.n_layers):
-        window = info.window(layer)
-        if window is not None and window < config.max_context:
-            rule: Rule = ("ring", window)
-        elif config.layout == "ring" and ring_fits:
-            rule = ("ring-full", None)
-        else:
-            rule = ("flat" if config.layout == "ring" else config.layout, window)
-        rules.setdefault(rule, []).append(layer)
-    return rules
-
-
-def cells_per_session(rule: Rule, config: KVConfig) -> int:
-    """Cells one session can occupy in one layer under ``rule`` (its worst case)."""
-    kind, window = rule
-    if kind == "ring":
-        assert window is not None
-        return window
-    if kind == "ring-full":
-        return config.ring_window + config.sinks
-    return config.max_context
-
-
-def cells_per_layer(rule: Rule, config: KVConfig) -> int:
-    """Cells one layer's storage holds under ``rule`` (the whole pool, all sessions)."""
-    if rule[0] == "cell":
-        return config.total_blocks * config.block_size
-    return config.max_seqs * cells_per_session(rule, config)
-
-
-def build_groups(info: ModelInfo, config: KVConfig) -> list[LayerGroup]:
-    """Allocate the storage of every layer, grouped by placement rule."""
-    shape = GroupShape(info.n_kv_heads, info.head_dim, config.torch_dtype)
-    groups: list[LayerGroup] = []
-    for (kind, window), layers in layer_rules(info, config).items():
-        if kind == "ring":
-            assert window is not None
-            groups.append(RingGroup(layers, config.max_seqs, window, 0, shape))
-        elif kind == "ring-full":
-            groups.append(
-                RingGroup(layers, config.max_seqs, config.ring_window, config.sinks, shape)
-            )
-        elif kind == "cell":
-            groups.append(CellGroup(layers, config.total_blocks, config.block_size, shape, window))
-        else:
-            groups.append(FlatGroup(layers, config.max_seqs, config.max_context, shape, window))
-    return groups
 
 
 class KVPool:

@@ -29,7 +29,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
 from slotserve.engine import Engine
-from slotserve.kv.pool import cells_per_session, layer_rules
+from slotserve.kv.placement import cells_per_session, layer_rules
 from slotserve.server.errors import APIError
 from slotserve.server.metrics import PrometheusMetrics
 from slotserve.server.security import require_api_key
