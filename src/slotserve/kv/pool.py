@@ -199,15 +199,7 @@ class KVPool:
         snapshot ``into``: its blocks are shared by refcount, not copied, and it takes no
         slot. The session keeps running; its next write into a now-shared block copies it
         (room for that copy is checked here: `KVExhausted`, nothing changed)."""
-        self._check_snapshots_supported()
-        source = self._get(session)
-        if into in self.sessions or into in self.snapshots:
-            raise SessionError(f"session {into} already exists")
-        if not 0 < upto <= source.length:
-            raise SessionError(
-                f"publish upto={upto} is outside 1..{source.length} (session {session}'s "
-                "committed length)"
-            )
+        source = self._snapshot_source(session, upto, into, "publish")
         shared = source.table[: self._blocks_for(upto)]
         snapshot = SessionKV(-1, upto, upto, list(shared), source.high_water)
         self._check_cow_room(self.sessions, {**self.snapshots, into: snapshot})
@@ -262,20 +254,26 @@ class KVPool:
         self._free_slots.pop()
         self.sessions[session] = bound
 
-    def release_into(self, session: int, upto: int, into: int) -> None:
-        """`release` ``session``, keeping its first ``upto`` committed positions as the
-        read-only snapshot ``into`` (its blocks, not copies; the rest go back to the free
-        list). Nothing is allocated and nothing will be written, so it cannot fail for
-        room: a finished request hands over its KV instead of freeing it."""
+    def _snapshot_source(self, session: int, upto: int, into: int, what: str) -> SessionKV:
+        """The running ``session`` whose first ``upto`` committed positions become the new
+        snapshot ``into``, after the checks both ways of making one share."""
         self._check_snapshots_supported()
         source = self._get(session)
         if into in self.sessions or into in self.snapshots:
             raise SessionError(f"session {into} already exists")
         if not 0 < upto <= source.length:
             raise SessionError(
-                f"release_into upto={upto} is outside 1..{source.length} (session "
-                f"{session}'s committed length)"
+                f"{what} upto={upto} is outside 1..{source.length} (session {session}'s "
+                "committed length)"
             )
+        return source
+
+    def release_into(self, session: int, upto: int, into: int) -> None:
+        """`release` ``session``, keeping its first ``upto`` committed positions as the
+        read-only snapshot ``into`` (its blocks, not copies; the rest go back to the free
+        list). Nothing is allocated and nothing will be written, so it cannot fail for
+        room: a finished request hands over its KV instead of freeing it."""
+        source = self._snapshot_source(session, upto, into, "release_into")
         kept = source.table[: self._blocks_for(upto)]
         self.blocks.share(kept)
         self._freeze_rings(source, into)
