@@ -94,8 +94,9 @@ def test_cancel_latency_is_measured_to_the_release(tiny: ss.Model) -> None:
         next(events), next(events)
         clock.advance(0.5)  # the cancel comes 0.5 s after the second token
         cancelled_at = clock()
+        handle.cancel()  # lands now: no step can move the clock before the next tick
         executor.tick(1)  # one more step may be in flight when the cancel lands
-        ack = handle.cancel(wait=True)
+        ack = handle.cancel(wait=True)  # idempotent: the first cancel's time stands
         assert ack is not None
         final = handle.result()
         assert final.reason == "cancelled"
