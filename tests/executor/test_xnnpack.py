@@ -54,6 +54,16 @@ def test_the_program_is_cached_by_the_files_digest(
     assert executor_for("torch", model, MAX_TOKENS) is None
 
 
+def test_a_step_larger_than_the_program_is_refused(
+    q41: tuple[ss.Model, XnnpackExecutor],
+) -> None:
+    model, executor = q41
+    pool = KVPool(model.info, KVConfig(layout="flat", max_seqs=1, max_context=128))
+    pool.reserve(0, 128)
+    with pytest.raises(ValueError, match=f"exceeds the {MAX_TOKENS} the program"):
+        _step(executor, pool, StepBatch.single(0, MAX_TOKENS + 1), [5] * (MAX_TOKENS + 1))
+
+
 def test_xnnpack_needs_a_gguf(tiny: ss.Model) -> None:
     with pytest.raises(ValueError, match="needs a Q4_0/Q4_1 GGUF model"):
         executor_for("xnnpack", tiny, MAX_TOKENS)

@@ -54,7 +54,7 @@ def executor_for(name: str, model: Model, max_tokens: int) -> XnnpackExecutor | 
     path = program_path(gguf, max_tokens)
     if not path.exists():
         export_program(model, gguf, path, max_tokens)
-    return XnnpackExecutor(model, path)
+    return XnnpackExecutor(model, path, max_tokens)
 
 
 def export_program(model: Model, gguf: Path, path: Path, max_tokens: int) -> None:

@@ -24,7 +24,7 @@ from slotserve.model.layers import fused_rope_rows
 class XnnpackExecutor:
     """Runs ``model``'s steps with the lowered program at ``program_path``."""
 
-    def __init__(self, model: Model, program_path: Path) -> None:
+    def __init__(self, model: Model, program_path: Path, max_tokens: int) -> None:
         from executorch.runtime import Runtime
 
         program = Runtime.get().load_program(str(program_path))
@@ -34,6 +34,7 @@ class XnnpackExecutor:
         # should be given this `model`.
         self.model = model.without_projections()
         self.program_path = program_path
+        self.max_tokens = max_tokens  # the largest step the program was lowered for
         self._qkv = [program.load_method(f"layer{i}_qkv") for i in layers]
         self._out = [program.load_method(f"layer{i}_out") for i in layers]
         self._head: Any = program.load_method("head")
@@ -45,6 +46,11 @@ class XnnpackExecutor:
 
     @torch.inference_mode()
     def step(self, tokens: torch.Tensor, batch: StepBatch, kv: KVStore) -> torch.Tensor:
+        if tokens.numel() > self.max_tokens:
+            raise ValueError(
+                f"a step of {tokens.numel()} tokens exceeds the {self.max_tokens} the program "
+                "was lowered for; lower max_batch_tokens or lower the program again"
+            )
         info, rope = self.model.info, self.model.rope
         heads, kv_heads, head_dim = info.n_heads, info.n_kv_heads, info.head_dim
         widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
