@@ -35,3 +35,13 @@ def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def tiny(tiny_dirs: dict[str, Path]) -> ss.Model:
     return ss.load(tiny_dirs["llama"])
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle(tiny: ss.Model, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama exported as an fp32 XNNPACK bundle (about 20 s, once per session)."""
+    from slotserve.export import ExportOptions, export_bundle
+
+    out = tmp_path_factory.mktemp("bundles") / "tiny-fp32"
+    export_bundle(tiny, out, ExportOptions(quant="fp32"))
+    return out

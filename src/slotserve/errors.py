@@ -24,6 +24,20 @@ class ArtifactError(SlotserveError):
         super().__init__(f"{where}: {message}")
 
 
+class SchemaVersionError(ArtifactError):
+    """A bundle's schema version is one this runtime does not read (``found`` is the bundle's,
+    ``readable`` the versions this runtime reads)."""
+
+    def __init__(self, path: object, found: int, readable: tuple[int, ...], fix: str) -> None:
+        self.found, self.readable = found, readable
+        super().__init__(
+            path,
+            f"bundle schema {found}, but this runtime reads schema "
+            f"{', '.join(map(str, readable))}; {fix}",
+            "schema",
+        )
+
+
 class ContextOverflow(SlotserveError):
     """A sequence would grow past the context it was given."""
 

@@ -1,5 +1,6 @@
 """Reading model files: GGUF (gguf-py + dequantisation), Hugging Face safetensors
-directories, the bundled default model; the tokenizer and chat template.
+directories, slotserve's exported bundles, the bundled default model; the tokenizer and chat
+template.
 
 `load(spec)` is the one entry point; it returns a `slotserve.model.Model`.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from slotserve.artifact.bundle import is_bundle, read_bundle
 from slotserve.artifact.bundled import bundled_gguf_path
 from slotserve.artifact.gguf_load import load_gguf
 from slotserve.artifact.hf import load_hf_dir
@@ -17,23 +19,27 @@ from slotserve.model.quantized import with_weights
 
 
 def load(spec: str | Path, *, progress: bool = True, weights: str = "fp32") -> Model:
-    """Load a model: ``"bundled"``, a ``.gguf`` path, or a Hugging Face model directory.
+    """Load a model: ``"bundled"``, a ``.gguf`` path, a Hugging Face model directory, or a
+    bundle directory (`slotserve export`). A bundle's model holds no weights: its checks run
+    here (schema, files), and `slotserve.Engine` runs it on the ExecuTorch executor.
 
     ``weights="int8"`` quantises the projections for ~2.3x faster CPU decode at some cost
     in accuracy (see `slotserve.model.quantized`); the default keeps fp32.
     """
     model = _load(spec, progress)
-    if weights != "fp32":
-        model = Model(
-            model.info, model.tokenizer, with_weights(model.weights, weights), model.source
-        )
-    return model
+    if weights == "fp32":
+        return model
+    if model.weights is None:
+        raise ValueError(f"weights={weights!r}: a bundle's weights were fixed at export")
+    return Model(model.info, model.tokenizer, with_weights(model.weights, weights), model.source)
 
 
 def _load(spec: str | Path, progress: bool) -> Model:
     if str(spec) == "bundled":
         return load_gguf(bundled_gguf_path(), progress=progress)
     path = Path(spec).expanduser()
+    if is_bundle(path):
+        return read_bundle(path).model()
     if path.is_dir():
         return load_hf_dir(path)
     if path.suffix == ".gguf" or path.is_file():
@@ -43,4 +49,4 @@ def _load(spec: str | Path, progress: bool) -> Model:
     )
 
 
-__all__ = ["bundled_gguf_path", "load", "load_gguf", "load_hf_dir"]
+__all__ = ["bundled_gguf_path", "is_bundle", "load", "load_gguf", "load_hf_dir", "read_bundle"]

@@ -55,7 +55,7 @@ def run_single(model: Model, repeats: int = 5) -> dict[str, Any]:
     context = max(lengths) + DECODE_TOKENS
     kv = KVPool(model.info, KVConfig(layout="flat", max_seqs=1, max_context=context))
     kv.reserve(0, context)
-    int8 = Model(model.info, model.tokenizer, quantize_int8(model.weights), model.source)
+    int8 = Model(model.info, model.tokenizer, quantize_int8(model.require_weights()), model.source)
     gen = torch.Generator().manual_seed(0)
     rows = []
     with Progress(transient=True) as progress:

@@ -1,8 +1,10 @@
-"""``--executor``: which backend runs a step, and the lowered program it needs.
+"""How the serving commands open a model: ``--executor``, ``--threads`` and ``--fallback``.
 
-``torch`` is the eager model. ``xnnpack`` runs the projections of a Q4_0/Q4_1 GGUF model
-from an ExecuTorch program, lowered once per file and step size and kept in the weight cache
-directory (keyed by the file's SHA-256), so the second start is fast.
+A bundle (`slotserve export`) always runs on the ExecuTorch executor. ``--executor xnnpack``
+on a Q4_0/Q4_1 GGUF exports it once as an ``8da4w`` XNNPACK bundle in the weight cache
+directory (keyed by the file's SHA-256 and the step size), so the second start is fast.
+``--fallback MODEL`` serves MODEL, loudly, when the bundle is refused (a schema this runtime
+does not read, a missing or mismatched file, a delegate it does not have).
 """
 
 from __future__ import annotations
@@ -10,60 +12,91 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+from slotserve.executor import Executor, executor_for
 from slotserve.model import Model
-
-if TYPE_CHECKING:
-    from slotserve.executor.xnnpack import XnnpackExecutor
 
 EXECUTORS = ("torch", "xnnpack")
 log = logging.getLogger("slotserve")
 
 
-def add_executor_arg(parser: argparse.ArgumentParser) -> None:
+def add_executor_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--executor",
         choices=EXECUTORS,
         default="torch",
-        help="torch: the eager model; xnnpack: a Q4 GGUF's projections lowered to ExecuTorch "
-        "(4-bit weights kept exactly, int8 activations; lowered once, then cached)",
+        help="for a .gguf/HF model: torch runs the eager model; xnnpack exports the model "
+        "once (cached) as an 8da4w XNNPACK bundle and runs that (a bundle --model always "
+        "runs on ExecuTorch)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="ExecuTorch thread-pool size for a bundle (default: its manifest's load option)",
+    )
+    parser.add_argument(
+        "--fallback",
+        default=None,
+        metavar="MODEL",
+        help="serve MODEL (e.g. 'bundled') if the bundle is refused by the runtime's checks",
     )
 
 
-def program_path(gguf: Path, max_tokens: int) -> Path:
-    """Where the lowered program of ``gguf`` for steps of up to ``max_tokens`` is cached."""
+def bundle_path(gguf: Path, max_tokens: int) -> Path:
+    """Where `--executor xnnpack` keeps the bundle of ``gguf`` for steps of ``max_tokens``."""
     from slotserve.artifact.weight_cache import cache_dir, file_digest
 
-    return cache_dir() / f"xnnpack-{file_digest(gguf)[:32]}-t{max_tokens}.pte"
+    return cache_dir() / f"bundle-{file_digest(gguf)[:32]}-8da4w-t{max_tokens}"
 
 
-def executor_for(name: str, model: Model, max_tokens: int) -> XnnpackExecutor | None:
-    """The executor ``name`` for ``model`` (None: the engine's default, eager torch). Give
-    the engine ``executor.model``: it no longer holds the projections the program runs."""
-    if name == "torch":
-        return None
-    from slotserve.executor.xnnpack import XnnpackExecutor
+def open_model(args: argparse.Namespace, max_tokens: int) -> tuple[Model, Executor]:
+    """The model ``args.model`` names and the executor that runs it (see the module doc)."""
+    from slotserve.artifact import load
+    from slotserve.errors import ArtifactError
+
+    try:
+        model = load(args.model, weights=args.weights)
+        if args.executor == "xnnpack" and model.weights is not None:
+            model = load(exported_bundle(model, max_tokens))
+        return model, _executor(model, args.threads)
+    except ArtifactError as refusal:
+        if args.fallback is None:
+            raise
+        log.error("REFUSED %s: %s", args.model, refusal)
+        log.error("FALLING BACK to --fallback %s: clients get that model instead", args.fallback)
+        model = load(args.fallback, weights=args.weights)
+        return model, executor_for(model)
+
+
+def _executor(model: Model, threads: int | None) -> Executor:
+    if model.weights is not None or threads is None:
+        return executor_for(model)
+    from slotserve.executor.executorch import ExecuTorchExecutor
+
+    executor = ExecuTorchExecutor(model.source, threads=threads)
+    executor.model = model
+    return executor
+
+
+def exported_bundle(model: Model, max_tokens: int) -> Path:
+    """The cached 8da4w bundle of the GGUF ``model``, exported on first use with progress."""
+    from rich.console import Console
+
+    from slotserve.export import ExportOptions, export_bundle
 
     gguf = Path(model.source)
     if gguf.suffix != ".gguf":
         raise ValueError(
-            f"--executor xnnpack needs a Q4_0/Q4_1 GGUF model, not {model.source!r}; "
-            "use --executor torch"
+            f"--executor xnnpack needs a Q4_0/Q4_1 GGUF model, not {model.source!r}; export "
+            "other models with `slotserve export` and serve the bundle"
         )
-    path = program_path(gguf, max_tokens)
-    if not path.exists():
-        export_program(model, gguf, path, max_tokens)
-    return XnnpackExecutor(model, path, max_tokens)
-
-
-def export_program(model: Model, gguf: Path, path: Path, max_tokens: int) -> None:
-    """Lower ``model`` to ``path``, showing progress (minutes on a 2-core CPU)."""
-    from rich.console import Console
-
-    from slotserve.export import export_layer_program
-
+    path = bundle_path(gguf, max_tokens)
+    if path.exists():
+        return path
     console = Console(stderr=True)
-    with console.status(f"lowering {gguf.name} to XNNPACK (once; cached as {path.name})") as bar:
-        export_layer_program(model, gguf, path, max_tokens=max_tokens, progress=bar.update)
-    log.info("lowered program: %s", path)
+    options = ExportOptions(quant="8da4w", max_tokens=max_tokens)
+    with console.status(f"exporting {gguf.name} to XNNPACK (once; cached as {path})") as bar:
+        export_bundle(model, path, options, progress=bar.update)
+    log.info("exported bundle: %s", path)
+    return path

@@ -1,27 +1,75 @@
-"""``slotserve export MODEL OUT.pte``: lower a Q4_0/Q4_1 GGUF model's projections to an
-ExecuTorch (XNNPACK) program, as ``--executor xnnpack`` does on first use."""
+"""``slotserve export MODEL OUT/``: write a bundle (program, weights, tokenizer, manifest)
+that ``serve|generate|bench --model OUT/`` run on the ExecuTorch executor."""
 
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 from typing import Any
 
 
 def register(commands: Any) -> None:
-    parser = commands.add_parser("export", help="lower a Q4 GGUF model to an XNNPACK program")
-    parser.add_argument("model", help="'bundled' or a Q4_0/Q4_1 .gguf file")
-    parser.add_argument("out", type=Path, help="the .pte file to write")
+    parser = commands.add_parser(
+        "export", help="export a model as a bundle: ExecuTorch program + weights + manifest"
+    )
+    parser.add_argument("model", help="'bundled', a .gguf file or a Hugging Face model dir")
+    parser.add_argument("out", type=Path, help="the bundle directory to write")
     parser.add_argument(
-        "--max-tokens", type=int, default=512, help="largest step (match --max-batch-tokens)"
+        "--backend",
+        choices=("xnnpack", "portable"),
+        default="xnnpack",
+        help="xnnpack: XNNPACK's CPU kernels; portable: ExecuTorch's portable kernels (fp32)",
+    )
+    parser.add_argument(
+        "--quant",
+        choices=("fp32", "8da4w"),
+        default="8da4w",
+        help="8da4w: int8 dynamic activations x int4 weights in groups of 32 (a Q4_0/Q4_1 "
+        "GGUF's blocks kept exactly); fp32: dense weights",
+    )
+    parser.add_argument(
+        "--max-batch-tokens",
+        "--max-batch",
+        type=int,
+        default=512,
+        help="largest step in tokens (decode tokens + a prefill chunk) the program takes; "
+        "serve it with --max-batch-tokens at most this",
+    )
+    parser.add_argument(
+        "--max-context", type=int, default=None, help="longest sequence (default: the model's)"
+    )
+    parser.add_argument(
+        "--threads", type=int, default=0, help="threads recorded for the runtime (0: every core)"
     )
 
 
 def run(args: argparse.Namespace) -> int:
-    from slotserve.artifact import load
-    from slotserve.cli.executors import export_program
+    from rich.console import Console
 
+    from slotserve.artifact import load
+    from slotserve.export import ExportOptions, export_bundle
+
+    options = ExportOptions(
+        backend=args.backend,
+        quant=args.quant,
+        max_tokens=args.max_batch_tokens,
+        max_context=args.max_context,
+        threads=args.threads,
+    )
+    console = Console(stderr=True)
+    began = time.monotonic()
     model = load(args.model)
-    export_program(model, Path(model.source), args.out, args.max_tokens)
-    print(args.out)
+    console.print(f"loaded {model.source} in {time.monotonic() - began:.1f} s")
+    with console.status(f"exporting to {args.out} (minutes on a 2-core CPU)") as status:
+
+        def progress(message: str) -> None:
+            console.print(message)
+            status.update(message)
+
+        manifest = export_bundle(model, args.out, options, progress)
+    for name, digest in manifest.files.items():
+        size = (args.out / name).stat().st_size
+        print(f"{args.out / name}  {size / 2**20:.1f} MiB  sha256 {digest[:16]}")
+    print(f"{args.out / 'manifest.json'}  schema {manifest.schema}")
     return 0

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         "tied_embeddings": info.tied_embeddings,
         "bos_id": info.bos_id,
         "eos_ids": list(info.eos_ids),
-        "parameters": model.weights.n_params,
+        "parameters": model.weights.n_params if model.weights is not None else None,
         "weight_bytes": model.weight_bytes,
         "kv_bytes_per_token_fp32": info.kv_bytes_per_token(4),
         "chat_template": model.tokenizer.chat_template is not None,

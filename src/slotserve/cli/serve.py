@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from slotserve.cli.executors import add_executor_arg, executor_for
+from slotserve.cli.executors import add_executor_args, open_model
 from slotserve.cli.flags import add_engine_args, add_pressure_arg, engine_config, pressure_source
 from slotserve.engine.config import EngineConfig
 
@@ -37,7 +37,7 @@ def register(commands: Any) -> None:
         "--queue-depth 0 refuses them at once (429).",
     )
     add_engine_args(parser)
-    add_executor_arg(parser)
+    add_executor_args(parser)
     add_pressure_arg(parser)
     parser.add_argument(
         "--host",
@@ -119,16 +119,16 @@ def served_name(spec: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from slotserve.artifact import load
     from slotserve.engine import Engine
     from slotserve.server import serve
 
-    model = load(args.model, weights=args.weights)
+    max_tokens = args.max_batch_tokens or EngineConfig().max_batch_tokens
+    model, executor = open_model(args, max_tokens)
     config = engine_config(args, model)  # with --preset: sized for this model
     config = with_server_queue(config, args)
-    executor = executor_for(args.executor, model, config.max_batch_tokens)
-    if executor is not None:
-        model = executor.model  # without the projections the program holds
+    limit = executor.max_step_tokens
+    if limit is not None and args.max_batch_tokens is None and config.max_batch_tokens > limit:
+        config = dataclasses.replace(config, max_batch_tokens=limit)  # the bundle's steps
     engine = Engine(model, config, pressure=pressure_source(args), executor=executor)
     return serve(
         engine,

@@ -42,7 +42,7 @@ from slotserve.engine.scheduler import Scheduler
 from slotserve.engine.stepper import Stepper, Work
 from slotserve.engine.timings import EngineCounters
 from slotserve.errors import AdmissionRefused
-from slotserve.executor import Executor, TorchExecutor
+from slotserve.executor import Executor, executor_for
 from slotserve.kv.batch import StepBatch
 from slotserve.kv.pool import KVPool
 from slotserve.model import Model
@@ -114,7 +114,14 @@ class Engine:
                 f"max_context={self.config.max_context} exceeds the model's context "
                 f"{model.info.max_context}; use at most {model.info.max_context}"
             )
-        executor = executor or TorchExecutor(model)
+        executor = executor or executor_for(model)
+        limit = executor.max_step_tokens
+        if limit is not None and self.config.max_batch_tokens > limit:
+            raise ValueError(
+                f"max_batch_tokens={self.config.max_batch_tokens} exceeds the {limit} tokens a "
+                f"step of this executor takes (the program was lowered for {limit}); use "
+                f"max_batch_tokens <= {limit}"
+            )
         self.plan = self.config.plan(model.info, executor.weight_bytes)
         self.plan.check()  # PlanError: refuse to start
         self.pool = KVPool(model.info, self.config.kv_config())

@@ -1,12 +1,13 @@
-"""Exporting a model to an ExecuTorch program for the XNNPACK executor.
+"""Exporting a model as a bundle: an ExecuTorch program, its weights as a separate file, the
+tokenizer and a manifest (`slotserve.artifact.bundle`).
 
-`export_layer_program` lowers each layer's projections and the head of a Q4_0/Q4_1 GGUF
-model to one multi-method `.pte`: the 4-bit blocks are kept exactly (int4 weights with the
-block scale and a block-sum correction for the offset), activations are quantised to int8
-per token by the kernels. Attention stays with the runtime's KV pool. Needs the optional
-``executorch`` and ``torchao`` packages.
+`export_bundle` lowers the model cut at attention (`slotserve.export.program`): per-layer
+methods with a dynamic token count, the embedding and the head, plus ExecuTorch's constant
+methods. ``8da4w`` keeps a Q4_0/Q4_1 GGUF's 4-bit blocks exactly (int4 weights with the block
+scale and a block-sum correction for the offset); activations are quantised to int8 per token
+by the kernels. Needs the optional ``executorch`` and ``torchao`` packages.
 """
 
-from slotserve.export.xnnpack import LayerProgramSpec, export_layer_program
+from slotserve.export.bundle import ExportOptions, export_bundle
 
-__all__ = ["LayerProgramSpec", "export_layer_program"]
+__all__ = ["ExportOptions", "export_bundle"]

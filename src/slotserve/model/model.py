@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from slotserve.info import ModelInfo
@@ -11,7 +9,7 @@ from slotserve.kv.batch import StepBatch
 from slotserve.kv.config import KVConfig
 from slotserve.kv.pool import KVPool
 from slotserve.kv.store import KVStore
-from slotserve.model.layers import DenseLinear, RopeTables
+from slotserve.model.layers import RopeTables
 from slotserve.model.llama import forward_hidden
 from slotserve.model.weights import LlamaWeights
 from slotserve.tokenizer import Tokenizer
@@ -19,33 +17,42 @@ from slotserve.tokenizer import Tokenizer
 
 class Model:
     """A loaded model. Holds weights only; generation state lives in a KV store that the
-    caller passes to every call, so one model can serve any number of sessions."""
+    caller passes to every call, so one model can serve any number of sessions.
+
+    ``weights`` is None for a model whose weights all live in a lowered program (a bundle,
+    `slotserve.artifact.bundle`): it describes the model (info, tokenizer, RoPE) for the
+    engine, its executor runs the steps, and ``program_bytes`` is what the program keeps
+    resident (its files' size)."""
 
     def __init__(
-        self, info: ModelInfo, tokenizer: Tokenizer, weights: LlamaWeights, source: str = ""
+        self,
+        info: ModelInfo,
+        tokenizer: Tokenizer,
+        weights: LlamaWeights | None,
+        source: str = "",
+        *,
+        program_bytes: int = 0,
     ) -> None:
         self.info = info
         self.tokenizer = tokenizer
         self.weights = weights
         self.source = source
+        self.program_bytes = program_bytes
         self.rope = RopeTables.build(info.rope, info.head_dim, info.max_context)
 
     @property
     def weight_bytes(self) -> int:
-        return self.weights.nbytes
+        """Resident bytes of the weights: loaded tensors, or the lowered program's."""
+        return self.weights.nbytes if self.weights is not None else self.program_bytes
 
-    @property
-    def has_projections(self) -> bool:
-        """False for a model whose layers were handed to a lowered program
-        (`without_projections`): it keeps only the embedding, norms, RoPE and tokenizer."""
-        return len(self.weights.layers) == self.info.n_layers
-
-    def without_projections(self) -> Model:
-        """This model without its layers and head, for an executor that runs them from a
-        lowered program: their memory is freed once nothing else holds them."""
-        weights = self.weights
-        light = replace(weights, layers=(), lm_head=DenseLinear(weights.embed), tied=True)
-        return Model(self.info, self.tokenizer, light, self.source)
+    def require_weights(self) -> LlamaWeights:
+        """The weights; a `ValueError` for a model whose weights live in a lowered program."""
+        if self.weights is None:
+            raise ValueError(
+                f"{self.source or 'this model'}: its weights live in a lowered program (a "
+                "bundle); run it with that program's executor (slotserve.executor.executor_for)"
+            )
+        return self.weights
 
     @torch.inference_mode()
     def forward(
@@ -56,21 +63,17 @@ class Model:
 
         The caller has committed ``batch`` in the KV store (`KVPool.begin_step`); the model
         only writes and attends through ``update_and_attend``."""
-        if not self.has_projections:
-            raise ValueError(
-                "this model's layers were handed to a lowered program (without_projections); "
-                "run it with that program's executor"
-            )
+        weights = self.require_weights()
         if tokens.shape != (batch.n_tokens,):
             raise ValueError(f"tokens shape {tuple(tokens.shape)} != ({batch.n_tokens},)")
         if max(batch.ends) > self.info.max_context:
             raise ValueError(
                 f"position {max(batch.ends)} exceeds the model's context {self.info.max_context}"
             )
-        hidden = forward_hidden(self.weights, self.info, self.rope, tokens, batch, kv)
+        hidden = forward_hidden(weights, self.info, self.rope, tokens, batch, kv)
         if not all_logits:
             hidden = hidden[batch.last_token_rows()]
-        return self.weights.lm_head(hidden).float()
+        return weights.lm_head(hidden).float()
 
     def prefill(self, tokens: torch.Tensor, batch: StepBatch, kv: KVStore) -> torch.Tensor:
         """Append each sequence's prompt chunk; logits ``[B, vocab]`` of its last token."""

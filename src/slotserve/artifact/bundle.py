@@ -1,0 +1,212 @@
+"""A bundle: the exported artifact, a directory the runtime can check before it loads anything.
+
+    manifest.json   what the bundle is (schema version, model, methods, KV contract, files)
+    program.pte     the ExecuTorch program: the model's methods and constant methods
+    weights.ptd     the program's weights (ExecuTorch named data), shared by every method
+    tokenizer.json  the tokenizer and chat template (`Tokenizer.to_json`)
+
+`read_bundle` reads the manifest and checks the schema version and every file's SHA-256: a
+bundle this runtime cannot read, or whose files are missing, damaged or from another export,
+is refused here with a typed error, before any weights are read or any memory is planned.
+The checks that need the ExecuTorch runtime (the program's methods, its delegates, the
+program/weights pairing id) are the executor's (`slotserve.executor.executorch`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from slotserve.errors import ArtifactError, SchemaVersionError
+from slotserve.info import ModelInfo
+from slotserve.model import Model
+from slotserve.tokenizer import Tokenizer
+
+BUNDLE_SCHEMA = 1
+"""The schema this runtime writes."""
+READABLE_SCHEMAS = (1,)
+"""The schemas this runtime reads."""
+
+MANIFEST = "manifest.json"
+PROGRAM = "program.pte"
+WEIGHTS = "weights.ptd"
+TOKENIZER = "tokenizer.json"
+WEIGHTS_TAG = "weights"  # ExecuTorch's name for the external data: `WEIGHTS` is its file
+
+KV_CONTRACT = (
+    "off-graph: no method owns KV state. layer{i}_qkv returns the step's rotated q, k, v rows; "
+    "the runtime writes k, v into its pool and attends (flat, ring or cell layout); "
+    "layer{i}_out takes the attention output."
+)
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """One method of the program: its inputs' and outputs' shapes (``"T"`` is the dynamic
+    token count, at most the bundle's ``max_tokens``) and dtypes."""
+
+    name: str
+    inputs: tuple[tuple[str | int, ...], ...]
+    outputs: tuple[tuple[str | int, ...], ...]
+    dtypes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """``manifest.json``. ``files`` maps each file of the bundle to its SHA-256; ``pair_id``
+    is also written into the program (a constant method) and into the weights (a tensor), so
+    a program and a weights file from different exports never run together."""
+
+    schema: int
+    writer: dict[str, str]
+    model: dict[str, str]
+    info: ModelInfo
+    backend: str
+    delegates: tuple[str, ...]
+    quant: str
+    max_tokens: int
+    max_context: int
+    methods: tuple[MethodSpec, ...]
+    pair_id: str
+    files: dict[str, str]
+    load_options: dict[str, Any] = field(default_factory=dict)
+    kv_contract: str = KV_CONTRACT
+    readable_by: tuple[int, ...] = READABLE_SCHEMAS
+
+    @property
+    def method_names(self) -> tuple[str, ...]:
+        return tuple(method.name for method in self.methods)
+
+    def to_json(self) -> str:
+        fields = asdict(self)
+        fields["info"] = json.loads(self.info.to_json())
+        return json.dumps(fields, indent=2) + "\n"
+
+    @classmethod
+    def from_json(cls, fields: dict[str, Any]) -> Manifest:
+        fields = dict(fields)
+        fields["info"] = ModelInfo.from_json(json.dumps(fields["info"]))
+        fields["methods"] = tuple(
+            MethodSpec(
+                m["name"],
+                tuple(tuple(s) for s in m["inputs"]),
+                tuple(tuple(s) for s in m["outputs"]),
+                tuple(m.get("dtypes", ())),
+            )
+            for m in fields["methods"]
+        )
+        fields["delegates"] = tuple(fields["delegates"])
+        fields["readable_by"] = tuple(fields.get("readable_by", (fields["schema"],)))
+        return cls(**fields)
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """A bundle whose manifest was read and whose files match it."""
+
+    directory: Path
+    manifest: Manifest
+    tokenizer: Tokenizer
+
+    @property
+    def info(self) -> ModelInfo:
+        """The model's info with the context the bundle serves (at most the model's)."""
+        return replace(self.manifest.info, max_context=self.manifest.max_context)
+
+    @property
+    def resident_bytes(self) -> int:
+        """What the runtime keeps resident for the weights: the program and its weights file
+        (XNNPACK packs the weights once, at load)."""
+        return self.program.stat().st_size + self.weights.stat().st_size
+
+    def model(self) -> Model:
+        """The bundle's weightless `Model` (info, tokenizer) for the engine."""
+        return Model(
+            self.info, self.tokenizer, None, str(self.directory), program_bytes=self.resident_bytes
+        )
+
+    @property
+    def program(self) -> Path:
+        return self.directory / PROGRAM
+
+    @property
+    def weights(self) -> Path:
+        return self.directory / WEIGHTS
+
+
+def is_bundle(path: str | Path) -> bool:
+    """Whether ``path`` is a bundle directory (it holds a manifest)."""
+    return (Path(path) / MANIFEST).is_file()
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        while chunk := stream.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def read_bundle(directory: str | Path) -> Bundle:
+    """Read and check the bundle at ``directory``: `SchemaVersionError` for a schema this
+    runtime does not read, `ArtifactError` for a missing, damaged or mismatched file."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    check_files(directory, manifest)
+    tokenizer = Tokenizer.from_json((directory / TOKENIZER).read_text())
+    return Bundle(directory, manifest, tokenizer)
+
+
+def read_manifest(directory: Path) -> Manifest:
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise ArtifactError(path, "no manifest: not a bundle; write one with `slotserve export`")
+    try:
+        fields = json.loads(path.read_text())
+        schema = fields["schema"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as error:
+        raise ArtifactError(
+            path, f"unreadable manifest ({error}); export the bundle again"
+        ) from error
+    if not isinstance(schema, int):
+        raise ArtifactError(path, f"schema must be an integer, got {schema!r}", "schema")
+    if schema not in READABLE_SCHEMAS:
+        newer = schema > max(READABLE_SCHEMAS)
+        fix = (
+            "upgrade slotserve to a version that reads it, or export the model again with this one"
+            if newer
+            else "export the model again with this slotserve (`slotserve export`)"
+        )
+        raise SchemaVersionError(path, schema, READABLE_SCHEMAS, fix)
+    try:
+        return Manifest.from_json(fields)
+    except (KeyError, TypeError, ValueError) as error:
+        raise ArtifactError(
+            path, f"malformed manifest ({error}); export the bundle again"
+        ) from error
+
+
+def check_files(directory: Path, manifest: Manifest) -> None:
+    """Every file the manifest names exists and has its recorded SHA-256."""
+    for required in (PROGRAM, WEIGHTS, TOKENIZER):
+        if required not in manifest.files:
+            raise ArtifactError(directory / MANIFEST, f"lists no {required}", "files")
+    for name, expected in manifest.files.items():
+        path = directory / name
+        if not path.is_file():
+            raise ArtifactError(
+                path,
+                f"missing: the manifest ({directory / MANIFEST}) lists it; copy the whole "
+                "bundle directory, or export it again",
+            )
+        found = sha256_of(path)
+        if found != expected:
+            raise ArtifactError(
+                path,
+                f"SHA-256 {found[:16]}… but the manifest ({directory / MANIFEST}) records "
+                f"{expected[:16]}…: the file is damaged or belongs to another export; copy the "
+                "bundle again or export it again",
+            )

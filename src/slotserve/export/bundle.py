@@ -1,0 +1,320 @@
+"""`export_bundle`: write a model as a bundle (`slotserve.artifact.bundle`) of an ExecuTorch
+program, its weights as a separate file, the tokenizer and a manifest.
+
+Stages (each timed and reported): build the method modules (`slotserve.export.program`),
+`torch.export` each with a dynamic token count, tag every weight as external data, lower
+(XNNPACK, or the portable kernels), serialise ``program.pte`` and ``weights.ptd``, then write
+the manifest last, so a directory with a manifest is a complete bundle.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from slotserve.artifact.bundle import (
+    BUNDLE_SCHEMA,
+    MANIFEST,
+    PROGRAM,
+    TOKENIZER,
+    WEIGHTS,
+    WEIGHTS_TAG,
+    Manifest,
+    MethodSpec,
+    sha256_of,
+)
+from slotserve.export.program import (
+    QKV,
+    Embed,
+    Head,
+    Linears,
+    Out,
+    PairId,
+    check_supported,
+    dense_linear,
+    dense_linears,
+    head_weight,
+    int4_linears,
+    int8_rows_linear,
+)
+from slotserve.model import Model
+
+Backend = Literal["xnnpack", "portable"]
+Quant = Literal["fp32", "8da4w"]
+Progress = Callable[[str], None]
+DELEGATE_IDS: dict[str, tuple[str, ...]] = {"xnnpack": ("XnnpackBackend",), "portable": ()}
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    """``backend``: ``xnnpack`` (XNNPACK kernels) or ``portable`` (ExecuTorch's portable
+    kernels, fp32 only). ``quant``: ``fp32``, or ``8da4w`` (int8 dynamic activations, int4
+    weights in groups of 32: a Q4_0/Q4_1 GGUF's blocks kept exactly; int8 rows for the
+    embedding and head). ``max_tokens``: the largest step (decode tokens plus a prefill chunk)
+    the methods take; ``max_context``: the longest sequence the bundle serves (default: the
+    model's). ``threads``: the load option recorded for the runtime (0: every core)."""
+
+    backend: Backend = "xnnpack"
+    quant: Quant = "fp32"
+    max_tokens: int = 512
+    max_context: int | None = None
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.backend not in DELEGATE_IDS:
+            raise ValueError(f"backend={self.backend!r}; choose xnnpack or portable")
+        if self.quant not in ("fp32", "8da4w"):
+            raise ValueError(f"quant={self.quant!r}; choose fp32 or 8da4w")
+        if self.quant == "8da4w" and self.backend != "xnnpack":
+            raise ValueError("quant=8da4w runs on XNNPACK's kernels: use backend=xnnpack")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
+        if self.max_context is not None and self.max_context < 1:
+            raise ValueError(f"max_context={self.max_context} must be >= 1")
+        if self.threads < 0:
+            raise ValueError(f"threads={self.threads} must be >= 0 (0: every core)")
+
+
+def export_bundle(
+    model: Model, out: Path, options: ExportOptions, progress: Progress | None = None
+) -> Manifest:
+    """Write ``model`` as a bundle in the directory ``out`` (replaced if it holds a bundle)."""
+    say = progress or (lambda message: None)
+    check_supported(model)  # before anything is built
+    info = model.info
+    max_context = options.max_context or info.max_context
+    if max_context > info.max_context:
+        raise ValueError(
+            f"max_context={max_context} exceeds the model's context {info.max_context}"
+        )
+    pair_id = secrets.token_bytes(16)
+    began = time.monotonic()
+    modules = _modules(model, options, pair_id)
+    say(f"built {len(modules)} methods ({options.quant}) in {time.monotonic() - began:.1f} s")
+    began = time.monotonic()
+    programs = {
+        name: _export(named(name, module, len(inputs)), inputs)
+        for name, (module, inputs) in modules.items()
+    }
+    say(f"exported {len(programs)} methods in {time.monotonic() - began:.1f} s")
+    began = time.monotonic()
+    program = _lower(programs, options, _constant_methods(model, options, max_context, pair_id))
+    say(f"lowered to {options.backend} in {time.monotonic() - began:.1f} s")
+    began = time.monotonic()
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    with (staging / PROGRAM).open("wb") as stream:
+        program.write_to_file(stream)
+    program.write_tensor_data_to_file(str(staging))
+    if not (staging / WEIGHTS).is_file():
+        raise RuntimeError(f"ExecuTorch wrote no {WEIGHTS} in {staging}")
+    (staging / TOKENIZER).write_text(model.tokenizer.to_json())
+    manifest = Manifest(
+        schema=BUNDLE_SCHEMA,
+        writer={"slotserve": _version("slotserve"), "executorch": _version("executorch")},
+        model={"name": info.name, "source": os.path.basename(model.source)},
+        info=info,
+        backend=options.backend,
+        delegates=DELEGATE_IDS[options.backend],
+        quant=options.quant,
+        max_tokens=options.max_tokens,
+        max_context=max_context,
+        methods=tuple(_method_spec(name, modules[name]) for name in modules),
+        pair_id=pair_id.hex(),
+        files={name: sha256_of(staging / name) for name in (PROGRAM, WEIGHTS, TOKENIZER)},
+        load_options={"threads": options.threads, "load_order": list(modules)},
+    )
+    (staging / MANIFEST).write_text(manifest.to_json())
+    if out.exists():
+        shutil.rmtree(out)
+    staging.replace(out)
+    sizes = ", ".join(
+        f"{name} {(out / name).stat().st_size / 2**20:.1f} MiB" for name in (PROGRAM, WEIGHTS)
+    )
+    say(f"wrote {out} ({sizes}) in {time.monotonic() - began:.1f} s")
+    return manifest
+
+
+Inputs = tuple[torch.Tensor, ...]
+
+
+def _modules(
+    model: Model, options: ExportOptions, pair_id: bytes
+) -> dict[str, tuple[nn.Module, Inputs]]:
+    """Each method's module and example inputs (at the largest size: an input the runtime reads
+    in place keeps its example size as its capacity; distinct tensors, since export merges
+    example inputs that are the same object)."""
+    weights = check_supported(model)
+    info, tokens = model.info, options.max_tokens
+    quantised = options.quant == "8da4w"
+    linears: Linears = (
+        int4_linears(weights, info, model.source) if quantised else dense_linears(weights)
+    )
+    width = (info.n_heads + 2 * info.n_kv_heads) * info.head_dim
+    modules: dict[str, tuple[nn.Module, Inputs]] = {
+        "embed": (Embed(weights.embed, quantised), (torch.zeros(tokens, dtype=torch.long),))
+    }
+    for i, layer in enumerate(weights.layers):
+        qkv = QKV(info, layer.attn_norm, linears(i, "qkv"))
+        rope = (
+            torch.randn(tokens, info.dim),
+            torch.randn(tokens, width),
+            torch.randn(tokens, width),
+        )
+        modules[f"layer{i}_qkv"] = (qkv, rope)
+        out = Out(info, layer.mlp_norm, linears(i, "o"), linears(i, "gate_up"), linears(i, "down"))
+        attn = torch.randn(tokens, info.n_heads * info.head_dim)
+        modules[f"layer{i}_out"] = (out, (torch.randn(tokens, info.dim), attn))
+    head_linear = int8_rows_linear if quantised else dense_linear
+    head = Head(info, weights.norm, head_linear(head_weight(weights)))
+    modules["head"] = (head, (torch.randn(tokens, info.dim),))
+    modules["weights_id"] = (PairId(pair_id), ())
+    return modules
+
+
+class Named(nn.Module):
+    """``module`` under the attribute ``name``: its weights' names (``layer3_qkv.norm``) are
+    their keys in the shared weights file, so they must be unique across methods (the same
+    ``norm`` in two methods would be one entry, silently shared). One subclass per arity:
+    ``torch.export`` wants a forward with named tensor arguments."""
+
+    def __init__(self, name: str, module: nn.Module) -> None:
+        super().__init__()
+        self.method = name
+        self.add_module(name, module)
+
+    def run(self, *inputs: torch.Tensor) -> torch.Tensor:
+        result: torch.Tensor = getattr(self, self.method)(*inputs)
+        return result
+
+
+class _Named0(Named):
+    def forward(self) -> torch.Tensor:
+        return self.run()
+
+
+class _Named1(Named):
+    def forward(self, a: torch.Tensor) -> torch.Tensor:
+        return self.run(a)
+
+
+class _Named2(Named):
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return self.run(a, b)
+
+
+class _Named3(Named):
+    def forward(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return self.run(a, b, c)
+
+
+def named(name: str, module: nn.Module, arity: int) -> Named:
+    kinds: tuple[type[Named], ...] = (_Named0, _Named1, _Named2, _Named3)
+    return kinds[arity](name, module)
+
+
+def _export(module: nn.Module, inputs: Inputs) -> Any:
+    """``torch.export`` with every input's first axis dynamic, its weights tagged as external
+    data (they go to ``weights.ptd``, also those a delegate consumes)."""
+    from executorch.exir.passes.external_constants_pass import (
+        delegate_external_constants_pass_unlifted,
+    )
+    from torch.export import Dim, export
+
+    tokens = Dim("tokens", min=1, max=max(2, inputs[0].shape[0])) if inputs else None
+    shapes = tuple({0: tokens} for _ in inputs) if inputs else None
+    with torch.no_grad():
+        unlifted = export(module.eval(), inputs, dynamic_shapes=shapes).module()
+        delegate_external_constants_pass_unlifted(unlifted, lambda node: WEIGHTS_TAG)
+        return export(unlifted, inputs, dynamic_shapes=shapes)
+
+
+def _lower(programs: dict[str, Any], options: ExportOptions, constants: dict[str, Any]) -> Any:
+    from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
+    from executorch.exir.passes import MemoryPlanningPass
+
+    partitioners: list[Any] = []
+    if options.backend == "xnnpack":
+        from executorch.backends.xnnpack.partition.xnnpack_partitioner import (
+            XnnpackPartitioner,
+        )
+
+        partitioners = [XnnpackPartitioner()]
+    edge = to_edge_transform_and_lower(
+        programs,
+        transform_passes=[_tag_weights],
+        partitioner=partitioners,
+        constant_methods=constants,
+    )
+    config = ExecutorchBackendConfig(
+        # Inputs are not copied into planned memory: the runtime reads the caller's tensors.
+        memory_planning_pass=MemoryPlanningPass(alloc_graph_input=False),
+        external_constants=lambda node: WEIGHTS_TAG,
+    )
+    return edge.to_executorch(config)
+
+
+def _tag_weights(graph: torch.fx.GraphModule) -> None:
+    """Mark every graph input as weights-file data for the delegates. The tag set before
+    export does not survive the unwrapping of torchao's quantised tensors into their int8
+    data and scales, so it is set again here, on the edge graph about to be partitioned. A
+    delegate stores only constants, so the tag on activation inputs is never used."""
+    for node in graph.graph.nodes:
+        if node.op == "placeholder":
+            node.meta.setdefault("custom", {})["delegate_constant_tag"] = WEIGHTS_TAG
+
+
+def _constant_methods(
+    model: Model, options: ExportOptions, max_context: int, pair_id: bytes
+) -> dict[str, Any]:
+    """ExecuTorch's runner metadata, and the bundle's own (schema, layer count, pairing id)."""
+    info = model.info
+    return {
+        "get_max_seq_len": options.max_tokens,
+        "get_max_context_len": max_context,
+        "get_bos_id": info.bos_id if info.bos_id is not None else -1,
+        "get_eos_ids": list(info.eos_ids) or [-1],
+        "get_vocab_size": info.vocab_size,
+        "get_n_layers": info.n_layers,
+        "use_kv_cache": True,
+        "enable_dynamic_shape": True,
+        "get_bundle_schema": BUNDLE_SCHEMA,
+        "get_pair_id": list(pair_id),
+    }
+
+
+def _method_spec(name: str, entry: tuple[nn.Module, Inputs]) -> MethodSpec:
+    module, inputs = entry
+    with torch.no_grad():
+        outputs = module(*inputs)
+
+    def shape(tensor: torch.Tensor, dynamic: bool) -> tuple[str | int, ...]:
+        return tuple(
+            ("T" if dynamic and axis == 0 else size) for axis, size in enumerate(tensor.shape)
+        )
+
+    dynamic = bool(inputs)
+    return MethodSpec(
+        name,
+        tuple(shape(t, dynamic) for t in inputs),
+        (shape(outputs, dynamic),),
+        tuple(str(t.dtype).removeprefix("torch.") for t in (*inputs, outputs)),
+    )
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "unknown"

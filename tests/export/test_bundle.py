@@ -1,0 +1,264 @@
+"""Bundles on the real ExecuTorch runtime: what `export_bundle` writes, and the executor that
+serves it through the engine.
+
+The fp32 bundle must give the eager model's logits (to float rounding) and its greedy tokens,
+alone and batched. The 8da4w bundle of a Q4_1 GGUF keeps the file's 4-bit blocks exactly, so
+its logits track the eager model's up to the kernels' per-token int8 activations.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import slotserve as ss
+from slotserve.artifact.bundle import PROGRAM, TOKENIZER, WEIGHTS, read_bundle, sha256_of
+from slotserve.artifact.gguf_blocks import q4_blocks
+from slotserve.cli.executors import bundle_path, exported_bundle
+from slotserve.executor import executor_for
+from slotserve.executor.executorch import ExecuTorchExecutor
+from slotserve.export import ExportOptions, export_bundle
+from slotserve.kv import KVConfig, KVPool, StepBatch
+from slotserve.testing import write_tiny_gguf
+
+GREEDY = ss.SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    directory = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("SLOTSERVE_CACHE_DIR", str(directory))
+        yield directory
+
+
+@pytest.fixture(scope="module")
+def q41(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> tuple[ss.Model, Path]:
+    """A tiny Q4_1 GGUF and its 8da4w bundle, exported through `--executor xnnpack`'s path,
+    which caches it by the file's digest."""
+    gguf = write_tiny_gguf(tmp_path_factory.mktemp("q41") / "tiny-q4_1.gguf", "llama", "Q4_1")
+    model = ss.load(gguf, progress=False)
+    return model, exported_bundle(model, 64)
+
+
+def step(
+    executor: ExecuTorchExecutor, pool: KVPool, batch: StepBatch, ids: list[int]
+) -> torch.Tensor:
+    pool.begin_step(batch)
+    return executor.step(torch.tensor(ids), batch, pool)
+
+
+def test_the_manifest_describes_the_bundle(tiny: ss.Model, tiny_bundle: Path) -> None:
+    manifest = json.loads((tiny_bundle / "manifest.json").read_text())
+    assert manifest["schema"] == 1 and manifest["readable_by"] == [1]
+    assert manifest["backend"] == "xnnpack" and manifest["delegates"] == ["XnnpackBackend"]
+    assert manifest["quant"] == "fp32" and manifest["max_tokens"] == 512
+    assert manifest["info"]["n_layers"] == tiny.info.n_layers
+    assert manifest["files"] == {
+        name: sha256_of(tiny_bundle / name) for name in (PROGRAM, WEIGHTS, TOKENIZER)
+    }
+    methods = {m["name"]: m for m in manifest["methods"]}
+    assert set(methods) == {"embed", "head", "weights_id"} | {
+        f"layer{i}_{half}" for i in range(tiny.info.n_layers) for half in ("qkv", "out")
+    }
+    width = (tiny.info.n_heads + 2 * tiny.info.n_kv_heads) * tiny.info.head_dim
+    assert methods["layer0_qkv"]["inputs"] == [["T", tiny.info.dim], ["T", width], ["T", width]]
+    assert methods["layer0_qkv"]["outputs"] == [["T", width]]
+    assert "off-graph" in manifest["kv_contract"]
+    bundle = read_bundle(tiny_bundle)
+    assert bundle.tokenizer.encode("hello") == tiny.tokenizer.encode("hello")
+    assert bundle.tokenizer.chat_template == tiny.tokenizer.chat_template
+
+
+def test_weights_live_in_the_weights_file(tiny: ss.Model, tiny_bundle: Path) -> None:
+    """The program holds code; every weight is in weights.ptd, once (the shared copy)."""
+    program, weights = (
+        (tiny_bundle / PROGRAM).stat().st_size,
+        (tiny_bundle / WEIGHTS).stat().st_size,
+    )
+    assert program < weights / 5
+    # fp32: the weights file is the model's weights (the rows of each norm, once per method).
+    assert tiny.weight_bytes <= weights < 1.1 * tiny.weight_bytes
+
+
+def test_constant_methods_answer_the_runners_questions(tiny: ss.Model, tiny_bundle: Path) -> None:
+    from executorch.runtime import Runtime
+
+    program = Runtime.get().load_program(tiny_bundle / PROGRAM, data_path=tiny_bundle / WEIGHTS)
+    answers = {
+        name: program.load_method(name).execute([])
+        for name in (
+            "get_max_seq_len",
+            "get_max_context_len",
+            "get_bos_id",
+            "get_eos_ids",
+            "use_kv_cache",
+            "enable_dynamic_shape",
+            "get_vocab_size",
+            "get_n_layers",
+            "get_bundle_schema",
+        )
+    }
+    assert answers == {
+        "get_max_seq_len": [512],
+        "get_max_context_len": [tiny.info.max_context],
+        "get_bos_id": [tiny.info.bos_id],
+        "get_eos_ids": list(tiny.info.eos_ids),
+        "use_kv_cache": [True],
+        "enable_dynamic_shape": [True],
+        "get_vocab_size": [tiny.info.vocab_size],
+        "get_n_layers": [tiny.info.n_layers],
+        "get_bundle_schema": [1],
+    }
+
+
+def test_fp32_logits_equal_the_eager_models(tiny: ss.Model, tiny_bundle: Path) -> None:
+    executor = ExecuTorchExecutor(tiny_bundle)
+    gen = torch.Generator().manual_seed(0)
+    for length in (1, 7, 40):
+        ids = torch.randint(3, 250, (length,), generator=gen).tolist()
+        pool = KVPool(tiny.info, KVConfig(layout="flat", max_seqs=1, max_context=64))
+        pool.reserve(0, 64)
+        prefill = step(executor, pool, StepBatch.single(0, length), ids)[0]
+        decode = step(executor, pool, StepBatch.single(length, 1), [ids[0]])[0]
+        torch.testing.assert_close(prefill, tiny.logits(ids)[-1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(decode, tiny.logits([*ids, ids[0]])[-1], rtol=1e-4, atol=1e-4)
+
+
+def test_fp32_bundle_generates_the_torch_executors_tokens_alone_and_batched(
+    tiny: ss.Model, tiny_bundle: Path
+) -> None:
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13, 14, 15, 16]]
+    config = ss.EngineConfig(max_seqs=3, max_context=64)
+    results: dict[str, list[tuple[int, ...]]] = {}
+    for name, model in (("torch", tiny), ("executorch", ss.load(tiny_bundle))):
+        with ss.Engine(model, config) as engine:
+            batched = [engine.submit(p, GREEDY) for p in prompts]
+            results[name] = [tuple(h.result().tokens) for h in batched]
+            alone = [tuple(engine.submit(p, GREEDY).result().tokens) for p in prompts]
+            assert alone == results[name]
+            engine.check_integrity()
+    assert results["executorch"] == results["torch"]
+
+
+@pytest.mark.parametrize("layout", ["flat", "ring", "cell"])
+def test_a_bundle_serves_on_every_layout(tiny_bundle: Path, layout: str) -> None:
+    model = ss.load(tiny_bundle)
+    assert model.weights is None and model.weight_bytes == read_bundle(tiny_bundle).resident_bytes
+    config = ss.EngineConfig(max_seqs=2, max_context=64, kv_layout=layout, ring_window=16)
+    with ss.Engine(model, config) as engine:
+        assert engine.plan.to_dict()["arenas"]["weights"] == model.weight_bytes
+        handles = [engine.submit([5, 6, 7, 8], GREEDY), engine.submit([9, 10], GREEDY)]
+        finals = [h.result() for h in handles]
+        engine.check_integrity()
+    assert [len(f.tokens) for f in finals] == [12, 12]
+
+
+def test_a_step_larger_than_the_program_is_refused(
+    tiny_bundle: Path, q41: tuple[ss.Model, Path]
+) -> None:
+    model, path = q41
+    executor = ExecuTorchExecutor(path)
+    assert executor.max_step_tokens == 64
+    pool = KVPool(model.info, KVConfig(layout="flat", max_seqs=1, max_context=128))
+    pool.reserve(0, 128)
+    with pytest.raises(ValueError, match="exceeds the 64 the program"):
+        step(executor, pool, StepBatch.single(0, 65), [5] * 65)
+    with pytest.raises(ValueError, match="max_batch_tokens=512 exceeds the 64 tokens"):
+        ss.Engine(ss.load(path), ss.EngineConfig(max_seqs=1, max_context=64))
+
+
+def test_the_xnnpack_bundle_is_cached_by_the_files_digest(
+    q41: tuple[ss.Model, Path], cache: Path
+) -> None:
+    model, path = q41
+    assert path == bundle_path(Path(model.source), 64) and path.parent == cache
+    written = (path / PROGRAM).stat().st_mtime_ns
+    assert exported_bundle(model, 64) == path  # found, not exported again
+    assert (path / PROGRAM).stat().st_mtime_ns == written
+
+
+def test_xnnpack_needs_a_gguf(tiny: ss.Model) -> None:
+    with pytest.raises(ValueError, match="needs a Q4_0/Q4_1 GGUF model"):
+        exported_bundle(tiny, 64)
+
+
+def test_blocks_are_the_files_weights_exactly(tmp_path: Path) -> None:
+    import gguf
+    from gguf.quants import dequantize
+
+    path = write_tiny_gguf(tmp_path / "t.gguf", "llama", "Q4_1")
+    reader = gguf.GGUFReader(str(path))
+    for tensor in reader.tensors:
+        if tensor.tensor_type.name != "Q4_1":
+            continue
+        blocks = q4_blocks(reader, tensor.name, str(path))
+        expected = dequantize(tensor.data, tensor.tensor_type).reshape(blocks.q.shape)
+        assert torch.equal(blocks.dequantize(), torch.from_numpy(expected.copy()))
+
+
+def test_8da4w_logits_track_the_eager_model(q41: tuple[ss.Model, Path]) -> None:
+    model, path = q41
+    executor = executor_for(ss.load(path))
+    assert isinstance(executor, ExecuTorchExecutor)
+    gen = torch.Generator().manual_seed(0)
+    agree = total = 0
+    for length in (1, 7, 40):
+        ids = torch.randint(3, 250, (length,), generator=gen).tolist()
+        pool = KVPool(model.info, KVConfig(layout="flat", max_seqs=1, max_context=64))
+        pool.reserve(0, 64)
+        prefill = step(executor, pool, StepBatch.single(0, length), ids)[0]
+        decode = step(executor, pool, StepBatch.single(length, 1), [ids[0]])[0]
+        for ours, expected in (
+            (prefill, model.logits(ids)[-1]),
+            (decode, model.logits([*ids, ids[0]])[-1]),
+        ):
+            # int8 per-token activations (and int8 embedding and head rows): a small
+            # relative error, the same ranking mostly.
+            error = (ours - expected).abs().max() / expected.abs().max()
+            assert error < 0.1, float(error)
+            agree += int(ours.argmax() == expected.argmax())
+            total += 1
+    assert agree >= total - 1, f"{agree}/{total}"
+
+
+def test_8da4w_batch_equals_each_sequence_alone(q41: tuple[ss.Model, Path]) -> None:
+    """Per-token activation quantisation keeps the rows of a step independent."""
+    model, path = q41
+    executor = ExecuTorchExecutor(path)
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    config = KVConfig(layout="cell", max_seqs=3, max_context=32)
+    pool = KVPool(model.info, config)
+    for session in range(3):
+        pool.reserve(session, 32)
+    batch = StepBatch([0, 1, 2], [0, 0, 0], [len(p) for p in prompts])
+    together = step(executor, pool, batch, [t for p in prompts for t in p])
+    for b, prompt in enumerate(prompts):
+        alone_pool = KVPool(model.info, config)
+        alone_pool.reserve(0, 32)
+        alone = step(executor, alone_pool, StepBatch.single(0, len(prompt)), prompt)
+        torch.testing.assert_close(together[b], alone[0], rtol=0, atol=1e-5)
+
+
+def test_8da4w_keeps_the_weights_near_the_files_size(q41: tuple[ss.Model, Path]) -> None:
+    model, path = q41
+    gguf_bytes = Path(model.source).stat().st_size
+    resident = read_bundle(path).resident_bytes
+    assert resident < 0.5 * model.weight_bytes  # the eager fp32 copy
+    assert resident < 2 * gguf_bytes, (resident, gguf_bytes)
+
+
+def test_export_refuses_what_it_cannot_express(tmp_path: Path, tiny_dirs: dict[str, Path]) -> None:
+    qwen2 = ss.load(tiny_dirs["qwen2"])
+    with pytest.raises(ValueError, match="qkv_bias"):
+        export_bundle(qwen2, tmp_path / "x", ExportOptions())
+    with pytest.raises(ValueError, match="8da4w runs on XNNPACK"):
+        ExportOptions(backend="portable", quant="8da4w")
+    int8 = ss.load(tiny_dirs["llama"], weights="int8")
+    with pytest.raises(ValueError, match="drop --weights"):
+        export_bundle(int8, tmp_path / "x", ExportOptions())
+    assert not (tmp_path / "x").exists()
