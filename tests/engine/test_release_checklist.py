@@ -1,4 +1,7 @@
-"""The release checklist of on-device serving: nothing leaks, nothing is half-admitted."""
+"""The release checklist of on-device serving: nothing leaks, nothing is half-admitted.
+
+Cancel, drop and admission run on both executors: the eager model and an exported bundle on
+the ExecuTorch runtime (`served`)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,14 @@ from slotserve.engine.scheduler import Scheduler
 LONG = ss.SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True)
 
 
+@pytest.fixture(params=["torch", "executorch"])
+def served(request: pytest.FixtureRequest, tiny: ss.Model) -> ss.Model:
+    """The tiny model, eager or as its exported fp32 bundle."""
+    if request.param == "torch":
+        return tiny
+    return ss.load(request.getfixturevalue("tiny_bundle"))
+
+
 def wait_until(condition: Any, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -23,8 +34,10 @@ def wait_until(condition: Any, timeout: float = 10.0) -> None:
 
 
 @pytest.mark.parametrize("layout", ["flat", "cell", "ring"])
-def test_cancel_mid_decode_returns_slot_and_kv(make_engine: Any, layout: str) -> None:
-    engine = make_engine(max_seqs=2, max_context=256, kv_layout=layout, ring_window=64)
+def test_cancel_mid_decode_returns_slot_and_kv(
+    make_engine: Any, served: ss.Model, layout: str
+) -> None:
+    engine = make_engine(served, max_seqs=2, max_context=256, kv_layout=layout, ring_window=64)
     handle = engine.submit([5, 6, 7], LONG)
     events = iter(handle)
     for _ in range(5):
@@ -40,8 +53,8 @@ def test_cancel_mid_decode_returns_slot_and_kv(make_engine: Any, layout: str) ->
     engine.check_integrity()
 
 
-def test_dropped_handle_is_reclaimed(make_engine: Any) -> None:
-    engine = make_engine(max_seqs=2, max_context=256, kv_layout="cell")
+def test_dropped_handle_is_reclaimed(make_engine: Any, served: ss.Model) -> None:
+    engine = make_engine(served, max_seqs=2, max_context=256, kv_layout="cell")
     handle = engine.submit([5, 6, 7], LONG)
     next(iter(handle))
     del handle
@@ -52,8 +65,8 @@ def test_dropped_handle_is_reclaimed(make_engine: Any) -> None:
     engine.check_integrity()
 
 
-def test_admission_at_exactly_max_seqs(make_engine: Any) -> None:
-    engine = make_engine(max_seqs=3, max_context=256, queue_depth=0)
+def test_admission_at_exactly_max_seqs(make_engine: Any, served: ss.Model) -> None:
+    engine = make_engine(served, max_seqs=3, max_context=256, queue_depth=0)
     handles = [engine.submit([5, 6, 7], LONG) for _ in range(3)]
     with pytest.raises(ss.AdmissionRefused) as err:
         engine.submit([5, 6, 7], LONG)

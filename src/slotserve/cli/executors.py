@@ -50,8 +50,9 @@ def bundle_path(gguf: Path, max_tokens: int) -> Path:
     return cache_dir() / f"bundle-{file_digest(gguf)[:32]}-8da4w-t{max_tokens}"
 
 
-def open_model(args: argparse.Namespace, max_tokens: int) -> tuple[Model, Executor]:
-    """The model ``args.model`` names and the executor that runs it (see the module doc)."""
+def open_model(args: argparse.Namespace, max_tokens: int) -> tuple[str, Model, Executor]:
+    """The model ``args.model`` names (or, refused, ``args.fallback``'s), the executor that
+    runs it, and which of the two it is (see the module doc)."""
     from slotserve.artifact import load
     from slotserve.errors import ArtifactError
 
@@ -59,14 +60,14 @@ def open_model(args: argparse.Namespace, max_tokens: int) -> tuple[Model, Execut
         model = load(args.model, weights=args.weights)
         if args.executor == "xnnpack" and model.weights is not None:
             model = load(exported_bundle(model, max_tokens))
-        return model, _executor(model, args.threads)
+        return args.model, model, _executor(model, args.threads)
     except ArtifactError as refusal:
         if args.fallback is None:
             raise
         log.error("REFUSED %s: %s", args.model, refusal)
         log.error("FALLING BACK to --fallback %s: clients get that model instead", args.fallback)
         model = load(args.fallback, weights=args.weights)
-        return model, executor_for(model)
+        return args.fallback, model, executor_for(model)
 
 
 def _executor(model: Model, threads: int | None) -> Executor:

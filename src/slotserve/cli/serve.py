@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     from slotserve.server import serve
 
     max_tokens = args.max_batch_tokens or EngineConfig().max_batch_tokens
-    model, executor = open_model(args, max_tokens)
+    spec, model, executor = open_model(args, max_tokens)
     config = engine_config(args, model)  # with --preset: sized for this model
     config = with_server_queue(config, args)
     limit = executor.max_step_tokens
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine(model, config, pressure=pressure_source(args), executor=executor)
     return serve(
         engine,
-        args.served_model_name or served_name(args.model),
+        args.served_model_name or served_name(spec),
         host=args.host,
         port=args.port,
         api_key=args.api_key,

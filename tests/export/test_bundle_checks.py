@@ -1,0 +1,168 @@
+"""Every way a bundle can be wrong is refused before anything is allocated, with a typed error
+that names the file(s), what was found and the fix; no engine starts, no session is admitted.
+
+Each test builds the broken bundle for real: a copy of a good one with its manifest edited,
+a file removed, damaged or taken from another export, or a program lowered for a backend
+this runtime lacks. Where the manifest would already catch the change (its SHA-256s), the
+test also records the new digests, to reach the runtime's own checks behind it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import slotserve as ss
+from slotserve.artifact.bundle import MANIFEST, PROGRAM, WEIGHTS, sha256_of
+from slotserve.errors import ArtifactError, SchemaVersionError
+from slotserve.executor.executorch import ExecuTorchExecutor
+from slotserve.export import ExportOptions, export_bundle
+from tests.server.conftest import ServerProcess
+
+
+def copy_of(bundle: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(bundle, tmp_path / bundle.name))
+
+
+def edit_manifest(bundle: Path, change: Any, *, rehash: bool = False) -> None:
+    fields = json.loads((bundle / MANIFEST).read_text())
+    change(fields)
+    if rehash:  # a manifest that agrees with the files on disk
+        fields["files"] = {name: sha256_of(bundle / name) for name in fields["files"]}
+    (bundle / MANIFEST).write_text(json.dumps(fields))
+
+
+def refused(bundle: Path, error: type[Exception] = ArtifactError) -> Exception:
+    """The refusal, both where a user meets it: `ss.load` + `ss.Engine` and the executor."""
+    with pytest.raises(error) as raised:
+        ss.Engine(ss.load(bundle), ss.EngineConfig(max_seqs=1, max_context=64))
+    with pytest.raises(error):
+        ExecuTorchExecutor(bundle)
+    return raised.value
+
+
+@pytest.fixture(scope="module")
+def twin(tiny: ss.Model, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same model exported again: the same weight names, another pairing id."""
+    out = tmp_path_factory.mktemp("twin") / "tiny-fp32"
+    export_bundle(tiny, out, ExportOptions(quant="fp32"))
+    return out
+
+
+def test_a_newer_schema_is_refused_with_the_versions_and_the_fix(
+    tiny_bundle: Path, tmp_path: Path
+) -> None:
+    bundle = copy_of(tiny_bundle, tmp_path)
+    edit_manifest(bundle, lambda f: f.update(schema=2, surprise={"new": "field"}))
+    error = refused(bundle, SchemaVersionError)
+    assert isinstance(error, SchemaVersionError) and (error.found, error.readable) == (2, (1,))
+    assert str(bundle / MANIFEST) in str(error)
+    assert "bundle schema 2, but this runtime reads schema 1; upgrade slotserve" in str(error)
+
+
+def test_an_older_schema_is_refused(tiny_bundle: Path, tmp_path: Path) -> None:
+    bundle = copy_of(tiny_bundle, tmp_path)
+    edit_manifest(bundle, lambda f: f.update(schema=0))
+    assert "export the model again" in str(refused(bundle, SchemaVersionError))
+
+
+def test_a_missing_weights_file_is_refused(tiny_bundle: Path, tmp_path: Path) -> None:
+    bundle = copy_of(tiny_bundle, tmp_path)
+    (bundle / WEIGHTS).unlink()
+    error = refused(bundle)
+    assert str(bundle / WEIGHTS) in str(error) and "missing" in str(error)
+
+
+def test_a_damaged_weights_file_is_refused(tiny_bundle: Path, tmp_path: Path) -> None:
+    bundle = copy_of(tiny_bundle, tmp_path)
+    data = bytearray((bundle / WEIGHTS).read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (bundle / WEIGHTS).write_bytes(bytes(data))
+    error = refused(bundle)
+    assert "damaged or belongs to another export" in str(error)
+    assert str(bundle / WEIGHTS) in str(error) and str(bundle / MANIFEST) in str(error)
+
+
+def test_the_weights_of_another_export_are_refused(
+    tiny_bundle: Path, twin: Path, tmp_path: Path
+) -> None:
+    bundle = copy_of(tiny_bundle, tmp_path)
+    shutil.copy(twin / WEIGHTS, bundle / WEIGHTS)
+    assert "belongs to another export" in str(refused(bundle))
+    # Even with a manifest that agrees with the files, the program and the weights carry
+    # different pairing ids: the runtime's own check refuses the pair, naming both files.
+    edit_manifest(bundle, lambda f: None, rehash=True)
+    error = refused(bundle)
+    assert "are from different exports" in str(error) and error.field == "pair_id"  # type: ignore[attr-defined]
+    assert str(bundle / PROGRAM) in str(error) and str(bundle / WEIGHTS) in str(error)
+
+
+def test_weights_of_another_model_are_refused(
+    tiny_bundle: Path, tmp_path: Path, tiny_dirs: dict[str, Path]
+) -> None:
+    other = copy_of(tiny_bundle, tmp_path / "other")
+    # Another model's weights: none of the program's weight names are found in the file.
+    export_bundle(ss.load(tiny_dirs["llama3-rope"]), other, ExportOptions(quant="fp32"))
+    bundle = copy_of(tiny_bundle, tmp_path)
+    shutil.copy(other / WEIGHTS, bundle / WEIGHTS)
+    edit_manifest(bundle, lambda f: None, rehash=True)
+    error = refused(bundle)
+    assert error.field == "pair_id"  # type: ignore[attr-defined]
+    assert str(bundle / PROGRAM) in str(error) and str(bundle / WEIGHTS) in str(error)
+
+
+def test_a_missing_method_is_refused(tiny_bundle: Path, tmp_path: Path) -> None:
+    bundle = copy_of(tiny_bundle, tmp_path)
+    # A manifest for a deeper model than the program: layer 4 is not in it.
+    edit_manifest(bundle, lambda f: f["info"].update(n_layers=5))
+    error = refused(bundle)
+    assert "missing method(s) layer4_out, layer4_qkv" in str(error)
+    assert str(bundle / PROGRAM) in str(error)
+
+
+def test_a_program_for_a_backend_this_runtime_lacks_is_refused(
+    tiny_bundle: Path, tmp_path: Path
+) -> None:
+    import torch
+    from executorch.exir import to_edge_transform_and_lower
+    from executorch.exir.backend.test.op_partitioner_demo import AddMulPartitionerDemo
+
+    class Twice(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + x
+
+    # A real program, lowered for ExecuTorch's demo backend, which has no runtime here.
+    program = torch.export.export(Twice(), (torch.randn(2),))
+    lowered = to_edge_transform_and_lower({"embed": program}, partitioner=[AddMulPartitionerDemo()])
+    bundle = copy_of(tiny_bundle, tmp_path)
+    (bundle / PROGRAM).write_bytes(lowered.to_executorch().buffer)
+    edit_manifest(bundle, lambda f: None, rehash=True)
+    error = refused(bundle)
+    assert "lowered for BackendWithCompilerDemo, which this runtime does not have" in str(error)
+    assert "XnnpackBackend" in str(error) and "--backend" in str(error)
+
+
+def test_serve_falls_back_loudly_when_the_bundle_is_refused(
+    tiny_bundle: Path, tmp_path: Path, tiny_dirs: dict[str, Path]
+) -> None:
+    bundle = copy_of(tiny_bundle, tmp_path)
+    edit_manifest(bundle, lambda f: f.update(schema=9))
+    fallback = str(tiny_dirs["llama"])
+    server = ServerProcess(str(bundle), "--fallback", fallback, "--max-context", "256")
+    try:
+        assert server.model_name == "llama"  # the fallback's name, not the bundle's
+        log = server.output()
+        assert "REFUSED" in log and "bundle schema 9" in log and "FALLING BACK" in log
+    finally:
+        server.stop()
+
+
+def test_serve_without_fallback_refuses_to_start(tiny_bundle: Path, tmp_path: Path) -> None:
+    bundle = copy_of(tiny_bundle, tmp_path)
+    (bundle / WEIGHTS).unlink()
+    with pytest.raises(RuntimeError, match="missing"):
+        ServerProcess(str(bundle))
