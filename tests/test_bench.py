@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import slotserve as ss
-from slotserve.bench import SCENARIOS, BenchOptions, run_bench
+from slotserve.bench import BUNDLE_SCENARIOS, SCENARIOS, BenchOptions, run_bench
 from slotserve.bench.plots import plot
 from slotserve.bench.report import markdown_report
 from slotserve.cli import main
@@ -20,7 +20,11 @@ from slotserve.cli.bench import SCENARIO_NAMES
 
 
 def test_every_scenario_on_a_tiny_model(tiny: ss.Model, tmp_path: Path) -> None:
-    results = {name: run(tiny, repeats=1) for name, run in SCENARIOS.items()}
+    results = {
+        name: run(tiny, repeats=1)
+        for name, run in SCENARIOS.items()
+        if name not in BUNDLE_SCENARIOS
+    }
     concurrency = results["concurrency"]
     assert [row["sessions"] for row in concurrency["rows"]] == [1, 2, 4, 8]
     assert concurrency["scaling_8_vs_1"] > 0
@@ -176,3 +180,35 @@ def test_prefix_scenario_on_a_tiny_model(tiny: ss.Model) -> None:
             turn["prompt_tokens_restored"] + turn["prompt_tokens_computed"]
             == (turn["conversation_tokens"])
         )
+
+
+def test_executors_compares_a_bundle_with_the_model_it_came_from(
+    tiny: ss.Model, tiny_bundle: Path
+) -> None:
+    from slotserve.bench.executors import reference_of, run_executors
+    from slotserve.bench.report import replace_section
+
+    bundle = ss.load(tiny_bundle)
+    assert Path(reference_of(bundle)) == Path(tiny.source).resolve()
+    result = run_executors(bundle, repeats=1)  # the reference is loaded from the manifest
+    assert [row["sessions"] for row in result["rows"]] == [1, 2, 4, 8]
+    for row in result["rows"]:
+        assert row["decode_ratio"] > 0 and row["ttft_ratio"] > 0
+        for name in ("torch", "executorch"):
+            assert row[name]["aggregate_tok_s"]["median"] > 0 and row[name]["ttft_s"] > 0
+    assert result["weight_bytes"]["executorch"] == bundle.weight_bytes
+    document = "# Benchmarks\n\n## single: x\n\nold\n\n## executors: old\n\nold rows\n"
+    updated = replace_section(document, "executors", {"executors": result}, "slotserve bench")
+    assert "old rows" not in updated and "## single: x" in updated
+    assert updated.count("## executors:") == 1 and "| 8 |" in updated
+    appended = replace_section("# Benchmarks\n", "executors", {"executors": result}, "cmd")
+    assert "## executors:" in appended
+    with pytest.raises(ValueError, match="not a bundle"):
+        run_executors(tiny, repeats=1)
+
+
+def test_single_runs_a_bundle_on_its_executor(tiny_bundle: Path) -> None:
+    result = SCENARIOS["single"](ss.load(tiny_bundle), repeats=1)
+    assert [row["prompt_tokens"] for row in result["rows"]] == [32]  # the tiny context is 256
+    assert "decode_tok_s_int8" not in result["rows"][0]
+    assert result["rows"][0]["decode_tok_s"]["median"] > 0

@@ -13,11 +13,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from slotserve.bench.executors import run_executors
 from slotserve.bench.layouts import run_layouts
 from slotserve.bench.memory import run_memory
 from slotserve.bench.options import BenchOptions, scenario_kwargs
 from slotserve.bench.prefix import run_prefix
-from slotserve.bench.report import markdown_report
+from slotserve.bench.report import markdown_report, replace_section
 from slotserve.bench.serving import run_bargein, run_concurrency, run_mixed
 from slotserve.bench.single import run_single
 from slotserve.bench.structured import run_structured
@@ -32,7 +33,11 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "prefix": run_prefix,
     "layouts": run_layouts,
     "memory": run_memory,
+    "executors": run_executors,
 }
+# Scenarios of a bundle (`slotserve export`), not run by "all" on an eager model; each writes
+# its own section of docs/BENCHMARKS.md.
+BUNDLE_SCENARIOS = ("executors",)
 DOCS = Path("docs/BENCHMARKS.md")
 log = logging.getLogger("slotserve")
 
@@ -63,7 +68,7 @@ def run_bench(
     if scenario != "all" and scenario not in SCENARIOS:
         raise ValueError(f"scenario {scenario!r} is not one of {', '.join(SCENARIOS)}, all")
     options = options or BenchOptions()
-    names = list(SCENARIOS) if scenario == "all" else [scenario]
+    names = [n for n in SCENARIOS if n not in BUNDLE_SCENARIOS] if scenario == "all" else [scenario]
     options.check_applies(names)
     model: Model = load(model_spec, weights=weights)
     results = {}
@@ -82,6 +87,9 @@ def run_bench(
                 images[name] = f"img/{name}.png"
         DOCS.write_text(markdown_report(results, command, images))
         log.info("bench: wrote %s", DOCS)
+    elif scenario in BUNDLE_SCENARIOS and DOCS.exists():
+        DOCS.write_text(replace_section(DOCS.read_text(), scenario, results, command))
+        log.info("bench: updated the %s section of %s", scenario, DOCS)
     elif plot_path is not None:
         plot(scenario, results[scenario], plot_path)
     if json_path is not None:

@@ -20,6 +20,7 @@ from slotserve.presets import PRESET_NAMES
 APPLIES_TO: dict[str, tuple[str, ...]] = {
     "shares": ("mixed",),
     "preset": ("mixed", "bargein"),
+    "reference": ("executors",),
 }
 
 
@@ -30,12 +31,15 @@ class BenchOptions:
     ``shares``: the background minimum shares ``mixed`` sweeps against the chat turn's ITL,
     each in [0, 1). ``preset``: the workload preset (`slotserve.presets`) whose engine shape
     replaces the scenario's own in ``mixed`` and ``bargein``, sized for ``memory_budget``
-    (bytes or text such as ``"2GiB"``; None: the preset's default budget).
+    (bytes or text such as ``"2GiB"``; None: the preset's default budget). ``reference``:
+    the model the torch executor runs beside a bundle in ``executors`` (None: the file the
+    bundle was exported from).
     """
 
     shares: tuple[float, ...] | None = None
     preset: str | None = None
     memory_budget: int | str | None = None
+    reference: str | None = None
 
     def __post_init__(self) -> None:
         if self.shares is not None:
@@ -75,4 +79,8 @@ def scenario_kwargs(scenario: str, options: BenchOptions, model: Model) -> dict[
         kwargs["shares"] = options.shares
     if options.preset is not None and scenario in APPLIES_TO["preset"]:
         kwargs["config"] = EngineConfig.preset(options.preset, model, options.memory_budget)
+    if options.reference is not None and scenario in APPLIES_TO["reference"]:
+        from slotserve.artifact import load
+
+        kwargs["reference"] = load(options.reference)
     return kwargs

@@ -52,7 +52,7 @@ def _single(r: dict[str, Any]) -> list[str]:
             str(x["prompt_tokens"]),
             _fmt(x["prefill_tok_s"]),
             _fmt(x["decode_tok_s"]),
-            _fmt(x["decode_tok_s_int8"]),
+            _fmt(x["decode_tok_s_int8"]) if "decode_tok_s_int8" in x else "—",
         ]
         for x in r["rows"]
     ]
@@ -314,6 +314,42 @@ def _memory(r: dict[str, Any]) -> list[str]:
     return lines + _table(header, rows)
 
 
+def _executors(r: dict[str, Any]) -> list[str]:
+    weights = r["weight_bytes"]
+    lines = [
+        "## executors: an exported bundle on ExecuTorch vs the eager torch executor",
+        "",
+        f"Bundle `{r['bundle']}` against torch on `{r['reference']}`, interleaved in one run: "
+        f"{r['prompt_tokens']}-token prompts, {r['decode_tokens']} greedy tokens each, "
+        f"{r['repeats']} repeats after a warm-up. Resident weights: "
+        f"{format_bytes(weights['executorch'])} (bundle) vs {format_bytes(weights['torch'])} "
+        "(torch).",
+        "",
+    ]
+    rows = [
+        [
+            str(x["sessions"]),
+            _fmt(x["executorch"]["aggregate_tok_s"]),
+            _fmt(x["torch"]["aggregate_tok_s"]),
+            f"**{x['decode_ratio']}×**",
+            f"{x['executorch']['ttft_s'] * 1000:.0f} / {x['torch']['ttft_s'] * 1000:.0f}",
+            f"{x['executorch']['itl_p50_s'] * 1000:.0f} / {x['torch']['itl_p50_s'] * 1000:.0f}",
+            f"{x['executorch']['itl_p99_s'] * 1000:.0f} / {x['torch']['itl_p99_s'] * 1000:.0f}",
+        ]
+        for x in r["rows"]
+    ]
+    header = [
+        "streams",
+        "bundle decode tok/s",
+        "torch decode tok/s",
+        "ratio",
+        "TTFT ms (bundle / torch)",
+        "ITL p50 ms",
+        "ITL p99 ms",
+    ]
+    return lines + _table(header, rows)
+
+
 SECTIONS = {
     "single": _single,
     "layouts": _layouts,
@@ -323,6 +359,7 @@ SECTIONS = {
     "structured": _structured,
     "prefix": _prefix,
     "memory": _memory,
+    "executors": _executors,
 }
 
 
@@ -343,3 +380,22 @@ def markdown_report(results: dict[str, Any], command: str, images: dict[str, str
         if name in images:
             lines += [f"![{name}]({images[name]})", ""]
     return "\n".join(lines)
+
+
+def replace_section(document: str, name: str, results: dict[str, Any], command: str) -> str:
+    """``document`` with its ``## name`` section replaced by ``results[name]``'s (appended if
+    it has none), with the command and machine it was measured with."""
+    section = SECTIONS[name](results[name])
+    section[1:1] = [
+        "",
+        f"Written by `{command}` on {datetime.now(UTC):%Y-%m-%d}, {machine_description()}.",
+    ]
+    heading = section[0]
+    lines = document.rstrip("\n").split("\n")
+    start = next(
+        (i for i, line in enumerate(lines) if line.startswith(heading.split(":")[0] + ":")), None
+    )
+    if start is None:
+        return "\n".join([*lines, "", *section])
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return "\n".join([*lines[:start], *section, *lines[end:]])

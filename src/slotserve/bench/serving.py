@@ -23,12 +23,12 @@ LEVELS = (1, 2, 4, 8)
 DECODE_TOKENS = 32
 
 
-def _prompt(model: Model, n: int, seed: int) -> list[int]:
+def prompt_ids(model: Model, n: int, seed: int) -> list[int]:
     rng = random.Random(seed)
     return [rng.randrange(100, model.info.vocab_size) for _ in range(n)]
 
 
-def _aggregate_decode_tok_s(finals: list[Finished]) -> float:
+def aggregate_decode_tok_s(finals: list[Finished]) -> float:
     """Tokens after each request's first, over the span from the first first-token to the
     last token of any request (all requests decode together in that span)."""
     start = min(f.timings.token_times[0] for f in finals)
@@ -51,11 +51,11 @@ def run_concurrency(model: Model, repeats: int = 3) -> dict[str, Any]:
                 rates, itls = [], []
                 for repeat in range(repeats):
                     handles = [
-                        engine.submit(_prompt(model, 32, repeat * 100 + i), params)
+                        engine.submit(prompt_ids(model, 32, repeat * 100 + i), params)
                         for i in range(level)
                     ]
                     finals = [h.result() for h in handles]
-                    rates.append(_aggregate_decode_tok_s(finals))
+                    rates.append(aggregate_decode_tok_s(finals))
                     itls += [gap for f in finals for gap in f.timings.itl]
                     progress.advance(task)
                 rows.append(
@@ -84,7 +84,7 @@ SHARES = (0.0, 0.05, 0.1, 0.2, 0.3)
 
 def _chat_turn(engine: Engine, model: Model, seed: int) -> Finished:
     params = SamplingParams(temperature=0, max_new_tokens=DECODE_TOKENS, ignore_eos=True)
-    return engine.submit(_prompt(model, 24, seed), params, priority="interactive").result()
+    return engine.submit(prompt_ids(model, 24, seed), params, priority="interactive").result()
 
 
 def _mixed_config(
@@ -129,7 +129,7 @@ def _mixed_ratio(
         for seed in range(repeats):
             alone.append(_chat_turn(engine, model, seed).timings.itl)
             job = engine.submit(
-                _prompt(model, background_prompt, 99), background_params, "background"
+                prompt_ids(model, background_prompt, 99), background_params, "background"
             )
             time.sleep(0.05)  # the job is admitted and prefilling when the chat turn arrives
             turn = _chat_turn(engine, model, seed)
@@ -217,7 +217,7 @@ def run_bargein(
         live: list[tuple[Any, int]] = []
         params = SamplingParams(temperature=0.7, max_new_tokens=64, ignore_eos=True)
         for i in range(sessions):
-            handle = engine.submit(_prompt(model, 16, i), params, priority="interactive")
+            handle = engine.submit(prompt_ids(model, 16, i), params, priority="interactive")
             live.append((handle, rng.randrange(1, 12)))
             if len(live) == live_at_once or i == sessions - 1:
                 for handle, after in live:

@@ -9,6 +9,7 @@ import torch
 from rich.progress import Progress
 
 from slotserve.bench.stats import summary
+from slotserve.executor import Executor, TorchExecutor, executor_for
 from slotserve.kv import KVConfig, KVPool, StepBatch
 from slotserve.model import Model
 from slotserve.model.quantized import quantize_int8
@@ -17,13 +18,13 @@ PROMPT_LENGTHS = (32, 256, 1024)
 DECODE_TOKENS = 32
 
 
-def _one_run(model: Model, kv: KVPool, prompt: torch.Tensor) -> tuple[float, float]:
+def _one_run(executor: Executor, kv: KVPool, prompt: torch.Tensor) -> tuple[float, float]:
     """(prefill tok/s, decode tok/s) of one greedy generation from an empty slot."""
     kv.rewind(0, kv.length(0))
     start = time.perf_counter()
     batch = StepBatch.single(0, len(prompt))
     kv.begin_step(batch)
-    logits = model.prefill(prompt, batch, kv)
+    logits = executor.step(prompt, batch, kv)
     prefill_s = time.perf_counter() - start
     position = len(prompt)
     start = time.perf_counter()
@@ -31,49 +32,59 @@ def _one_run(model: Model, kv: KVPool, prompt: torch.Tensor) -> tuple[float, flo
         token = logits[0].argmax().view(1)
         batch = StepBatch.single(position, 1)
         kv.begin_step(batch)
-        logits = model.decode(token, batch, kv)
+        logits = executor.step(token, batch, kv)
         position += 1
     decode_s = time.perf_counter() - start
     return len(prompt) / prefill_s, DECODE_TOKENS / decode_s
 
 
 def _measure(
-    model: Model, kv: KVPool, prompt: torch.Tensor, repeats: int, advance: Any
+    executor: Executor, kv: KVPool, prompt: torch.Tensor, repeats: int, advance: Any
 ) -> list[tuple[float, float]]:
-    _one_run(model, kv, prompt)  # warm-up, not counted
+    _one_run(executor, kv, prompt)  # warm-up, not counted
     advance()
     runs = []
     for _ in range(repeats):
-        runs.append(_one_run(model, kv, prompt))
+        runs.append(_one_run(executor, kv, prompt))
         advance()
     return runs
 
 
 def run_single(model: Model, repeats: int = 5) -> dict[str, Any]:
-    """fp32 (as given) and int8 weights, the same prompts, in the same run."""
-    lengths = [n for n in PROMPT_LENGTHS if n + DECODE_TOKENS <= model.info.max_context]
+    """fp32 (as given) and int8 weights, the same prompts, in the same run; a bundle alone
+    (its weights were fixed at export), with prompts no longer than its largest step."""
+    executor = executor_for(model)
+    longest = min(model.info.max_context - DECODE_TOKENS, executor.max_step_tokens or 1 << 30)
+    lengths = [n for n in PROMPT_LENGTHS if n <= longest]
     context = max(lengths) + DECODE_TOKENS
     kv = KVPool(model.info, KVConfig(layout="flat", max_seqs=1, max_context=context))
     kv.reserve(0, context)
-    int8 = Model(model.info, model.tokenizer, quantize_int8(model.require_weights()), model.source)
+    int8 = None
+    if model.weights is not None:
+        int8 = TorchExecutor(
+            Model(model.info, model.tokenizer, quantize_int8(model.weights), model.source)
+        )
     gen = torch.Generator().manual_seed(0)
     rows = []
     with Progress(transient=True) as progress:
-        task = progress.add_task("bench single", total=2 * len(lengths) * (repeats + 1))
+        runs_per_length = 2 if int8 is not None else 1
+        task = progress.add_task(
+            "bench single", total=runs_per_length * len(lengths) * (repeats + 1)
+        )
 
         def advance() -> None:
             progress.advance(task)
 
         for length in lengths:
             prompt = torch.randint(100, model.info.vocab_size, (length,), generator=gen)
-            runs = _measure(model, kv, prompt, repeats, advance)
-            quantised = _measure(int8, kv, prompt, repeats, advance)
-            rows.append(
-                {
-                    "prompt_tokens": length,
-                    "prefill_tok_s": summary([r[0] for r in runs]),
-                    "decode_tok_s": summary([r[1] for r in runs]),
-                    "decode_tok_s_int8": summary([r[1] for r in quantised]),
-                }
-            )
+            runs = _measure(executor, kv, prompt, repeats, advance)
+            row = {
+                "prompt_tokens": length,
+                "prefill_tok_s": summary([r[0] for r in runs]),
+                "decode_tok_s": summary([r[1] for r in runs]),
+            }
+            if int8 is not None:
+                quantised = _measure(int8, kv, prompt, repeats, advance)
+                row["decode_tok_s_int8"] = summary([r[1] for r in quantised])
+            rows.append(row)
     return {"decode_tokens": DECODE_TOKENS, "repeats": repeats, "rows": rows}

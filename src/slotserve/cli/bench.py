@@ -24,6 +24,7 @@ SCENARIO_NAMES = (
     "prefix",
     "layouts",
     "memory",
+    "executors",
     "all",
 )
 
@@ -50,6 +51,13 @@ def register(commands: Any) -> None:
         help="mixed: the background shares to sweep against the chat turn's ITL "
         "(default 0,0.05,0.1,0.2,0.3)",
     )
+    parser.add_argument(
+        "--reference",
+        default=None,
+        metavar="MODEL",
+        help="executors: the model the torch executor runs beside the bundle --model "
+        "(default: the file the bundle was exported from)",
+    )
     add_preset_arg(parser)
     parser.add_argument(
         "--memory-budget", default=None, help="with --preset: the budget it sizes for"
@@ -68,7 +76,10 @@ def run(args: argparse.Namespace) -> int:
     from slotserve.bench import BenchOptions, run_bench
 
     options = BenchOptions(
-        shares=args.background_share, preset=args.preset, memory_budget=args.memory_budget
+        shares=args.background_share,
+        preset=args.preset,
+        memory_budget=args.memory_budget,
+        reference=args.reference,
     )
     report = run_bench(
         args.model,

@@ -123,7 +123,12 @@ def export_bundle(
     manifest = Manifest(
         schema=BUNDLE_SCHEMA,
         writer={"slotserve": _version("slotserve"), "executorch": _version("executorch")},
-        model={"name": info.name, "source": os.path.basename(model.source)},
+        model={
+            "name": info.name,
+            "source": os.path.basename(model.source),
+            "source_path": os.path.abspath(model.source),
+            "source_sha256": sha256_of(Path(model.source)) if Path(model.source).is_file() else "",
+        },
         info=info,
         backend=options.backend,
         delegates=DELEGATE_IDS[options.backend],
@@ -173,7 +178,14 @@ def _modules(
             torch.randn(tokens, width),
         )
         modules[f"layer{i}_qkv"] = (qkv, rope)
-        out = Out(info, layer.mlp_norm, linears(i, "o"), linears(i, "gate_up"), linears(i, "down"))
+        out = Out(
+            info,
+            layer.mlp_norm,
+            linears(i, "o"),
+            linears(i, "gate"),
+            linears(i, "up"),
+            linears(i, "down"),
+        )
         attn = torch.randn(tokens, info.n_heads * info.head_dim)
         modules[f"layer{i}_out"] = (out, (torch.randn(tokens, info.dim), attn))
     head_linear = int8_rows_linear if quantised else dense_linear

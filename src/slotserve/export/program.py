@@ -32,7 +32,7 @@ from slotserve.model import Model
 from slotserve.model.layers import DenseLinear, Linear
 from slotserve.model.weights import LlamaWeights
 
-LinearKind = Literal["qkv", "o", "gate_up", "down"]
+LinearKind = Literal["qkv", "o", "gate", "up", "down"]
 Linears = Callable[[int, LinearKind], nn.Module]
 """Builds the projection ``kind`` of layer ``i`` as a module to lower."""
 
@@ -59,11 +59,18 @@ class ExactQ4Linear(nn.Module):
         )
         self.linear = nn.Linear(cols, rows, bias=False)
         self.linear.weight = nn.Parameter(weight, requires_grad=False)
-        self.offset = nn.Parameter(blocks.m + 8 * blocks.d, requires_grad=False)
+        offset = blocks.m + 8 * blocks.d
+        self.offset = nn.Parameter(offset, requires_grad=False) if offset.any() else None
+        # The block sums as a product with a 0/1 matrix, not a reshape and a sum: XNNPACK
+        # lowers a linear, so the whole method stays one delegate call (a sum splits it).
+        self.blocks = nn.Parameter(
+            torch.eye(cols // BLOCK).repeat_interleave(BLOCK, 1), requires_grad=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        block_sums = x.view(x.shape[0], -1, BLOCK).sum(-1)
-        y: torch.Tensor = self.linear(x) + F.linear(block_sums, self.offset)
+        y: torch.Tensor = self.linear(x)
+        if self.offset is not None:  # Q4_1; Q4_0's offset m + 8d is 0
+            y = y + F.linear(F.linear(x, self.blocks), self.offset)
         return y
 
 
@@ -101,29 +108,49 @@ def int4_group_linear(weight: torch.Tensor) -> nn.Linear:
     return linear
 
 
-def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+class RMSNorm(nn.Module):
+    """``x / rms(x) · weight``. The mean of squares is a product with a constant ``1/dim``
+    row: XNNPACK lowers a linear but not a mean over the last axis, and an op it does not
+    lower splits the method into several delegate calls (each with its own overhead)."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(weight.float().clone(), requires_grad=False)
+        self.mean = nn.Parameter(
+            torch.full((1, weight.numel()), 1 / weight.numel()), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y: torch.Tensor = x * torch.rsqrt(F.linear(x * x, self.mean) + self.eps) * self.weight
+        return y
 
 
 class Embed(nn.Module):
-    """Token rows: fp32, or int8 per row with a scale (``int8=True``)."""
+    """Token rows: fp32, or (``int8=True``) int8 in blocks of 32 with one scale each, as GGUF's
+    Q8_0 stores them. Requantising a Q8_0 file's rows this way gives back its blocks exactly
+    (llama.cpp sets each block's scale to its largest magnitude / 127)."""
 
     def __init__(self, weight: torch.Tensor, int8: bool) -> None:
         super().__init__()
         weight = weight.float()
-        if int8:
-            scale = weight.abs().amax(1, keepdim=True).clamp_min(1e-12) / 127
-            rows = torch.round(weight / scale).clamp(-127, 127).to(torch.int8)
+        vocab, dim = weight.shape
+        self.int8 = int8 and dim % BLOCK == 0
+        if self.int8:
+            blocks = weight.view(vocab, dim // BLOCK, BLOCK)
+            scale = blocks.abs().amax(-1, keepdim=True) / 127
+            rows = torch.round(blocks / scale.clamp_min(1e-30)).clamp(-127, 127)
+            rows, scale = rows.to(torch.int8).view(vocab, dim), scale.view(vocab, -1)
         else:
-            scale, rows = torch.ones(weight.shape[0], 1), weight.clone()
-        self.int8 = int8
+            rows, scale = weight.clone(), torch.ones(vocab, 1)
         self.rows = nn.Parameter(rows, requires_grad=False)
         self.scale = nn.Parameter(scale, requires_grad=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if not self.int8:
             return self.rows[tokens]
-        rows: torch.Tensor = self.rows[tokens].float() * self.scale[tokens]
+        blocks = self.rows[tokens].float().view(tokens.shape[0], -1, BLOCK)
+        rows: torch.Tensor = (blocks * self.scale[tokens].unsqueeze(-1)).view(tokens.shape[0], -1)
         return rows
 
 
@@ -138,18 +165,19 @@ class QKV(nn.Module):
 
     def __init__(self, info: ModelInfo, norm: torch.Tensor, qkv: nn.Module) -> None:
         super().__init__()
-        self.eps = info.norm_eps
-        self.norm = nn.Parameter(norm.float().clone(), requires_grad=False)
+        self.norm = RMSNorm(norm, info.norm_eps)
         self.qkv = qkv
-        heads = info.n_heads + 2 * info.n_kv_heads
+        self.head_dim = info.head_dim
         half = info.head_dim // 2
         within = torch.cat([torch.arange(half, info.head_dim), torch.arange(half)])
-        starts = torch.arange(heads).repeat_interleave(info.head_dim) * info.head_dim
-        self.register_buffer("swap", starts + within.repeat(heads))
+        # Swapping the halves of every head: one [hd, hd] permutation applied per head, as a
+        # linear (an index_select would split the delegate).
+        self.swap = nn.Parameter(torch.eye(info.head_dim)[within], requires_grad=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        y = self.qkv(_rms(x, self.norm, self.eps))
-        rotated: torch.Tensor = y * cos + y.index_select(1, self.swap) * sin
+        y = self.qkv(self.norm(x))
+        swapped = F.linear(y.view(-1, self.head_dim), self.swap).view(y.shape)
+        rotated: torch.Tensor = y * cos + swapped * sin
         return rotated
 
 
@@ -161,33 +189,30 @@ class Out(nn.Module):
         info: ModelInfo,
         mlp_norm: torch.Tensor,
         o: nn.Module,
-        gate_up: nn.Module,
+        gate: nn.Module,
+        up: nn.Module,
         down: nn.Module,
     ) -> None:
         super().__init__()
-        self.eps = info.norm_eps
-        self.mlp_norm = nn.Parameter(mlp_norm.float().clone(), requires_grad=False)
-        self.o, self.gate_up, self.down = o, gate_up, down
+        self.mlp_norm = RMSNorm(mlp_norm, info.norm_eps)
+        self.o, self.gate, self.up, self.down = o, gate, up, down
 
     def forward(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         x = x + self.o(attn)
-        gate_up = self.gate_up(_rms(x, self.mlp_norm, self.eps))
-        # Slices, not chunk(): chunk's views of a dynamic-shape tensor fail ExecuTorch's
-        # view pass (a static view spec on a dynamic base).
-        half = gate_up.shape[-1] // 2
-        y: torch.Tensor = x + self.down(F.silu(gate_up[:, :half]) * gate_up[:, half:])
+        h = self.mlp_norm(x)
+        # Gate and up as two linears, not one fused and sliced: slices split the delegate.
+        y: torch.Tensor = x + self.down(F.silu(self.gate(h)) * self.up(h))
         return y
 
 
 class Head(nn.Module):
     def __init__(self, info: ModelInfo, norm: torch.Tensor, head: nn.Module) -> None:
         super().__init__()
-        self.eps = info.norm_eps
-        self.norm = nn.Parameter(norm.float().clone(), requires_grad=False)
+        self.norm = RMSNorm(norm, info.norm_eps)
         self.head = head
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits: torch.Tensor = self.head(_rms(x, self.norm, self.eps))
+        logits: torch.Tensor = self.head(self.norm(x))
         return logits
 
 
@@ -229,9 +254,19 @@ def dense_weight(linear: Linear) -> torch.Tensor:
     return linear.weight
 
 
+def layer_weight(weights: LlamaWeights, layer: int, kind: LinearKind) -> torch.Tensor:
+    """The fp32 weight of projection ``kind`` (gate and up are halves of the fused gate_up)."""
+    found = weights.layers[layer]
+    if kind in ("gate", "up"):
+        fused = dense_weight(found.gate_up)
+        half = fused.shape[0] // 2
+        return fused[:half] if kind == "gate" else fused[half:]
+    return dense_weight(getattr(found, kind))
+
+
 def dense_linears(weights: LlamaWeights) -> Linears:
     """fp32 projections from the loaded weights."""
-    return lambda i, kind: dense_linear(dense_weight(getattr(weights.layers[i], kind)))
+    return lambda i, kind: dense_linear(layer_weight(weights, i, kind))
 
 
 def int4_linears(weights: LlamaWeights, info: ModelInfo, source: str) -> Linears:
@@ -244,7 +279,7 @@ def int4_linears(weights: LlamaWeights, info: ModelInfo, source: str) -> Linears
         )
     reader = _q4_reader(source)
     if reader is None:
-        return lambda i, kind: int4_group_linear(dense_weight(getattr(weights.layers[i], kind)))
+        return lambda i, kind: int4_group_linear(layer_weight(weights, i, kind))
     return lambda i, kind: ExactQ4Linear(_q4_layer_blocks(reader, info, i, kind, source))
 
 
@@ -262,7 +297,8 @@ def _q4_reader(source: str) -> Any | None:
 _GGUF_PARTS: dict[LinearKind, tuple[str, ...]] = {
     "qkv": ("attn_q", "attn_k", "attn_v"),
     "o": ("attn_output",),
-    "gate_up": ("ffn_gate", "ffn_up"),
+    "gate": ("ffn_gate",),
+    "up": ("ffn_up",),
     "down": ("ffn_down",),
 }
 

@@ -1,12 +1,14 @@
-"""Forward-step time of the XNNPACK executor against the eager model, and its teacher-forced
-agreement with llama.cpp's reference (the figures in docs/EXECUTORCH-NOTES.md).
+"""A bundle's forward step against the eager model's, its teacher-forced agreement with
+llama.cpp's reference, and the resident memory it costs (figures in docs/EXECUTORCH-NOTES.md).
 
-    python tools/xnnpack_step.py            # lowers the bundled model once (cached), then measures
+    python tools/bundle_step.py             # exports the bundled model once (cached), measures
+    python tools/bundle_step.py OUT/        # measures the bundle OUT/ (exported from bundled)
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +16,9 @@ from pathlib import Path
 import torch
 
 import slotserve as ss
-from slotserve.cli.executors import executor_for
+from slotserve.cli.executors import exported_bundle
+from slotserve.executor.executorch import ExecuTorchExecutor
+from slotserve.memory import rss_bytes
 from slotserve.kv import KVConfig, KVPool, StepBatch
 
 REFERENCE = Path(__file__).parents[1] / "tests" / "data" / "llamacpp_greedy.json"
@@ -67,15 +71,21 @@ def decode_ms(model: ss.Model, step: Step, sequences: int, context: int = 300) -
 
 
 def main() -> None:
+    before = rss_bytes()
+    bundle = Path(sys.argv[1]) if len(sys.argv) > 1 else None
+    if bundle is None:
+        bundle = exported_bundle(ss.load("bundled", progress=False), MAX_TOKENS)
+    executor = ExecuTorchExecutor(bundle)
+    resident = rss_bytes() - before
+    files = executor.weight_bytes / 2**20
+    print(f"bundle {bundle}: files {files:.1f} MiB, RSS growth on load {resident / 2**20:.1f} MiB")
     model = ss.load("bundled", progress=False)
-    executor = executor_for("xnnpack", model, MAX_TOKENS)
-    assert executor is not None
     agree, total, misses = agreement(model, executor.step)
     print(f"agreement with llama.cpp: {agree}/{total} ({agree / total:.1%}), {misses} misses")
     for sequences in (1, 4, 8):
         fast = decode_ms(model, executor.step, sequences)
         eager = decode_ms(model, model.forward, sequences)
-        print(f"{sequences} sequences: xnnpack {fast:.1f} ms, eager {eager:.1f} ms")
+        print(f"{sequences} sequences: bundle {fast:.1f} ms, eager {eager:.1f} ms")
 
 
 if __name__ == "__main__":
