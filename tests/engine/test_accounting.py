@@ -41,6 +41,7 @@ class SyntheticExecutor:
             self.gate.release()
 
     weight_bytes = 0  # weightless: it predicts a constant
+    max_step_tokens = None  # any step size
 
     def step(self, tokens: torch.Tensor, batch: StepBatch, kv: KVStore) -> torch.Tensor:
         assert self.gate.acquire(timeout=10), "test did not tick"
