@@ -1,7 +1,8 @@
 """slotserve: an on-device LLM serving runtime.
 
-Loads a model (GGUF, Hugging Face safetensors) and runs it as pure prefill/decode methods
-over a KV cache the runtime owns. See the README for the commands and the Python API.
+Loads a model (GGUF, Hugging Face safetensors, its own exported bundles) and runs it as
+pure prefill/decode methods over a KV cache the runtime owns. See the README for the
+commands and the Python API.
 """
 
 from slotserve.artifact import load
@@ -21,6 +22,7 @@ from slotserve.errors import (
     ArtifactError,
     ContextOverflow,
     PlanError,
+    SchemaVersionError,
     SlotserveError,
 )
 from slotserve.info import ModelInfo
@@ -46,6 +48,7 @@ __all__ = [
     "PressureSource",
     "RequestHandle",
     "SamplingParams",
+    "SchemaVersionError",
     "SlotserveError",
     "Stats",
     "TextLLMRunner",

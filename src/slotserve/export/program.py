@@ -13,7 +13,7 @@ chunks and decode tokens on this axis):
 Attention between the two halves is the KV pool's ``update_and_attend``, so every layout works
 unchanged and no method owns KV state. How a projection is represented is the `Linears`
 builder's choice: fp32 (`dense_linears`), or int4 weights with int8 dynamic activations
-(`int4_linears`), which keeps a Q4_0/Q4_1 GGUF file's blocks exactly (`ExactQ4Linear`).
+(`int4_linears`), which keeps a Q4_0/Q4_1 GGUF file's blocks exactly (`Q4BlockLinear`).
 """
 
 from __future__ import annotations
@@ -37,8 +37,10 @@ Linears = Callable[[int, LinearKind], nn.Module]
 """Builds the projection ``kind`` of layer ``i`` as a module to lower."""
 
 
-class ExactQ4Linear(nn.Module):
-    """``y = x @ W.T`` for Q4 blocks ``W = d·q + m``, exactly representable in XNNPACK."""
+class Q4BlockLinear(nn.Module):
+    """``y = x @ W.T`` for Q4 blocks ``W = d·q + m``, written as ``d·(q − 8)`` (XNNPACK's
+    symmetric int4 blocks, the file's 4-bit values and scales exactly) plus the offsets
+    ``m + 8d`` times each block's input sum (int8 rows; zero for Q4_0)."""
 
     def __init__(self, blocks: Q4Blocks) -> None:
         super().__init__()
@@ -60,7 +62,9 @@ class ExactQ4Linear(nn.Module):
         self.linear = nn.Linear(cols, rows, bias=False)
         self.linear.weight = nn.Parameter(weight, requires_grad=False)
         offset = blocks.m + 8 * blocks.d
-        self.offset = nn.Parameter(offset, requires_grad=False) if offset.any() else None
+        # The offsets are 1/32 of the weights; in fp32 they would be 14% of the program, so
+        # they are kept as int8 rows (a small error on a small term).
+        self.offset = int8_rows_linear(offset) if offset.any() else None
         # The block sums as a product with a 0/1 matrix, not a reshape and a sum: XNNPACK
         # lowers a linear, so the whole method stays one delegate call (a sum splits it).
         self.blocks = nn.Parameter(
@@ -70,7 +74,7 @@ class ExactQ4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y: torch.Tensor = self.linear(x)
         if self.offset is not None:  # Q4_1; Q4_0's offset m + 8d is 0
-            y = y + F.linear(F.linear(x, self.blocks), self.offset)
+            y = y + self.offset(F.linear(x, self.blocks))
         return y
 
 
@@ -140,7 +144,8 @@ class Embed(nn.Module):
             blocks = weight.view(vocab, dim // BLOCK, BLOCK)
             scale = blocks.abs().amax(-1, keepdim=True) / 127
             rows = torch.round(blocks / scale.clamp_min(1e-30)).clamp(-127, 127)
-            rows, scale = rows.to(torch.int8).view(vocab, dim), scale.view(vocab, -1)
+            # fp16 scales, as Q8_0 stores them.
+            rows, scale = rows.to(torch.int8).view(vocab, dim), scale.view(vocab, -1).half()
         else:
             rows, scale = weight.clone(), torch.ones(vocab, 1)
         self.rows = nn.Parameter(rows, requires_grad=False)
@@ -150,7 +155,8 @@ class Embed(nn.Module):
         if not self.int8:
             return self.rows[tokens]
         blocks = self.rows[tokens].float().view(tokens.shape[0], -1, BLOCK)
-        rows: torch.Tensor = (blocks * self.scale[tokens].unsqueeze(-1)).view(tokens.shape[0], -1)
+        scales = self.scale[tokens].float().unsqueeze(-1)
+        rows: torch.Tensor = (blocks * scales).view(tokens.shape[0], -1)
         return rows
 
 
@@ -280,7 +286,7 @@ def int4_linears(weights: LlamaWeights, info: ModelInfo, source: str) -> Linears
     reader = _q4_reader(source)
     if reader is None:
         return lambda i, kind: int4_group_linear(layer_weight(weights, i, kind))
-    return lambda i, kind: ExactQ4Linear(_q4_layer_blocks(reader, info, i, kind, source))
+    return lambda i, kind: Q4BlockLinear(_q4_layer_blocks(reader, info, i, kind, source))
 
 
 def _q4_reader(source: str) -> Any | None:
