@@ -168,8 +168,14 @@ def test_a_step_larger_than_the_program_is_refused(
     pool.reserve(0, 128)
     with pytest.raises(ValueError, match="exceeds the 64 the program"):
         step(executor, pool, StepBatch.single(0, 65), [5] * 65)
-    with pytest.raises(ValueError, match="max_batch_tokens=512 exceeds the 64 tokens"):
-        ss.Engine(ss.load(path), ss.EngineConfig(max_seqs=1, max_context=64))
+    # The engine takes the program's step size (a larger step only splits prefill less)...
+    with ss.Engine(ss.load(path), ss.EngineConfig(max_seqs=2, max_context=128)) as engine:
+        assert engine.config.max_batch_tokens == 64 and engine.config.prefill_chunk == 64
+        long_prompt = engine.submit(list(range(5, 105)), GREEDY).result()  # 100 > 64 tokens
+        assert len(long_prompt.tokens) == 12
+    # ...but every running sequence must fit in one decode step.
+    with pytest.raises(ValueError, match="max_seqs=65 exceeds the 64 tokens"):
+        ss.Engine(ss.load(path), ss.EngineConfig(max_seqs=65, max_context=64))
 
 
 def test_the_xnnpack_bundle_is_cached_by_the_files_digest(

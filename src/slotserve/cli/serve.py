@@ -126,9 +126,6 @@ def run(args: argparse.Namespace) -> int:
     spec, model, executor = open_model(args, max_tokens)
     config = engine_config(args, model)  # with --preset: sized for this model
     config = with_server_queue(config, args)
-    limit = executor.max_step_tokens
-    if limit is not None and args.max_batch_tokens is None and config.max_batch_tokens > limit:
-        config = dataclasses.replace(config, max_batch_tokens=limit)  # the bundle's steps
     engine = Engine(model, config, pressure=pressure_source(args), executor=executor)
     return serve(
         engine,

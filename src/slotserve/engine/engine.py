@@ -22,6 +22,7 @@ between steps), so a script may end while requests run.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import itertools
 import logging
 import threading
@@ -115,13 +116,7 @@ class Engine:
                 f"{model.info.max_context}; use at most {model.info.max_context}"
             )
         executor = executor or executor_for(model)
-        limit = executor.max_step_tokens
-        if limit is not None and self.config.max_batch_tokens > limit:
-            raise ValueError(
-                f"max_batch_tokens={self.config.max_batch_tokens} exceeds the {limit} tokens a "
-                f"step of this executor takes (the program was lowered for {limit}); use "
-                f"max_batch_tokens <= {limit}"
-            )
+        self.config = _within_step_limit(self.config, executor.max_step_tokens)
         self.plan = self.config.plan(model.info, executor.weight_bytes)
         self.plan.check()  # PlanError: refuse to start
         self.pool = KVPool(model.info, self.config.kv_config())
@@ -449,3 +444,23 @@ def _slot_view(slot: int, request: Request | None, now: float) -> dict[str, obje
         "generated_tokens": len(request.generated),
         "age_s": round(now - request.timings.submitted, 3),
     }
+
+
+def _within_step_limit(config: EngineConfig, limit: int | None) -> EngineConfig:
+    """``config`` with steps no larger than the executor takes (a lowered program's size):
+    a smaller step only splits prefill into smaller chunks. Every running sequence must still
+    fit in one decode step, so ``max_seqs`` above the limit is refused."""
+    if limit is None or config.max_batch_tokens <= limit:
+        return config
+    if config.max_seqs > limit:
+        raise ValueError(
+            f"max_seqs={config.max_seqs} exceeds the {limit} tokens a step of this executor "
+            f"takes (its program was lowered for {limit}); use max_seqs <= {limit} or export "
+            "again with a larger --max-batch-tokens"
+        )
+    log.info(
+        "max_batch_tokens %d -> %d: the executor's largest step", config.max_batch_tokens, limit
+    )
+    return dataclasses.replace(
+        config, max_batch_tokens=limit, prefill_chunk=min(config.prefill_chunk, limit)
+    )
