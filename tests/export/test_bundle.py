@@ -268,3 +268,12 @@ def test_export_refuses_what_it_cannot_express(tmp_path: Path, tiny_dirs: dict[s
     with pytest.raises(ValueError, match="drop --weights"):
         export_bundle(int8, tmp_path / "x", ExportOptions())
     assert not (tmp_path / "x").exists()
+
+
+def test_export_never_replaces_a_directory_that_is_not_a_bundle(
+    tiny: ss.Model, tmp_path: Path
+) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match="exists and is not a bundle"):
+        export_bundle(tiny, tmp_path, ExportOptions(quant="fp32"))
+    assert (tmp_path / "notes.txt").read_text() == "mine"

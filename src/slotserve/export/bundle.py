@@ -9,7 +9,6 @@ the manifest last, so a directory with a manifest is a complete bundle.
 
 from __future__ import annotations
 
-import os
 import secrets
 import shutil
 import time
@@ -31,6 +30,7 @@ from slotserve.artifact.bundle import (
     WEIGHTS_TAG,
     Manifest,
     MethodSpec,
+    is_bundle,
     sha256_of,
 )
 from slotserve.export.program import (
@@ -91,6 +91,8 @@ def export_bundle(
     """Write ``model`` as a bundle in the directory ``out`` (replaced if it holds a bundle)."""
     say = progress or (lambda message: None)
     check_supported(model)  # before anything is built
+    if out.exists() and not is_bundle(out) and any(out.iterdir()):
+        raise ValueError(f"{out} exists and is not a bundle; export into a new directory")
     info = model.info
     max_context = options.max_context or info.max_context
     if max_context > info.max_context:
@@ -120,26 +122,7 @@ def export_bundle(
     if not (staging / WEIGHTS).is_file():
         raise RuntimeError(f"ExecuTorch wrote no {WEIGHTS} in {staging}")
     (staging / TOKENIZER).write_text(model.tokenizer.to_json())
-    manifest = Manifest(
-        schema=BUNDLE_SCHEMA,
-        writer={"slotserve": _version("slotserve"), "executorch": _version("executorch")},
-        model={
-            "name": info.name,
-            "source": os.path.basename(model.source),
-            "source_path": os.path.abspath(model.source),
-            "source_sha256": sha256_of(Path(model.source)) if Path(model.source).is_file() else "",
-        },
-        info=info,
-        backend=options.backend,
-        delegates=DELEGATE_IDS[options.backend],
-        quant=options.quant,
-        max_tokens=options.max_tokens,
-        max_context=max_context,
-        methods=tuple(_method_spec(name, modules[name]) for name in modules),
-        pair_id=pair_id.hex(),
-        files={name: sha256_of(staging / name) for name in (PROGRAM, WEIGHTS, TOKENIZER)},
-        load_options={"threads": options.threads, "load_order": list(modules)},
-    )
+    manifest = _manifest(model, options, max_context, pair_id, modules, staging)
     (staging / MANIFEST).write_text(manifest.to_json())
     if out.exists():
         shutil.rmtree(out)
@@ -149,6 +132,39 @@ def export_bundle(
     )
     say(f"wrote {out} ({sizes}) in {time.monotonic() - began:.1f} s")
     return manifest
+
+
+def _manifest(
+    model: Model,
+    options: ExportOptions,
+    max_context: int,
+    pair_id: bytes,
+    modules: dict[str, tuple[nn.Module, Inputs]],
+    directory: Path,
+) -> Manifest:
+    """The manifest of the files written in ``directory``."""
+    info = model.info
+    source = Path(model.source)
+    return Manifest(
+        schema=BUNDLE_SCHEMA,
+        writer={"slotserve": _version("slotserve"), "executorch": _version("executorch")},
+        model={
+            "name": info.name,
+            "source": source.name,
+            "source_path": str(source.resolve()),
+            "source_sha256": sha256_of(source) if source.is_file() else "",
+        },
+        info=info,
+        backend=options.backend,
+        delegates=DELEGATE_IDS[options.backend],
+        quant=options.quant,
+        max_tokens=options.max_tokens,
+        max_context=max_context,
+        methods=tuple(_method_spec(name, modules[name]) for name in modules),
+        pair_id=pair_id.hex(),
+        files={name: sha256_of(directory / name) for name in (PROGRAM, WEIGHTS, TOKENIZER)},
+        load_options={"threads": options.threads, "load_order": list(modules)},
+    )
 
 
 Inputs = tuple[torch.Tensor, ...]
