@@ -253,19 +253,14 @@ def named(name: str, module: nn.Module, arity: int) -> Named:
 
 
 def _export(module: nn.Module, inputs: Inputs) -> Any:
-    """``torch.export`` with every input's first axis dynamic, its weights tagged as external
-    data (they go to ``weights.ptd``, also those a delegate consumes)."""
-    from executorch.exir.passes.external_constants_pass import (
-        delegate_external_constants_pass_unlifted,
-    )
+    """``torch.export`` with every input's first axis dynamic (the weights are tagged as
+    external data later, on the edge graph: `_tag_weights`)."""
     from torch.export import Dim, export
 
     tokens = Dim("tokens", min=1, max=max(2, inputs[0].shape[0])) if inputs else None
     shapes = tuple({0: tokens} for _ in inputs) if inputs else None
     with torch.no_grad():
-        unlifted = export(module.eval(), inputs, dynamic_shapes=shapes).module()
-        delegate_external_constants_pass_unlifted(unlifted, lambda node: WEIGHTS_TAG)
-        return export(unlifted, inputs, dynamic_shapes=shapes)
+        return export(module.eval(), inputs, dynamic_shapes=shapes)
 
 
 def _lower(programs: dict[str, Any], options: ExportOptions, constants: dict[str, Any]) -> Any:
@@ -294,9 +289,9 @@ def _lower(programs: dict[str, Any], options: ExportOptions, constants: dict[str
 
 
 def _tag_weights(graph: torch.fx.GraphModule) -> None:
-    """Mark every graph input as weights-file data for the delegates. The tag set before
-    export does not survive the unwrapping of torchao's quantised tensors into their int8
-    data and scales, so it is set again here, on the edge graph about to be partitioned. A
+    """Mark every graph input as weights-file data for the delegates, on the edge graph about
+    to be partitioned (ExecuTorch's own pass tags the module before export, but that tag does
+    not survive the unwrapping of torchao's quantised tensors into int8 data and scales). A
     delegate stores only constants, so the tag on activation inputs is never used."""
     for node in graph.graph.nodes:
         if node.op == "placeholder":
