@@ -18,8 +18,8 @@ import torch
 import slotserve as ss
 from slotserve.cli.executors import exported_bundle
 from slotserve.executor.executorch import ExecuTorchExecutor
-from slotserve.memory import rss_bytes
 from slotserve.kv import KVConfig, KVPool, StepBatch
+from slotserve.memory import rss_bytes
 
 REFERENCE = Path(__file__).parents[1] / "tests" / "data" / "llamacpp_greedy.json"
 Step = Callable[[torch.Tensor, StepBatch, KVPool], torch.Tensor]
