@@ -16,8 +16,9 @@ import pytest
 import torch
 
 import slotserve as ss
-from slotserve.artifact.bundle import PROGRAM, TOKENIZER, WEIGHTS, read_bundle, sha256_of
+from slotserve.artifact.bundle import PROGRAM, TOKENIZER, WEIGHTS, read_bundle
 from slotserve.artifact.gguf_blocks import q4_blocks
+from slotserve.artifact.weight_cache import file_digest
 from slotserve.cli.executors import bundle_path, exported_bundle
 from slotserve.executor import executor_for
 from slotserve.executor.executorch import ExecuTorchExecutor
@@ -52,6 +53,20 @@ def step(
     return executor.step(torch.tensor(ids), batch, pool)
 
 
+def prefill_then_decode(
+    executor: ExecuTorchExecutor, model: ss.Model, ids: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The executor's logits for ``ids`` from an empty flat slot, then for one more token,
+    beside the eager model's for the same two steps."""
+    pool = KVPool(model.info, KVConfig(layout="flat", max_seqs=1, max_context=64))
+    pool.reserve(0, 64)
+    prefill = step(executor, pool, StepBatch.single(0, len(ids)), ids)[0]
+    decode = step(executor, pool, StepBatch.single(len(ids), 1), [ids[0]])[0]
+    return torch.stack([prefill, decode]), torch.stack(
+        [model.logits(ids)[-1], model.logits([*ids, ids[0]])[-1]]
+    )
+
+
 def test_the_manifest_describes_the_bundle(tiny: ss.Model, tiny_bundle: Path) -> None:
     manifest = json.loads((tiny_bundle / "manifest.json").read_text())
     assert manifest["schema"] == 1 and manifest["readable_by"] == [1]
@@ -59,7 +74,7 @@ def test_the_manifest_describes_the_bundle(tiny: ss.Model, tiny_bundle: Path) ->
     assert manifest["quant"] == "fp32" and manifest["max_tokens"] == 512
     assert manifest["info"]["n_layers"] == tiny.info.n_layers
     assert manifest["files"] == {
-        name: sha256_of(tiny_bundle / name) for name in (PROGRAM, WEIGHTS, TOKENIZER)
+        name: file_digest(tiny_bundle / name) for name in (PROGRAM, WEIGHTS, TOKENIZER)
     }
     methods = {m["name"]: m for m in manifest["methods"]}
     assert set(methods) == {"embed", "head", "weights_id"} | {
@@ -121,12 +136,8 @@ def test_fp32_logits_equal_the_eager_models(tiny: ss.Model, tiny_bundle: Path) -
     gen = torch.Generator().manual_seed(0)
     for length in (1, 7, 40):
         ids = torch.randint(3, 250, (length,), generator=gen).tolist()
-        pool = KVPool(tiny.info, KVConfig(layout="flat", max_seqs=1, max_context=64))
-        pool.reserve(0, 64)
-        prefill = step(executor, pool, StepBatch.single(0, length), ids)[0]
-        decode = step(executor, pool, StepBatch.single(length, 1), [ids[0]])[0]
-        torch.testing.assert_close(prefill, tiny.logits(ids)[-1], rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(decode, tiny.logits([*ids, ids[0]])[-1], rtol=1e-4, atol=1e-4)
+        ours, expected = prefill_then_decode(executor, tiny, ids)
+        torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
 
 
 def test_fp32_bundle_generates_the_torch_executors_tokens_alone_and_batched(
@@ -158,9 +169,7 @@ def test_a_bundle_serves_on_every_layout(tiny_bundle: Path, layout: str) -> None
     assert [len(f.tokens) for f in finals] == [12, 12]
 
 
-def test_a_step_larger_than_the_program_is_refused(
-    tiny_bundle: Path, q41: tuple[ss.Model, Path]
-) -> None:
+def test_steps_stay_within_the_program(tiny_bundle: Path, q41: tuple[ss.Model, Path]) -> None:
     model, path = q41
     executor = ExecuTorchExecutor(path)
     assert executor.max_step_tokens == 64
@@ -215,14 +224,7 @@ def test_8da4w_logits_track_the_eager_model(q41: tuple[ss.Model, Path]) -> None:
     agree = total = 0
     for length in (1, 7, 40):
         ids = torch.randint(3, 250, (length,), generator=gen).tolist()
-        pool = KVPool(model.info, KVConfig(layout="flat", max_seqs=1, max_context=64))
-        pool.reserve(0, 64)
-        prefill = step(executor, pool, StepBatch.single(0, length), ids)[0]
-        decode = step(executor, pool, StepBatch.single(length, 1), [ids[0]])[0]
-        for ours, expected in (
-            (prefill, model.logits(ids)[-1]),
-            (decode, model.logits([*ids, ids[0]])[-1]),
-        ):
+        for ours, expected in zip(*prefill_then_decode(executor, model, ids), strict=True):
             # int8 per-token activations (and int8 embedding and head rows): a small
             # relative error, the same ranking mostly.
             error = (ours - expected).abs().max() / expected.abs().max()

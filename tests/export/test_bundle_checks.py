@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 import slotserve as ss
-from slotserve.artifact.bundle import MANIFEST, PROGRAM, WEIGHTS, sha256_of
+from slotserve.artifact.bundle import MANIFEST, PROGRAM, WEIGHTS
+from slotserve.artifact.weight_cache import file_digest
 from slotserve.errors import ArtifactError, SchemaVersionError
 from slotserve.executor.executorch import ExecuTorchExecutor
 from slotserve.export import ExportOptions, export_bundle
@@ -32,7 +33,7 @@ def edit_manifest(bundle: Path, change: Any, *, rehash: bool = False) -> None:
     fields = json.loads((bundle / MANIFEST).read_text())
     change(fields)
     if rehash:  # a manifest that agrees with the files on disk
-        fields["files"] = {name: sha256_of(bundle / name) for name in fields["files"]}
+        fields["files"] = {name: file_digest(bundle / name) for name in fields["files"]}
     (bundle / MANIFEST).write_text(json.dumps(fields))
 
 

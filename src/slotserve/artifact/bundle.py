@@ -14,12 +14,12 @@ program/weights pairing id) are the executor's (`slotserve.executor.executorch`)
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from slotserve.artifact.weight_cache import file_digest
 from slotserve.errors import ArtifactError, SchemaVersionError
 from slotserve.info import ModelInfo
 from slotserve.model import Model
@@ -142,14 +142,6 @@ def is_bundle(path: str | Path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
 
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as stream:
-        while chunk := stream.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def read_bundle(directory: str | Path) -> Bundle:
     """Read and check the bundle at ``directory``: `SchemaVersionError` for a schema this
     runtime does not read, `ArtifactError` for a missing, damaged or mismatched file."""
@@ -202,7 +194,7 @@ def check_files(directory: Path, manifest: Manifest) -> None:
                 f"missing: the manifest ({directory / MANIFEST}) lists it; copy the whole "
                 "bundle directory, or export it again",
             )
-        found = sha256_of(path)
+        found = file_digest(path)
         if found != expected:
             raise ArtifactError(
                 path,

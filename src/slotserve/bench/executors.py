@@ -16,9 +16,10 @@ from typing import Any
 from rich.progress import Progress
 
 from slotserve.bench.serving import DECODE_TOKENS, LEVELS, aggregate_decode_tok_s, prompt_ids
-from slotserve.bench.stats import percentile, summary
+from slotserve.bench.stats import format_summary, markdown_table, percentile, summary
 from slotserve.engine import Engine, EngineConfig, Finished
 from slotserve.model import Model
+from slotserve.plan import format_bytes
 from slotserve.sampling import SamplingParams
 
 PROMPT_TOKENS = 32
@@ -99,3 +100,40 @@ def _row(level: int, finals: dict[tuple[str, int], list[list[Finished]]]) -> dic
     )
     row["ttft_ratio"] = round(ours["ttft_s"] / theirs["ttft_s"], 2)
     return row
+
+
+def executors_section(r: dict[str, Any]) -> list[str]:
+    """The markdown section of `run_executors`'s result."""
+    weights = r["weight_bytes"]
+    lines = [
+        "## executors: an exported bundle on ExecuTorch vs the eager torch executor",
+        "",
+        f"Bundle `{r['bundle']}` against torch on `{r['reference']}`, interleaved in one run: "
+        f"{r['prompt_tokens']}-token prompts, {r['decode_tokens']} greedy tokens each, "
+        f"{r['repeats']} repeats after a warm-up. Resident weights: "
+        f"{format_bytes(weights['executorch'])} (bundle) vs {format_bytes(weights['torch'])} "
+        "(torch).",
+        "",
+    ]
+    rows = [
+        [
+            str(x["sessions"]),
+            format_summary(x["executorch"]["aggregate_tok_s"]),
+            format_summary(x["torch"]["aggregate_tok_s"]),
+            f"**{x['decode_ratio']}×**",
+            f"{x['executorch']['ttft_s'] * 1000:.0f} / {x['torch']['ttft_s'] * 1000:.0f}",
+            f"{x['executorch']['itl_p50_s'] * 1000:.0f} / {x['torch']['itl_p50_s'] * 1000:.0f}",
+            f"{x['executorch']['itl_p99_s'] * 1000:.0f} / {x['torch']['itl_p99_s'] * 1000:.0f}",
+        ]
+        for x in r["rows"]
+    ]
+    header = [
+        "streams",
+        "bundle decode tok/s",
+        "torch decode tok/s",
+        "ratio",
+        "TTFT ms (bundle / torch)",
+        "ITL p50 ms",
+        "ITL p99 ms",
+    ]
+    return lines + markdown_table(header, rows)

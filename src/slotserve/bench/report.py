@@ -8,6 +8,8 @@ from datetime import UTC, datetime
 from importlib.metadata import version
 from typing import Any
 
+from slotserve.bench.executors import executors_section
+from slotserve.bench.stats import format_summary, markdown_table
 from slotserve.plan import format_bytes
 
 
@@ -30,15 +32,6 @@ def machine_description() -> str:
     )
 
 
-def _fmt(cell: dict[str, float], digits: int = 1) -> str:
-    return f"{cell['median']:.{digits}f} ({cell['min']:.{digits}f}–{cell['max']:.{digits}f})"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    return lines + ["| " + " | ".join(row) + " |" for row in rows] + [""]
-
-
 def _single(r: dict[str, Any]) -> list[str]:
     lines = [
         "## single: one stream, bundled model (fp32 weights; int8: `--weights int8`)",
@@ -50,14 +43,14 @@ def _single(r: dict[str, Any]) -> list[str]:
     rows = [
         [
             str(x["prompt_tokens"]),
-            _fmt(x["prefill_tok_s"]),
-            _fmt(x["decode_tok_s"]),
-            _fmt(x["decode_tok_s_int8"]) if "decode_tok_s_int8" in x else "—",
+            format_summary(x["prefill_tok_s"]),
+            format_summary(x["decode_tok_s"]),
+            format_summary(x["decode_tok_s_int8"]) if "decode_tok_s_int8" in x else "—",
         ]
         for x in r["rows"]
     ]
     header = ["prompt tokens", "prefill tok/s", "decode tok/s", "decode tok/s, int8 weights"]
-    lines += _table(header, rows)
+    lines += markdown_table(header, rows)
     for name, baseline in r.get("baselines", {}).items():
         if "skipped" in baseline:
             lines += [f"Baseline {name}: skipped ({baseline['skipped']}).", ""]
@@ -79,8 +72,10 @@ def _layouts(r: dict[str, Any]) -> list[str]:
         "ring keeps its last 1024 positions, so past that its attention is windowed.",
         "",
     ]
-    body = [[name] + [_fmt(p["step_ms"]) for p in points] for name, points in rows.items()]
-    return lines + _table(["layout"] + [f"context {c}" for c in contexts], body)
+    body = [
+        [name] + [format_summary(p["step_ms"]) for p in points] for name, points in rows.items()
+    ]
+    return lines + markdown_table(["layout"] + [f"context {c}" for c in contexts], body)
 
 
 def _concurrency(r: dict[str, Any]) -> list[str]:
@@ -94,13 +89,13 @@ def _concurrency(r: dict[str, Any]) -> list[str]:
     rows = [
         [
             str(x["sessions"]),
-            _fmt(x["aggregate_tok_s"]),
+            format_summary(x["aggregate_tok_s"]),
             f"{x['itl_p50_s'] * 1000:.0f}",
             f"{x['itl_p99_s'] * 1000:.0f}",
         ]
         for x in r["rows"]
     ]
-    return lines + _table(["sessions", "aggregate tok/s", "ITL p50 ms", "ITL p99 ms"], rows)
+    return lines + markdown_table(["sessions", "aggregate tok/s", "ITL p50 ms", "ITL p99 ms"], rows)
 
 
 def _mixed(r: dict[str, Any]) -> list[str]:
@@ -120,7 +115,7 @@ def _mixed(r: dict[str, Any]) -> list[str]:
         ]
         for policy in ("isolate", "fifo")
     ]
-    lines += _table(["policy", "alone ms", "with background ms", "ratio"], rows)
+    lines += markdown_table(["policy", "alone ms", "with background ms", "ratio"], rows)
     return lines + _share_sweep(r.get("share_sweep", []), r["isolate"]["background_min_share"])
 
 
@@ -155,7 +150,7 @@ def _share_sweep(sweep: list[dict[str, Any]], default: float) -> list[str]:
         "ITL p90 ratio",
         "background tokens during the turn",
     ]
-    return lines + _table(header, rows)
+    return lines + markdown_table(header, rows)
 
 
 def _bargein(r: dict[str, Any]) -> list[str]:
@@ -183,7 +178,7 @@ def _bargein(r: dict[str, Any]) -> list[str]:
         "slots in use at end",
         "KV blocks leaked",
     ]
-    return lines + _table(header, rows)
+    return lines + markdown_table(header, rows)
 
 
 def _structured(r: dict[str, Any]) -> list[str]:
@@ -202,12 +197,12 @@ def _structured(r: dict[str, Any]) -> list[str]:
     rows = [
         [
             str(x["batch"]),
-            _fmt(x["step_ms_free"]),
-            _fmt(x["step_ms_constrained"]),
-            f"**{_fmt(x['step_ratio'], 2)}**",
-            _fmt(x["grammar_ms_per_step"], 2),
-            _fmt(x["sampling_ms_per_token_free"], 2),
-            _fmt(x["sampling_ms_per_token_constrained"], 2),
+            format_summary(x["step_ms_free"]),
+            format_summary(x["step_ms_constrained"]),
+            f"**{format_summary(x['step_ratio'], 2)}**",
+            format_summary(x["grammar_ms_per_step"], 2),
+            format_summary(x["sampling_ms_per_token_free"], 2),
+            format_summary(x["sampling_ms_per_token_constrained"], 2),
         ]
         for x in r["rows"]
     ]
@@ -220,7 +215,7 @@ def _structured(r: dict[str, Any]) -> list[str]:
         "sampling ms/token, free",
         "sampling ms/token, constrained",
     ]
-    return lines + _table(header, rows)
+    return lines + markdown_table(header, rows)
 
 
 def _prefix(r: dict[str, Any]) -> list[str]:
@@ -239,17 +234,17 @@ def _prefix(r: dict[str, Any]) -> list[str]:
     rows = [
         [
             "off",
-            _fmt({k: v * 1000 for k, v in r["ttft_p50_s_off"].items()}),
+            format_summary({k: v * 1000 for k, v in r["ttft_p50_s_off"].items()}),
             str(off["prompt_tokens_computed"]),
             str(off["prompt_tokens_restored"]),
-            _fmt(r["prefill_tok_s_off"]),
+            format_summary(r["prefill_tok_s_off"]),
         ],
         [
             "on",
-            _fmt({k: v * 1000 for k, v in r["ttft_p50_s_on"].items()}),
+            format_summary({k: v * 1000 for k, v in r["ttft_p50_s_on"].items()}),
             str(on["prompt_tokens_computed"]),
             str(on["prompt_tokens_restored"]),
-            _fmt(r["prefill_tok_s_on"]),
+            format_summary(r["prefill_tok_s_on"]),
         ],
     ]
     header = [
@@ -259,8 +254,8 @@ def _prefix(r: dict[str, Any]) -> list[str]:
         "restored",
         "prefill tok/s (computed)",
     ]
-    lines += _table(header, rows)
-    lines += [f"TTFT p50 ratio off ÷ on: **{_fmt(r['ttft_ratio'], 2)}×**.", ""]
+    lines += markdown_table(header, rows)
+    lines += [f"TTFT p50 ratio off ÷ on: **{format_summary(r['ttft_ratio'], 2)}×**.", ""]
     chat = r["chat"]
     lines += [
         f"Multi-turn chat through `TextLLMRunner` ({len(chat['on'])} turns after the "
@@ -289,7 +284,7 @@ def _prefix(r: dict[str, Any]) -> list[str]:
         "TTFT ms, off",
         "TTFT ms, on",
     ]
-    return lines + _table(chat_header, chat_rows)
+    return lines + markdown_table(chat_header, chat_rows)
 
 
 def _memory(r: dict[str, Any]) -> list[str]:
@@ -311,43 +306,7 @@ def _memory(r: dict[str, Any]) -> list[str]:
         for name, x in r["layouts"].items()
     ]
     header = ["layout", "planned KV", "measured pool", "RSS growth", "plan worst case"]
-    return lines + _table(header, rows)
-
-
-def _executors(r: dict[str, Any]) -> list[str]:
-    weights = r["weight_bytes"]
-    lines = [
-        "## executors: an exported bundle on ExecuTorch vs the eager torch executor",
-        "",
-        f"Bundle `{r['bundle']}` against torch on `{r['reference']}`, interleaved in one run: "
-        f"{r['prompt_tokens']}-token prompts, {r['decode_tokens']} greedy tokens each, "
-        f"{r['repeats']} repeats after a warm-up. Resident weights: "
-        f"{format_bytes(weights['executorch'])} (bundle) vs {format_bytes(weights['torch'])} "
-        "(torch).",
-        "",
-    ]
-    rows = [
-        [
-            str(x["sessions"]),
-            _fmt(x["executorch"]["aggregate_tok_s"]),
-            _fmt(x["torch"]["aggregate_tok_s"]),
-            f"**{x['decode_ratio']}×**",
-            f"{x['executorch']['ttft_s'] * 1000:.0f} / {x['torch']['ttft_s'] * 1000:.0f}",
-            f"{x['executorch']['itl_p50_s'] * 1000:.0f} / {x['torch']['itl_p50_s'] * 1000:.0f}",
-            f"{x['executorch']['itl_p99_s'] * 1000:.0f} / {x['torch']['itl_p99_s'] * 1000:.0f}",
-        ]
-        for x in r["rows"]
-    ]
-    header = [
-        "streams",
-        "bundle decode tok/s",
-        "torch decode tok/s",
-        "ratio",
-        "TTFT ms (bundle / torch)",
-        "ITL p50 ms",
-        "ITL p99 ms",
-    ]
-    return lines + _table(header, rows)
+    return lines + markdown_table(header, rows)
 
 
 SECTIONS = {
@@ -359,7 +318,7 @@ SECTIONS = {
     "structured": _structured,
     "prefix": _prefix,
     "memory": _memory,
-    "executors": _executors,
+    "executors": executors_section,
 }
 
 

@@ -22,3 +22,14 @@ def percentile(values: Sequence[float], q: float) -> float:
         return float("nan")
     rank = max(0, min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1))))
     return ordered[rank]
+
+
+def format_summary(cell: dict[str, float], digits: int = 1) -> str:
+    """A `summary` as ``median (min–max)``."""
+    return f"{cell['median']:.{digits}f} ({cell['min']:.{digits}f}–{cell['max']:.{digits}f})"
+
+
+def markdown_table(header: list[str], rows: list[list[str]]) -> list[str]:
+    """A markdown table's lines, then a blank line."""
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(row) + " |" for row in rows] + [""]

@@ -60,7 +60,7 @@ def open_model(args: argparse.Namespace, max_tokens: int) -> tuple[str, Model, E
         model = load(args.model, weights=args.weights)
         if args.executor == "xnnpack" and model.weights is not None:
             model = load(exported_bundle(model, max_tokens))
-        return args.model, model, _executor(model, args.threads)
+        return args.model, model, executor_for(model, threads=args.threads)
     except ArtifactError as refusal:
         if args.fallback is None:
             raise
@@ -68,16 +68,6 @@ def open_model(args: argparse.Namespace, max_tokens: int) -> tuple[str, Model, E
         log.error("FALLING BACK to --fallback %s: clients get that model instead", args.fallback)
         model = load(args.fallback, weights=args.weights)
         return args.fallback, model, executor_for(model)
-
-
-def _executor(model: Model, threads: int | None) -> Executor:
-    if model.weights is not None or threads is None:
-        return executor_for(model)
-    from slotserve.executor.executorch import ExecuTorchExecutor
-
-    executor = ExecuTorchExecutor(model.source, threads=threads)
-    executor.model = model
-    return executor
 
 
 def exported_bundle(model: Model, max_tokens: int) -> Path:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -42,14 +42,14 @@ class TorchExecutor:
         return self.model.forward(tokens, batch, kv)
 
 
-def executor_for(model: Model) -> Executor:
+def executor_for(model: Model, **load_options: Any) -> Executor:
     """The executor that runs ``model``: eager torch for loaded weights; for a bundle's
     weightless model (`slotserve.load` of a bundle directory), the ExecuTorch runtime over
-    its program."""
+    its program, with ``load_options`` overriding the manifest's (`LoadOptions`)."""
     if model.weights is not None:
         return TorchExecutor(model)
     from slotserve.executor.executorch import ExecuTorchExecutor
 
-    executor = ExecuTorchExecutor(model.source)
+    executor = ExecuTorchExecutor(model.source, **load_options)
     executor.model = model
     return executor

@@ -31,8 +31,8 @@ from slotserve.artifact.bundle import (
     Manifest,
     MethodSpec,
     is_bundle,
-    sha256_of,
 )
+from slotserve.artifact.weight_cache import file_digest
 from slotserve.export.program import (
     QKV,
     Embed,
@@ -152,7 +152,7 @@ def _manifest(
             "name": info.name,
             "source": source.name,
             "source_path": str(source.resolve()),
-            "source_sha256": sha256_of(source) if source.is_file() else "",
+            "source_sha256": file_digest(source) if source.is_file() else "",
         },
         info=info,
         backend=options.backend,
@@ -162,7 +162,7 @@ def _manifest(
         max_context=max_context,
         methods=tuple(_method_spec(name, modules[name]) for name in modules),
         pair_id=pair_id.hex(),
-        files={name: sha256_of(directory / name) for name in (PROGRAM, WEIGHTS, TOKENIZER)},
+        files={name: file_digest(directory / name) for name in (PROGRAM, WEIGHTS, TOKENIZER)},
         load_options={"threads": options.threads, "load_order": list(modules)},
     )
 
