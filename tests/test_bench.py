@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import slotserve as ss
-from slotserve.bench import BUNDLE_SCENARIOS, SCENARIOS, BenchOptions, run_bench
+from slotserve.bench import OWN_SECTION_SCENARIOS, SCENARIOS, BenchOptions, run_bench
 from slotserve.bench.plots import plot
 from slotserve.bench.report import markdown_report
 from slotserve.cli import main
@@ -23,7 +23,7 @@ def test_every_scenario_on_a_tiny_model(tiny: ss.Model, tmp_path: Path) -> None:
     results = {
         name: run(tiny, repeats=1)
         for name, run in SCENARIOS.items()
-        if name not in BUNDLE_SCENARIOS
+        if name not in OWN_SECTION_SCENARIOS
     }
     concurrency = results["concurrency"]
     assert [row["sessions"] for row in concurrency["rows"]] == [1, 2, 4, 8]

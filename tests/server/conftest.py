@@ -2,85 +2,22 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from slotserve.bench.processes import ServerProcess as BenchServerProcess
+from slotserve.bench.processes import free_port, slotserve_command
 
 
-class ServerProcess:
-    """``slotserve serve`` with the given flags; stopped with SIGTERM."""
+class ServerProcess(BenchServerProcess):
+    """``slotserve serve --model MODEL FLAGS…`` on a free port; stopped with SIGTERM."""
 
     def __init__(self, model: str, *flags: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        command = [
-            sys.executable,
-            "-m",
-            "slotserve.cli",
-            "serve",
-            "--model",
-            model,
-            "--port",
-            str(self.port),
-            *flags,
-        ]
-        # Output goes to a file: a pipe nobody reads would block the server once full.
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="slotserve-", suffix=".log")  # noqa: SIM115 (lives as long as the server)
-        self.process = subprocess.Popen(
-            command,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        self._wait_ready()
-
-    def _wait_ready(self, timeout: float = 120.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited: {self.output()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError("server did not become healthy")
-
-    def output(self) -> str:
-        """What the server printed so far."""
-        self.log.flush()
-        with open(self.log.name) as handle:
-            return handle.read()
-
-    @property
-    def model_name(self) -> str:
-        return str(httpx.get(self.url + "/v1/models").json()["data"][0]["id"])
-
-    def stop(self) -> int:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(30)
-        finally:
-            if self.process.poll() is None:
-                self.process.kill()
+        port = free_port()
+        super().__init__(slotserve_command(model, port, *flags), port)
 
 
 @pytest.fixture(scope="module")

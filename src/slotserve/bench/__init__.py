@@ -18,7 +18,8 @@ from slotserve.bench.layouts import run_layouts
 from slotserve.bench.memory import run_memory
 from slotserve.bench.options import BenchOptions, scenario_kwargs
 from slotserve.bench.prefix import run_prefix
-from slotserve.bench.report import markdown_report, replace_section
+from slotserve.bench.report import keep_sections, markdown_report, replace_section
+from slotserve.bench.servers import run_servers
 from slotserve.bench.serving import run_bargein, run_concurrency, run_mixed
 from slotserve.bench.single import run_single
 from slotserve.bench.structured import run_structured
@@ -34,10 +35,12 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "layouts": run_layouts,
     "memory": run_memory,
     "executors": run_executors,
+    "servers": run_servers,
 }
-# Scenarios of a bundle (`slotserve export`), not run by "all" on an eager model; each writes
-# its own section of docs/BENCHMARKS.md.
-BUNDLE_SCENARIOS = ("executors",)
+# Scenarios that write their own section of docs/BENCHMARKS.md and that "all" keeps as they
+# are: ``executors`` needs a bundle (`slotserve export`); ``servers`` needs llama-server
+# (`make bench-deps`), and "all" runs it with ``baselines``.
+OWN_SECTION_SCENARIOS = ("executors", "servers")
 DOCS = Path("docs/BENCHMARKS.md")
 log = logging.getLogger("slotserve")
 
@@ -68,7 +71,10 @@ def run_bench(
     if scenario != "all" and scenario not in SCENARIOS:
         raise ValueError(f"scenario {scenario!r} is not one of {', '.join(SCENARIOS)}, all")
     options = options or BenchOptions()
-    names = [n for n in SCENARIOS if n not in BUNDLE_SCENARIOS] if scenario == "all" else [scenario]
+    names = [scenario]
+    if scenario == "all":
+        names = [n for n in SCENARIOS if n not in OWN_SECTION_SCENARIOS]
+        names += ["servers"] if baselines else []
     options.check_applies(names)
     model: Model = load(model_spec, weights=weights)
     results = {}
@@ -85,9 +91,12 @@ def run_bench(
         for name, result in results.items():
             if plot(name, result, DOCS.parent / "img" / f"{name}.png"):
                 images[name] = f"img/{name}.png"
-        DOCS.write_text(markdown_report(results, command, images))
+        report = markdown_report(results, command, images)
+        if DOCS.exists():  # the sections "all" did not run stay as they were
+            report = keep_sections(DOCS.read_text(), report, OWN_SECTION_SCENARIOS)
+        DOCS.write_text(report)
         log.info("bench: wrote %s", DOCS)
-    elif scenario in BUNDLE_SCENARIOS and DOCS.exists():
+    elif scenario in OWN_SECTION_SCENARIOS and DOCS.exists():
         DOCS.write_text(replace_section(DOCS.read_text(), scenario, results, command))
         log.info("bench: updated the %s section of %s", scenario, DOCS)
     elif plot_path is not None:

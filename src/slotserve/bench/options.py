@@ -20,7 +20,7 @@ from slotserve.presets import PRESET_NAMES
 APPLIES_TO: dict[str, tuple[str, ...]] = {
     "shares": ("mixed",),
     "preset": ("mixed", "bargein"),
-    "reference": ("executors",),
+    "reference": ("executors", "servers"),
 }
 
 
@@ -32,8 +32,8 @@ class BenchOptions:
     each in [0, 1). ``preset``: the workload preset (`slotserve.presets`) whose engine shape
     replaces the scenario's own in ``mixed`` and ``bargein``, sized for ``memory_budget``
     (bytes or text such as ``"2GiB"``; None: the preset's default budget). ``reference``:
-    the model the torch executor runs beside a bundle in ``executors`` (None: the file the
-    bundle was exported from).
+    the model the torch executor runs beside a bundle in ``executors``, and llama-server's
+    GGUF in ``servers`` (None: the file the bundle was exported from).
     """
 
     shares: tuple[float, ...] | None = None

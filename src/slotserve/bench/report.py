@@ -9,6 +9,7 @@ from importlib.metadata import version
 from typing import Any
 
 from slotserve.bench.executors import executors_section
+from slotserve.bench.servers import servers_section
 from slotserve.bench.stats import format_summary, markdown_table
 from slotserve.plan import format_bytes
 
@@ -319,6 +320,7 @@ SECTIONS = {
     "prefix": _prefix,
     "memory": _memory,
     "executors": executors_section,
+    "servers": servers_section,
 }
 
 
@@ -349,12 +351,30 @@ def replace_section(document: str, name: str, results: dict[str, Any], command: 
         "",
         f"Written by `{command}` on {datetime.now(UTC):%Y-%m-%d}, {machine_description()}.",
     ]
-    heading = section[0]
     lines = document.rstrip("\n").split("\n")
-    start = next(
-        (i for i, line in enumerate(lines) if line.startswith(heading.split(":")[0] + ":")), None
-    )
-    if start is None:
+    span = _section_span(lines, name)
+    if span is None:
         return "\n".join([*lines, "", *section])
-    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    start, end = span
     return "\n".join([*lines[:start], *section, *lines[end:]])
+
+
+def keep_sections(old: str, new: str, names: tuple[str, ...]) -> str:
+    """``new`` with the ``## name`` sections of ``old`` that ``new`` lacks appended as they
+    were (a full report keeps the sections written by their own scenarios)."""
+    old_lines = old.rstrip("\n").split("\n")
+    lines = new.rstrip("\n").split("\n")
+    for name in names:
+        span = _section_span(old_lines, name)
+        if span is not None and _section_span(lines, name) is None:
+            lines += ["", *old_lines[span[0] : span[1]]]
+    return "\n".join(lines) + "\n"
+
+
+def _section_span(lines: list[str], name: str) -> tuple[int, int] | None:
+    """Where the ``## name:`` section starts and ends (the next ``## ``) in ``lines``."""
+    start = next((i for i, line in enumerate(lines) if line.startswith(f"## {name}:")), None)
+    if start is None:
+        return None
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return start, end

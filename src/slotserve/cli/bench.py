@@ -25,6 +25,7 @@ SCENARIO_NAMES = (
     "layouts",
     "memory",
     "executors",
+    "servers",
     "all",
 )
 
@@ -41,7 +42,8 @@ def register(commands: Any) -> None:
     parser.add_argument(
         "--baselines",
         action="store_true",
-        help="single: also run transformers / llama-cpp-python on the same weights",
+        help="single: also run transformers / llama-cpp-python on the same weights; all: also "
+        "run servers (llama-server side by side, `make bench-deps` builds it)",
     )
     parser.add_argument(
         "--background-share",
@@ -55,8 +57,8 @@ def register(commands: Any) -> None:
         "--reference",
         default=None,
         metavar="MODEL",
-        help="executors: the model the torch executor runs beside the bundle --model "
-        "(default: the file the bundle was exported from)",
+        help="executors: the model the torch executor runs beside the bundle --model; "
+        "servers: the GGUF llama-server runs (default: the file the bundle was exported from)",
     )
     add_preset_arg(parser)
     parser.add_argument(

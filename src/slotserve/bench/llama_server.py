@@ -1,0 +1,106 @@
+"""llama.cpp's own server as the side-by-side peer of ``slotserve bench servers``.
+
+`build_llama_server` compiles ``llama-server`` and ``llama-bench`` from the llama.cpp sources
+vendored in the ``llama-cpp-python`` sdist (the package registry is the only network these
+machines reach), for this CPU (``GGML_NATIVE``), statically linked, and caches the binaries
+under the user cache dir. ``make bench-deps`` runs it (``python -m slotserve.bench.llama_server``);
+it takes about 15 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+
+from slotserve.artifact.weight_cache import cache_dir
+
+# Pinned, so that a figure measured against llama-server names the llama.cpp it ran.
+LLAMA_CPP_PYTHON_VERSION = "0.3.36"
+BINARIES = ("llama-server", "llama-bench")
+# Where a user's own llama-server can be named instead of building one.
+ENV_BINARY = "SLOTSERVE_LLAMA_SERVER"
+CMAKE_FLAGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",  # this CPU's instruction set, as a user building llama.cpp gets
+    "-DBUILD_SHARED_LIBS=OFF",  # standalone binaries that survive the build tree
+    "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",  # would download the web UI
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+)
+
+
+def binary_dir() -> Path:
+    """Where `build_llama_server` puts the binaries (per llama-cpp-python version)."""
+    return cache_dir() / f"llama.cpp-{LLAMA_CPP_PYTHON_VERSION}" / "bin"
+
+
+def find_llama_server() -> Path | None:
+    """``$SLOTSERVE_LLAMA_SERVER``, else the cached build, else ``llama-server`` on PATH."""
+    named = os.environ.get(ENV_BINARY)
+    if named:
+        path = Path(named)
+        if not path.is_file():
+            raise ValueError(f"{ENV_BINARY}={named} is not a file; unset it or name llama-server")
+        return path
+    cached = binary_dir() / "llama-server"
+    if cached.is_file():
+        return cached
+    found = shutil.which("llama-server")
+    return Path(found) if found else None
+
+
+def build_llama_server(jobs: int | None = None, console: Console | None = None) -> Path:
+    """Download the sdist, build the binaries, cache them; returns llama-server's path.
+    A build already cached is returned as it is."""
+    console = console or Console(stderr=True)
+    target = binary_dir()
+    if all((target / name).is_file() for name in BINARIES):
+        console.print(f"llama-server is already built: {target / 'llama-server'}")
+        return target / "llama-server"
+    jobs = jobs or os.cpu_count() or 2
+    with tempfile.TemporaryDirectory(prefix="slotserve-llama-") as tmp:
+        work = Path(tmp)
+        package = f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"
+        with console.status(f"downloading the {package} sdist"):
+            pip = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps"]
+            _run([*pip, "--no-binary", ":all:", package, "-d", str(work)])
+        (sdist,) = work.glob("llama_cpp_python-*.tar.gz")
+        with tarfile.open(sdist) as archive:
+            archive.extractall(work, filter="data")
+        (source,) = work.glob("llama_cpp_python-*/vendor/llama.cpp")
+        build = work / "build"
+        with console.status("configuring llama.cpp (cmake)"):
+            _run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS])
+        with console.status(
+            f"compiling {', '.join(BINARIES)} ({jobs} jobs, about 15 min on 2 cores)"
+        ):
+            _run(["cmake", "--build", str(build), "--target", *BINARIES, "-j", str(jobs)])
+        target.mkdir(parents=True, exist_ok=True)
+        for name in BINARIES:
+            shutil.copy2(build / "bin" / name, target / name)
+    console.print(f"built {', '.join(BINARIES)} into {target}")
+    return target / "llama-server"
+
+
+def _run(command: list[str]) -> None:
+    """Run a build step; on failure, raise with the step's own output."""
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"{' '.join(command[:3])}… failed (exit {done.returncode}):\n{done.stdout[-4000:]}"
+            f"\n{done.stderr[-4000:]}"
+        )
+
+
+if __name__ == "__main__":
+    build_llama_server()

@@ -1,0 +1,101 @@
+"""HTTP servers as child processes: slotserve's own and llama.cpp's, on free loopback ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerProcess:
+    """A server started with ``command`` (which must listen on ``port``), ready once
+    ``GET /health`` answers 200; stopped with SIGTERM."""
+
+    def __init__(self, command: list[str], port: int, ready_timeout_s: float = 120.0) -> None:
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        # Output goes to a file: a pipe nobody reads would block the server once full.
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="server-", suffix=".log")  # noqa: SIM115 (lives as long as the server)
+        self.process = subprocess.Popen(
+            command,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        try:
+            self._wait_ready(ready_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited: {self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server did not become healthy in {timeout_s:.0f} s: {self.output()}")
+
+    def output(self) -> str:
+        """What the server printed so far."""
+        self.log.flush()
+        with open(self.log.name) as handle:
+            return handle.read()
+
+    @property
+    def model_name(self) -> str:
+        return str(httpx.get(self.url + "/v1/models").json()["data"][0]["id"])
+
+    def stop(self) -> int:
+        """SIGTERM, then the exit status (killed after 30 s)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(30)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+
+
+def slotserve_command(model: str, port: int, *flags: str) -> list[str]:
+    """``slotserve serve --model MODEL --port PORT FLAGS…`` in this interpreter."""
+    command = [sys.executable, "-m", "slotserve.cli", "serve", "--model", model]
+    return [*command, "--port", str(port), *flags]
+
+
+def slotserve_server(model: str, *flags: str, ready_timeout_s: float = 120.0) -> ServerProcess:
+    """slotserve's server on ``model`` (`slotserve_command`), on a free port."""
+    port = free_port()
+    return ServerProcess(slotserve_command(model, port, *flags), port, ready_timeout_s)
+
+
+def llama_server(
+    binary: Path, gguf: Path, *, parallel: int, threads: int, context: int
+) -> ServerProcess:
+    """llama.cpp's server on ``gguf``: ``parallel`` slots sharing a ``context`` of
+    ``parallel × per-slot`` tokens, ``threads`` threads for decode and prompt alike."""
+    port = free_port()
+    command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
+    command += ["-np", str(parallel), "-c", str(context), "-t", str(threads)]
+    command += ["-tb", str(threads), "--no-webui"]
+    return ServerProcess(command, port)

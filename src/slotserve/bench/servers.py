@@ -1,0 +1,249 @@
+"""Scenario ``servers``: slotserve's HTTP server against llama.cpp's ``llama-server``, side
+by side, driven by one OpenAI client at 1, 2, 4 and 8 concurrent streams.
+
+Both servers run at once on the same GGUF (for a bundle: the file it was exported from),
+with 8 slots each and the same threads, and take turns: each repeat sends the same prompts
+to llama-server, then to slotserve, so every ratio compares runs seconds apart. Requests
+are streamed completions on token-id prompts of exactly `PROMPT_TOKENS` tokens (no chat
+template, so both see the same tokens), greedy, ``ignore_eos``, `DECODE_TOKENS` tokens.
+Every request's prompt is different, so neither server's prompt cache answers for it.
+
+Figures are the client's: time to first token from sending the request, the gaps between
+streamed tokens, and aggregate decode rate (tokens after each first, over the span from the
+first first-token to the last token). Build llama-server with ``make bench-deps``.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.progress import Progress
+
+from slotserve.bench.stats import format_summary, markdown_table, percentile, summary
+from slotserve.model import Model
+
+LEVELS = (1, 2, 4, 8)
+PROMPT_TOKENS = 32
+DECODE_TOKENS = 128
+SLOT_CONTEXT = 512  # per-slot context of both servers (prompt + decode fit with room)
+
+
+@dataclass
+class Stream:
+    """One streamed request as the client saw it."""
+
+    sent: float
+    token_times: list[float] = field(default_factory=list)
+    completion_tokens: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.sent
+
+    @property
+    def itl(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
+
+
+def stream_completion(
+    client: Any, model: str, prompt: list[int], start: threading.Barrier
+) -> Stream:
+    """Send one streamed completion once every stream of the round is ready; record when
+    each chunk with text arrived and the usage's token count."""
+    start.wait()
+    stream = Stream(sent=time.perf_counter())
+    response = client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=DECODE_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    for chunk in response:
+        if chunk.choices and chunk.choices[0].text:
+            stream.token_times.append(time.perf_counter())
+        if chunk.usage is not None:
+            stream.completion_tokens = chunk.usage.completion_tokens
+    if not stream.completion_tokens:  # a server that sends no usage: one chunk per token
+        stream.completion_tokens = len(stream.token_times)
+    return stream
+
+
+def drive(client: Any, model: str, prompts: list[list[int]]) -> list[Stream]:
+    """All ``prompts`` at once, each on its own thread."""
+    start = threading.Barrier(len(prompts))
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(stream_completion, client, model, p, start) for p in prompts]
+        return [f.result() for f in futures]
+
+
+def aggregate_tok_s(streams: list[Stream]) -> float:
+    begin = min(s.token_times[0] for s in streams)
+    end = max(s.token_times[-1] for s in streams)
+    return sum(s.completion_tokens - 1 for s in streams) / (end - begin)
+
+
+def _prompts(vocab: int, level: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, vocab) for _ in range(PROMPT_TOKENS)] for _ in range(level)]
+
+
+def _gguf_of(model: Model, reference: Model | None) -> Path:
+    """The GGUF llama-server runs: the reference's, the model's own, or the bundle's source."""
+    from slotserve.bench.executors import reference_of
+
+    source = (reference or model).source
+    if Path(source).suffix == ".gguf":
+        return Path(source)
+    if reference is None and model.weights is None:
+        return Path(reference_of(model))
+    raise ValueError(f"llama-server needs a .gguf model; {source} is not one (give --reference)")
+
+
+def _rss_bytes(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as handle:
+            for line in handle:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def run_servers(
+    model: Model, repeats: int = 3, reference: Model | None = None, threads: int | None = None
+) -> dict[str, Any]:
+    """``model`` (a GGUF or a bundle) on slotserve's server beside llama-server on its GGUF."""
+    import openai
+    import torch
+
+    from slotserve.bench.llama_server import LLAMA_CPP_PYTHON_VERSION, find_llama_server
+    from slotserve.bench.processes import llama_server, slotserve_server
+
+    binary = find_llama_server()
+    if binary is None:
+        return {"skipped": "llama-server is not built; `make bench-deps` builds it"}
+    gguf = _gguf_of(model, reference)
+    threads = threads or torch.get_num_threads()
+    slots = max(LEVELS)
+    servers = {
+        "llama-server": llama_server(
+            binary, gguf, parallel=slots, threads=threads, context=slots * SLOT_CONTEXT
+        ),
+        "slotserve": slotserve_server(
+            model.source,
+            *("--max-seqs", str(slots), "--max-context", str(SLOT_CONTEXT)),
+            *("--kv-layout", "cell", "--no-web", "--threads", str(threads)),
+        ),
+    }
+    streams: dict[tuple[str, int], list[list[Stream]]] = {}
+    rss: dict[str, int | None] = {}
+    try:
+        clients = {
+            name: openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+            for name, server in servers.items()
+        }
+        names = {name: server.model_name for name, server in servers.items()}
+        with Progress(transient=True) as progress:
+            task = progress.add_task("bench servers", total=len(LEVELS) * repeats * len(servers))
+            for level in LEVELS:
+                for repeat in range(repeats + 1):  # the first is a warm-up
+                    prompts = _prompts(model.info.vocab_size, level, seed=level * 1000 + repeat)
+                    for name in servers:
+                        done = drive(clients[name], names[name], prompts)
+                        if repeat:
+                            streams.setdefault((name, level), []).append(done)
+                            progress.advance(task)
+        rss = {name: _rss_bytes(server.process.pid) for name, server in servers.items()}
+    finally:
+        for server in servers.values():
+            server.stop()
+    return {
+        "model": model.source,
+        "gguf": str(gguf),
+        "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION,
+        "threads": threads,
+        "prompt_tokens": PROMPT_TOKENS,
+        "decode_tokens": DECODE_TOKENS,
+        "repeats": repeats,
+        "rss_bytes": rss,
+        "rows": [_row(level, streams) for level in LEVELS],
+    }
+
+
+def _row(level: int, streams: dict[tuple[str, int], list[list[Stream]]]) -> dict[str, Any]:
+    row: dict[str, Any] = {"streams": level}
+    for name in ("llama-server", "slotserve"):
+        rounds = streams[(name, level)]
+        itls = [gap for done in rounds for s in done for gap in s.itl]
+        row[name] = {
+            "aggregate_tok_s": summary([aggregate_tok_s(done) for done in rounds]),
+            "ttft_s": round(statistics.median(s.ttft for done in rounds for s in done), 4),
+            "itl_p50_s": round(percentile(itls, 50), 4),
+            "itl_p99_s": round(percentile(itls, 99), 4),
+        }
+    ours, theirs = row["slotserve"], row["llama-server"]
+    row["decode_ratio"] = round(
+        ours["aggregate_tok_s"]["median"] / theirs["aggregate_tok_s"]["median"], 2
+    )
+    row["ttft_ratio"] = round(ours["ttft_s"] / theirs["ttft_s"], 2)
+    return row
+
+
+def servers_section(r: dict[str, Any]) -> list[str]:
+    """The markdown section of `run_servers`'s result."""
+    title = "## servers: slotserve's server vs llama.cpp's llama-server, one OpenAI client"
+    if "skipped" in r:
+        return [title, "", f"Skipped: {r['skipped']}.", ""]
+    from slotserve.plan import format_bytes
+
+    rss = {k: format_bytes(v) if v else "?" for k, v in r["rss_bytes"].items()}
+    lines = [
+        title,
+        "",
+        f"slotserve on `{r['model']}`, llama-server (llama.cpp from llama-cpp-python "
+        f"{r['llama_cpp_python']}) on `{r['gguf']}`, {r['threads']} threads each, 8 slots "
+        f"each, taking turns in one run: streamed completions of {r['prompt_tokens']}-token "
+        f"prompts, {r['decode_tokens']} greedy tokens (`ignore_eos`), {r['repeats']} repeats "
+        f"after a warm-up. Ratios are slotserve ÷ llama-server. Server RSS at the end: "
+        f"slotserve {rss['slotserve']}, llama-server {rss['llama-server']}.",
+        "",
+    ]
+    rows = [
+        [
+            str(x["streams"]),
+            format_summary(x["slotserve"]["aggregate_tok_s"]),
+            format_summary(x["llama-server"]["aggregate_tok_s"]),
+            f"**{x['decode_ratio']}×**",
+            f"{x['slotserve']['ttft_s'] * 1000:.0f} / {x['llama-server']['ttft_s'] * 1000:.0f}",
+            f"**{x['ttft_ratio']}×**",
+            _pair(x, "itl_p50_s"),
+            _pair(x, "itl_p99_s"),
+        ]
+        for x in r["rows"]
+    ]
+    header = [
+        "streams",
+        "slotserve decode tok/s",
+        "llama-server decode tok/s",
+        "decode ratio",
+        "TTFT ms (slotserve / llama-server)",
+        "TTFT ratio",
+        "ITL p50 ms",
+        "ITL p99 ms",
+    ]
+    return lines + markdown_table(header, rows)
+
+
+def _pair(row: dict[str, Any], key: str) -> str:
+    return f"{row['slotserve'][key] * 1000:.0f} / {row['llama-server'][key] * 1000:.0f}"
