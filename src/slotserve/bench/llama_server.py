@@ -28,7 +28,7 @@ BINARIES = ("llama-server", "llama-bench")
 ENV_BINARY = "SLOTSERVE_LLAMA_SERVER"
 CMAKE_FLAGS = (
     "-DCMAKE_BUILD_TYPE=Release",
-    "-DGGML_NATIVE=ON",  # this CPU's instruction set, as a user building llama.cpp gets
+    "-DGGML_NATIVE=OFF",  # the instruction sets are named one by one: `cpu_cmake_flags`
     "-DBUILD_SHARED_LIBS=OFF",  # standalone binaries that survive the build tree
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_OPENSSL=OFF",
@@ -37,6 +37,35 @@ CMAKE_FLAGS = (
     "-DLLAMA_BUILD_TESTS=OFF",
     "-DLLAMA_BUILD_EXAMPLES=OFF",
 )
+
+
+# /proc/cpuinfo flag -> ggml's cmake option. AMX is left out on purpose: on the Xeon VMs
+# these benchmarks run on, a native build's AMX matmul segfaults at the first decode
+# (`ggml_backend_amx_mul_mat`), so llama.cpp runs its AVX-512 VNNI kernels there.
+CPU_OPTIONS = {
+    "sse4_2": "GGML_SSE42",
+    "avx": "GGML_AVX",
+    "avx2": "GGML_AVX2",
+    "avx_vnni": "GGML_AVX_VNNI",
+    "bmi2": "GGML_BMI2",
+    "fma": "GGML_FMA",
+    "f16c": "GGML_F16C",
+    "avx512f": "GGML_AVX512",
+    "avx512vbmi": "GGML_AVX512_VBMI",
+    "avx512_vnni": "GGML_AVX512_VNNI",
+    "avx512_bf16": "GGML_AVX512_BF16",
+}
+
+
+def cpu_cmake_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> list[str]:
+    """ggml's instruction-set options, on for each flag this CPU reports (none: AMX)."""
+    flags: set[str] = set()
+    for line in cpuinfo.read_text().splitlines():
+        if line.startswith("flags"):
+            flags |= set(line.split(":", 1)[1].split())
+    return [
+        f"-D{option}={'ON' if flag in flags else 'OFF'}" for flag, option in CPU_OPTIONS.items()
+    ]
 
 
 def binary_dir() -> Path:
@@ -80,7 +109,7 @@ def build_llama_server(jobs: int | None = None, console: Console | None = None) 
         (source,) = work.glob("llama_cpp_python-*/vendor/llama.cpp")
         build = work / "build"
         with console.status("configuring llama.cpp (cmake)"):
-            _run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS])
+            _run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS, *cpu_cmake_flags()])
         with console.status(
             f"compiling {', '.join(BINARIES)} ({jobs} jobs, about 15 min on 2 cores)"
         ):

@@ -4,9 +4,11 @@ by side, driven by one OpenAI client at 1, 2, 4 and 8 concurrent streams.
 Both servers run at once on the same GGUF (for a bundle: the file it was exported from),
 with 8 slots each and the same threads, and take turns: each repeat sends the same prompts
 to llama-server, then to slotserve, so every ratio compares runs seconds apart. Requests
-are streamed completions on token-id prompts of exactly `PROMPT_TOKENS` tokens (no chat
-template, so both see the same tokens), greedy, ``ignore_eos``, `DECODE_TOKENS` tokens.
-Every request's prompt is different, so neither server's prompt cache answers for it.
+are streamed completions on token-id prompts of exactly `PROMPT_TOKENS` tokens of English
+text (no chat template, so both see the same tokens), greedy, ``ignore_eos``,
+`DECODE_TOKENS` tokens. Every prompt opens with its own number, so neither server's prompt
+cache answers for it. English keeps the continuation to about one token per streamed chunk
+(a token that ends inside a UTF-8 character streams no text of its own).
 
 Figures are the client's: time to first token from sending the request, the gaps between
 streamed tokens, and aggregate decode rate (tokens after each first, over the span from the
@@ -15,7 +17,6 @@ first first-token to the last token). Build llama-server with ``make bench-deps`
 
 from __future__ import annotations
 
-import random
 import statistics
 import threading
 import time
@@ -92,9 +93,22 @@ def aggregate_tok_s(streams: list[Stream]) -> float:
     return sum(s.completion_tokens - 1 for s in streams) / (end - begin)
 
 
-def _prompts(vocab: int, level: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(100, vocab) for _ in range(PROMPT_TOKENS)] for _ in range(level)]
+PASSAGE = (
+    "The harbour town woke before the sun. Fishing boats slid out past the lighthouse, "
+    "bakers pulled the first loaves from their ovens, and the ferry to the island sounded "
+    "its horn twice as the market stalls opened along the quay."
+)
+
+
+def _prompts(model: Model, level: int, seed: int) -> list[list[int]]:
+    """``level`` prompts of `PROMPT_TOKENS` tokens, each opening with its own number."""
+    prompts = []
+    for i in range(level):
+        ids = model.tokenizer.encode(f"Note {seed}.{i}: {PASSAGE}")[:PROMPT_TOKENS]
+        if len(ids) < PROMPT_TOKENS:
+            raise ValueError(f"the bench passage is {len(ids)} tokens, under {PROMPT_TOKENS}")
+        prompts.append(ids)
+    return prompts
 
 
 def _gguf_of(model: Model, reference: Model | None) -> Path:
@@ -158,7 +172,7 @@ def run_servers(
             task = progress.add_task("bench servers", total=len(LEVELS) * repeats * len(servers))
             for level in LEVELS:
                 for repeat in range(repeats + 1):  # the first is a warm-up
-                    prompts = _prompts(model.info.vocab_size, level, seed=level * 1000 + repeat)
+                    prompts = _prompts(model, level, seed=level * 1000 + repeat)
                     for name in servers:
                         done = drive(clients[name], names[name], prompts)
                         if repeat:
