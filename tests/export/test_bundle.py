@@ -23,6 +23,7 @@ from slotserve.cli.executors import bundle_path, exported_bundle
 from slotserve.executor import executor_for
 from slotserve.executor.executorch import ExecuTorchExecutor
 from slotserve.export import ExportOptions, export_bundle
+from slotserve.export.bundle import HEAD_ROWS
 from slotserve.kv import KVConfig, KVPool, StepBatch
 from slotserve.testing import write_tiny_gguf
 
@@ -234,6 +235,31 @@ def test_8da4w_logits_track_the_eager_model(q41: tuple[ss.Model, Path]) -> None:
     assert agree >= total - 1, f"{agree}/{total}"
 
 
+def test_8da4w_rows_of_a_step_are_independent(q41: tuple[ss.Model, Path]) -> None:
+    """Activations are quantised per token (both passes of `TwoPass`), so every method gives
+    a row the same bits whatever other rows share its step."""
+    from executorch.runtime import Runtime
+
+    model, path = q41
+    info = model.info
+    program = Runtime.get().load_program(path / PROGRAM, data_path=path / WEIGHTS)
+    gen = torch.Generator().manual_seed(0)
+    rows, width = 9, (info.n_heads + 2 * info.n_kv_heads) * info.head_dim
+    x = torch.randn(rows, info.dim, generator=gen)
+    attn = torch.randn(rows, info.n_heads * info.head_dim, generator=gen)
+    cos, sin = torch.randn(rows, width, generator=gen), torch.randn(rows, width, generator=gen)
+    for name, inputs in {
+        "layer0_qkv": [x, cos, sin],
+        "layer1_out": [x, attn],
+        "head": [x],
+    }.items():
+        method = program.load_method(name)
+        whole = method.execute(inputs)[0].clone()
+        for begin, end in ((0, 3), (3, 5), (5, 9)):
+            part = method.execute([t[begin:end].contiguous() for t in inputs])[0]
+            assert torch.equal(part, whole[begin:end]), (name, begin, end)
+
+
 def test_8da4w_batch_equals_each_sequence_alone(q41: tuple[ss.Model, Path]) -> None:
     """Per-token activation quantisation keeps the rows of a step independent."""
     model, path = q41
@@ -252,12 +278,37 @@ def test_8da4w_batch_equals_each_sequence_alone(q41: tuple[ss.Model, Path]) -> N
         torch.testing.assert_close(together[b], alone[0], rtol=0, atol=1e-5)
 
 
+def test_the_head_takes_a_step_of_more_sequences_than_its_rows(
+    tiny: ss.Model, tiny_bundle: Path
+) -> None:
+    """The head is lowered for `HEAD_ROWS` rows (its logits are planned memory); a step of
+    more sequences runs it in several calls, with the same logits."""
+    executor = ExecuTorchExecutor(tiny_bundle)
+    sequences = HEAD_ROWS + 5
+    config = KVConfig(layout="cell", max_seqs=sequences, max_context=16)
+    pool, eager_pool = KVPool(tiny.info, config), KVPool(tiny.info, config)
+    for session in range(sequences):
+        pool.reserve(session, 16)
+        eager_pool.reserve(session, 16)
+    batch = StepBatch(list(range(sequences)), [0] * sequences, [2] * sequences)
+    ids = [3 + (i % 200) for i in range(2 * sequences)]
+    logits = step(executor, pool, batch, ids)
+    eager_pool.begin_step(batch)
+    expected = tiny.forward(torch.tensor(ids), batch, eager_pool)
+    assert logits.shape == (sequences, tiny.info.vocab_size)
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
 def test_8da4w_keeps_the_weights_near_the_files_size(q41: tuple[ss.Model, Path]) -> None:
     model, path = q41
     gguf_bytes = Path(model.source).stat().st_size
-    resident = read_bundle(path).resident_bytes
-    assert resident < 0.5 * model.weight_bytes  # the eager fp32 copy
-    assert resident < 2 * gguf_bytes, (resident, gguf_bytes)
+    bundle = read_bundle(path)
+    assert bundle.resident_bytes < 0.5 * model.weight_bytes  # the eager fp32 copy
+    # The issue's target (1.3x the GGUF) holds for the weights; the program is code, a few
+    # KiB a method whatever the model's size (it dominates only a tiny model's bundle).
+    assert (path / WEIGHTS).stat().st_size < 1.3 * gguf_bytes
+    methods = len(json.loads((path / "manifest.json").read_text())["methods"])
+    assert (path / PROGRAM).stat().st_size < methods * 32 * 1024
 
 
 def test_export_refuses_what_it_cannot_express(tmp_path: Path, tiny_dirs: dict[str, Path]) -> None:

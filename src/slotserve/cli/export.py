@@ -23,10 +23,11 @@ def register(commands: Any) -> None:
     )
     parser.add_argument(
         "--quant",
-        choices=("fp32", "8da4w"),
+        choices=("fp32", "8da4w", "8da4w-2pass"),
         default="8da4w",
         help="8da4w: int8 dynamic activations x int4 weights in groups of 32 (a Q4_0/Q4_1 "
-        "GGUF's blocks kept exactly); fp32: dense weights",
+        "GGUF's blocks kept exactly); 8da4w-2pass: the same with activations in two passes "
+        "(nearer the fp32 model; slower steps, more memory); fp32: dense weights",
     )
     parser.add_argument(
         "--max-batch-tokens",

@@ -81,6 +81,7 @@ class ExecuTorchExecutor:
         self._qkv = [methods[f"layer{i}_qkv"] for i in layers]
         self._out = [methods[f"layer{i}_out"] for i in layers]
         self._head = methods["head"]
+        self._head_rows = int(self._head.metadata.input_tensor_meta(0).sizes()[0])
         self._program = program  # methods borrow from it
 
     @property
@@ -111,9 +112,17 @@ class ExecuTorchExecutor:
                 batch,
             )
             (x,) = out.execute([x, attn.contiguous()])
-        (logits,) = self._head.execute([x[batch.last_token_rows()].contiguous()])
-        result: torch.Tensor = logits
-        return result
+        return self._logits(x[batch.last_token_rows()])
+
+    def _logits(self, last: torch.Tensor) -> torch.Tensor:
+        """The head over each sequence's last row, in calls of at most the rows it was
+        lowered for (a bundle's head takes fewer rows than a step: its logits are memory
+        planned at load)."""
+        chunks = [
+            self._head.execute([rows.contiguous()])[0]
+            for rows in torch.split(last, self._head_rows)
+        ]
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
 
 
 def _both(bundle: Bundle) -> str:

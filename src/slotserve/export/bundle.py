@@ -40,6 +40,7 @@ from slotserve.export.program import (
     Linears,
     Out,
     PairId,
+    TwoPass,
     check_supported,
     dense_linear,
     dense_linears,
@@ -50,7 +51,12 @@ from slotserve.export.program import (
 from slotserve.model import Model
 
 Backend = Literal["xnnpack", "portable"]
-Quant = Literal["fp32", "8da4w"]
+Quant = Literal["fp32", "8da4w", "8da4w-2pass"]
+QUANTS: tuple[Quant, ...] = ("fp32", "8da4w", "8da4w-2pass")
+# The head takes each sequence's last row: at most this many a call (the executor splits a
+# larger step). Its logits are planned memory of the method, allocated at load: at 512 rows
+# they were 96 MiB of the bundled model's resident set, at 32 rows 6 MiB.
+HEAD_ROWS = 32
 Progress = Callable[[str], None]
 DELEGATE_IDS: dict[str, tuple[str, ...]] = {"xnnpack": ("XnnpackBackend",), "portable": ()}
 
@@ -58,11 +64,14 @@ DELEGATE_IDS: dict[str, tuple[str, ...]] = {"xnnpack": ("XnnpackBackend",), "por
 @dataclass(frozen=True)
 class ExportOptions:
     """``backend``: ``xnnpack`` (XNNPACK kernels) or ``portable`` (ExecuTorch's portable
-    kernels, fp32 only). ``quant``: ``fp32``, or ``8da4w`` (int8 dynamic activations, int4
-    weights in groups of 32: a Q4_0/Q4_1 GGUF's blocks kept exactly; int8 rows for the
-    embedding and head). ``max_tokens``: the largest step (decode tokens plus a prefill chunk)
-    the methods take; ``max_context``: the longest sequence the bundle serves (default: the
-    model's). ``threads``: the load option recorded for the runtime (0: every core)."""
+    kernels, fp32 only). ``quant``: ``fp32``, or ``8da4w`` (int4 weights in groups of 32: a
+    Q4_0/Q4_1 GGUF's blocks kept exactly; int8 blocks for the embedding, int8 rows for the
+    head; int8 dynamic activations per token), or ``8da4w-2pass`` (the same, with every
+    projection and the head in two passes, `TwoPass`: closer to the fp32 model, at a cost in
+    step time and planned memory; docs/EXECUTORCH-NOTES.md). ``max_tokens``: the
+    largest step (decode tokens plus a prefill chunk) the methods take; ``max_context``: the
+    longest sequence the bundle serves (default: the model's). ``threads``: the load option
+    recorded for the runtime (0: every core)."""
 
     backend: Backend = "xnnpack"
     quant: Quant = "fp32"
@@ -73,10 +82,10 @@ class ExportOptions:
     def __post_init__(self) -> None:
         if self.backend not in DELEGATE_IDS:
             raise ValueError(f"backend={self.backend!r}; choose xnnpack or portable")
-        if self.quant not in ("fp32", "8da4w"):
-            raise ValueError(f"quant={self.quant!r}; choose fp32 or 8da4w")
-        if self.quant == "8da4w" and self.backend != "xnnpack":
-            raise ValueError("quant=8da4w runs on XNNPACK's kernels: use backend=xnnpack")
+        if self.quant not in QUANTS:
+            raise ValueError(f"quant={self.quant!r}; choose one of {', '.join(QUANTS)}")
+        if self.quant != "fp32" and self.backend != "xnnpack":
+            raise ValueError(f"quant={self.quant} runs on XNNPACK's kernels: use backend=xnnpack")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens={self.max_tokens} must be >= 1")
         if self.max_context is not None and self.max_context < 1:
@@ -178,10 +187,14 @@ def _modules(
     example inputs that are the same object)."""
     weights = check_supported(model)
     info, tokens = model.info, options.max_tokens
-    quantised = options.quant == "8da4w"
-    linears: Linears = (
-        int4_linears(weights, info, model.source) if quantised else dense_linears(weights)
+    quantised = options.quant != "fp32"
+    passes: Callable[[nn.Module], nn.Module] = (
+        TwoPass if options.quant == "8da4w-2pass" else (lambda linear: linear)
     )
+    linears: Linears = dense_linears(weights)
+    if quantised:
+        int4 = int4_linears(weights, info, model.source)
+        linears = lambda i, kind: passes(int4(i, kind))  # noqa: E731
     width = (info.n_heads + 2 * info.n_kv_heads) * info.head_dim
     modules: dict[str, tuple[nn.Module, Inputs]] = {
         "embed": (Embed(weights.embed, quantised), (torch.zeros(tokens, dtype=torch.long),))
@@ -204,9 +217,12 @@ def _modules(
         )
         attn = torch.randn(tokens, info.n_heads * info.head_dim)
         modules[f"layer{i}_out"] = (out, (torch.randn(tokens, info.dim), attn))
-    head_linear = int8_rows_linear if quantised else dense_linear
-    head = Head(info, weights.norm, head_linear(head_weight(weights)))
-    modules["head"] = (head, (torch.randn(tokens, info.dim),))
+    head_weights = head_weight(weights)
+    head_linear = (
+        passes(int8_rows_linear(head_weights)) if quantised else dense_linear(head_weights)
+    )
+    head = Head(info, weights.norm, head_linear)
+    modules["head"] = (head, (torch.randn(min(tokens, HEAD_ROWS), info.dim),))
     modules["weights_id"] = (PairId(pair_id), ())
     return modules
 
