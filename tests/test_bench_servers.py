@@ -70,11 +70,13 @@ def test_a_full_report_keeps_the_sections_of_their_own_scenarios() -> None:
 
 @pytest.mark.skipif(find_llama_server() is None, reason="llama-server: `make bench-deps`")
 def test_servers_side_by_side_with_llama_server() -> None:
-    result = run_servers(ss.load("bundled"), repeats=1)
-    assert [row["streams"] for row in result["rows"]] == [1, 2, 4, 8]
+    # Two levels and 16 tokens: the eager model keeps this under a minute (the full scenario
+    # is `slotserve bench servers`).
+    result = run_servers(ss.load("bundled"), repeats=1, levels=(1, 2), decode_tokens=16)
+    assert [row["streams"] for row in result["rows"]] == [1, 2]
     for row in result["rows"]:
         assert row["decode_ratio"] > 0 and row["ttft_ratio"] > 0
         for name in ("slotserve", "llama-server"):
             assert row[name]["aggregate_tok_s"]["median"] > 0
     assert all(result["rss_bytes"].values())
-    assert any(line.startswith("| 8 |") for line in servers_section(result))
+    assert any(line.startswith("| 2 |") for line in servers_section(result))

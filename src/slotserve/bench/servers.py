@@ -2,13 +2,13 @@
 by side, driven by one OpenAI client at 1, 2, 4 and 8 concurrent streams.
 
 Both servers run at once on the same GGUF (for a bundle: the file it was exported from),
-with 8 slots each and the same threads, and take turns: each repeat sends the same prompts
-to llama-server, then to slotserve, so every ratio compares runs seconds apart. Requests
-are streamed completions on token-id prompts of exactly `PROMPT_TOKENS` tokens of English
-text (no chat template, so both see the same tokens), greedy, ``ignore_eos``,
-`DECODE_TOKENS` tokens. Every prompt opens with its own number, so neither server's prompt
-cache answers for it. English keeps the continuation to about one token per streamed chunk
-(a token that ends inside a UTF-8 character streams no text of its own).
+with a slot per stream of the highest level and the same threads, and take turns: each
+repeat sends the same prompts to llama-server, then to slotserve, so every ratio compares
+runs seconds apart. Requests are streamed completions on token-id prompts of exactly
+`PROMPT_TOKENS` tokens of English text (no chat template, so both see the same tokens),
+greedy, ``ignore_eos``, `DECODE_TOKENS` tokens. Every prompt opens with its own number, so
+neither server's prompt cache answers for it. English keeps the continuation to about one
+token per streamed chunk (a token that ends inside a UTF-8 character streams no text).
 
 Figures are the client's: time to first token from sending the request, the gaps between
 streamed tokens, and aggregate decode rate (tokens after each first, over the span from the
@@ -54,16 +54,16 @@ class Stream:
 
 
 def stream_completion(
-    client: Any, model: str, prompt: list[int], start: threading.Barrier
+    client: Any, model: str, prompt: list[int], start: threading.Barrier, tokens: int
 ) -> Stream:
-    """Send one streamed completion once every stream of the round is ready; record when
-    each chunk with text arrived and the usage's token count."""
+    """Send one streamed completion of ``tokens`` tokens once every stream of the round is
+    ready; record when each chunk with text arrived and the usage's token count."""
     start.wait()
     stream = Stream(sent=time.perf_counter())
     response = client.completions.create(
         model=model,
         prompt=prompt,
-        max_tokens=DECODE_TOKENS,
+        max_tokens=tokens,
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
@@ -79,11 +79,13 @@ def stream_completion(
     return stream
 
 
-def drive(client: Any, model: str, prompts: list[list[int]]) -> list[Stream]:
-    """All ``prompts`` at once, each on its own thread."""
+def drive(
+    client: Any, model: str, prompts: list[list[int]], tokens: int = DECODE_TOKENS
+) -> list[Stream]:
+    """All ``prompts`` at once, each on its own thread, ``tokens`` tokens each."""
     start = threading.Barrier(len(prompts))
     with ThreadPoolExecutor(len(prompts)) as pool:
-        futures = [pool.submit(stream_completion, client, model, p, start) for p in prompts]
+        futures = [pool.submit(stream_completion, client, model, p, start, tokens) for p in prompts]
         return [f.result() for f in futures]
 
 
@@ -135,9 +137,15 @@ def _rss_bytes(pid: int) -> int | None:
 
 
 def run_servers(
-    model: Model, repeats: int = 3, reference: Model | None = None, threads: int | None = None
+    model: Model,
+    repeats: int = 3,
+    reference: Model | None = None,
+    threads: int | None = None,
+    levels: tuple[int, ...] = LEVELS,
+    decode_tokens: int = DECODE_TOKENS,
 ) -> dict[str, Any]:
-    """``model`` (a GGUF or a bundle) on slotserve's server beside llama-server on its GGUF."""
+    """``model`` (a GGUF or a bundle) on slotserve's server beside llama-server on its GGUF,
+    at each number of concurrent streams in ``levels``."""
     import openai
     import torch
 
@@ -149,7 +157,7 @@ def run_servers(
         return {"skipped": "llama-server is not built; `make bench-deps` builds it"}
     gguf = _gguf_of(model, reference)
     threads = threads or torch.get_num_threads()
-    slots = max(LEVELS)
+    slots = max(levels)
     servers = {
         "llama-server": llama_server(
             binary, gguf, parallel=slots, threads=threads, context=slots * SLOT_CONTEXT
@@ -169,12 +177,12 @@ def run_servers(
         }
         names = {name: server.model_name for name, server in servers.items()}
         with Progress(transient=True) as progress:
-            task = progress.add_task("bench servers", total=len(LEVELS) * repeats * len(servers))
-            for level in LEVELS:
+            task = progress.add_task("bench servers", total=len(levels) * repeats * len(servers))
+            for level in levels:
                 for repeat in range(repeats + 1):  # the first is a warm-up
                     prompts = _prompts(model, level, seed=level * 1000 + repeat)
                     for name in servers:
-                        done = drive(clients[name], names[name], prompts)
+                        done = drive(clients[name], names[name], prompts, decode_tokens)
                         if repeat:
                             streams.setdefault((name, level), []).append(done)
                             progress.advance(task)
@@ -188,10 +196,10 @@ def run_servers(
         "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION,
         "threads": threads,
         "prompt_tokens": PROMPT_TOKENS,
-        "decode_tokens": DECODE_TOKENS,
+        "decode_tokens": decode_tokens,
         "repeats": repeats,
         "rss_bytes": rss,
-        "rows": [_row(level, streams) for level in LEVELS],
+        "rows": [_row(level, streams) for level in levels],
     }
 
 
@@ -226,9 +234,10 @@ def servers_section(r: dict[str, Any]) -> list[str]:
         title,
         "",
         f"slotserve on `{r['model']}`, llama-server (llama.cpp from llama-cpp-python "
-        f"{r['llama_cpp_python']}) on `{r['gguf']}`, {r['threads']} threads each, 8 slots "
-        f"each, taking turns in one run: streamed completions of {r['prompt_tokens']}-token "
-        f"prompts, {r['decode_tokens']} greedy tokens (`ignore_eos`), {r['repeats']} repeats "
+        f"{r['llama_cpp_python']}) on `{r['gguf']}`, {r['threads']} threads each, "
+        f"{r['rows'][-1]['streams']} slots each, taking turns in one run: streamed "
+        f"completions of {r['prompt_tokens']}-token prompts, {r['decode_tokens']} greedy "
+        f"tokens (`ignore_eos`), {r['repeats']} repeats "
         f"after a warm-up. Ratios are slotserve ÷ llama-server. Server RSS at the end: "
         f"slotserve {rss['slotserve']}, llama-server {rss['llama-server']}.",
         "",
