@@ -44,7 +44,7 @@ bench: $(STAMP)
 
 # llama.cpp's llama-server for `slotserve bench servers` (and llama-cpp-python for the
 # `single --baselines` in-process baseline), built from the package registry's sdists for
-# this CPU; about 25 min on 2 cores. The binaries are cached under the user cache dir.
+# this CPU; about 20 min on 2 cores (llama-server alone: 6 min). The binaries are cached under the user cache dir.
 bench-deps: $(STAMP)
 	$(BIN)/python -m slotserve.bench.llama_server
 	$(BIN)/python -m pip install llama-cpp-python
