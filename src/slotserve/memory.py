@@ -6,13 +6,14 @@ import os
 import resource
 
 
-def rss_bytes() -> int:
-    """Current resident set size (Linux /proc), else the peak from getrusage."""
+def rss_bytes(pid: int | None = None) -> int:
+    """Current resident set size of this process, or of process ``pid`` (Linux /proc);
+    without /proc, this process's peak from getrusage (0 for another process)."""
     try:
-        with open("/proc/self/statm") as handle:
+        with open(f"/proc/{pid or 'self'}/statm") as handle:
             return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
-        return peak_rss_bytes()
+        return peak_rss_bytes() if pid is None else 0
 
 
 def peak_rss_bytes() -> int:

@@ -9,14 +9,19 @@ timings, as in ``concurrency``.
 
 from __future__ import annotations
 
-import statistics
 from pathlib import Path
 from typing import Any
 
 from rich.progress import Progress
 
 from slotserve.bench.serving import DECODE_TOKENS, LEVELS, aggregate_decode_tok_s, prompt_ids
-from slotserve.bench.stats import format_summary, markdown_table, percentile, summary
+from slotserve.bench.stats import (
+    COMPARISON_COLUMNS,
+    add_ratios,
+    comparison_cells,
+    markdown_table,
+    side_figures,
+)
 from slotserve.engine import Engine, EngineConfig, Finished
 from slotserve.model import Model
 from slotserve.plan import format_bytes
@@ -86,20 +91,12 @@ def _row(level: int, finals: dict[tuple[str, int], list[list[Finished]]]) -> dic
     row: dict[str, Any] = {"sessions": level}
     for name in ("torch", "executorch"):
         runs = finals[(name, level)]
-        ttfts = [f.timings.ttft for run in runs for f in run if f.timings.ttft is not None]
-        itls = [gap for run in runs for f in run for gap in f.timings.itl]
-        row[name] = {
-            "aggregate_tok_s": summary([aggregate_decode_tok_s(run) for run in runs]),
-            "ttft_s": round(statistics.median(ttfts), 4),
-            "itl_p50_s": round(percentile(itls, 50), 4),
-            "itl_p99_s": round(percentile(itls, 99), 4),
-        }
-    ours, theirs = row["executorch"], row["torch"]
-    row["decode_ratio"] = round(
-        ours["aggregate_tok_s"]["median"] / theirs["aggregate_tok_s"]["median"], 2
-    )
-    row["ttft_ratio"] = round(ours["ttft_s"] / theirs["ttft_s"], 2)
-    return row
+        row[name] = side_figures(
+            [aggregate_decode_tok_s(run) for run in runs],
+            [f.timings.ttft for run in runs for f in run if f.timings.ttft is not None],
+            [gap for run in runs for f in run for gap in f.timings.itl],
+        )
+    return add_ratios(row, "executorch", "torch")
 
 
 def executors_section(r: dict[str, Any]) -> list[str]:
@@ -115,25 +112,6 @@ def executors_section(r: dict[str, Any]) -> list[str]:
         "(torch).",
         "",
     ]
-    rows = [
-        [
-            str(x["sessions"]),
-            format_summary(x["executorch"]["aggregate_tok_s"]),
-            format_summary(x["torch"]["aggregate_tok_s"]),
-            f"**{x['decode_ratio']}×**",
-            f"{x['executorch']['ttft_s'] * 1000:.0f} / {x['torch']['ttft_s'] * 1000:.0f}",
-            f"{x['executorch']['itl_p50_s'] * 1000:.0f} / {x['torch']['itl_p50_s'] * 1000:.0f}",
-            f"{x['executorch']['itl_p99_s'] * 1000:.0f} / {x['torch']['itl_p99_s'] * 1000:.0f}",
-        ]
-        for x in r["rows"]
-    ]
-    header = [
-        "streams",
-        "bundle decode tok/s",
-        "torch decode tok/s",
-        "ratio",
-        "TTFT ms (bundle / torch)",
-        "ITL p50 ms",
-        "ITL p99 ms",
-    ]
+    rows = [[str(x["sessions"]), *comparison_cells(x, "executorch", "torch")] for x in r["rows"]]
+    header = ["streams", "bundle decode tok/s", "torch decode tok/s", *COMPARISON_COLUMNS]
     return lines + markdown_table(header, rows)

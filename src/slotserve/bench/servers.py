@@ -17,7 +17,6 @@ first first-token to the last token). Build llama-server with ``make bench-deps`
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +26,14 @@ from typing import Any
 
 from rich.progress import Progress
 
-from slotserve.bench.stats import format_summary, markdown_table, percentile, summary
+from slotserve.bench.stats import (
+    COMPARISON_COLUMNS,
+    add_ratios,
+    comparison_cells,
+    markdown_table,
+    side_figures,
+)
+from slotserve.memory import rss_bytes
 from slotserve.model import Model
 
 LEVELS = (1, 2, 4, 8)
@@ -125,17 +131,6 @@ def _gguf_of(model: Model, reference: Model | None) -> Path:
     raise ValueError(f"llama-server needs a .gguf model; {source} is not one (give --reference)")
 
 
-def _rss_bytes(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/status") as handle:
-            for line in handle:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def run_servers(
     model: Model,
     repeats: int = 3,
@@ -169,7 +164,7 @@ def run_servers(
         ),
     }
     streams: dict[tuple[str, int], list[list[Stream]]] = {}
-    rss: dict[str, int | None] = {}
+    rss: dict[str, int] = {}
     try:
         clients = {
             name: openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
@@ -186,7 +181,7 @@ def run_servers(
                         if repeat:
                             streams.setdefault((name, level), []).append(done)
                             progress.advance(task)
-        rss = {name: _rss_bytes(server.process.pid) for name, server in servers.items()}
+        rss = {name: rss_bytes(server.process.pid) for name, server in servers.items()}
     finally:
         for server in servers.values():
             server.stop()
@@ -207,19 +202,12 @@ def _row(level: int, streams: dict[tuple[str, int], list[list[Stream]]]) -> dict
     row: dict[str, Any] = {"streams": level}
     for name in ("llama-server", "slotserve"):
         rounds = streams[(name, level)]
-        itls = [gap for done in rounds for s in done for gap in s.itl]
-        row[name] = {
-            "aggregate_tok_s": summary([aggregate_tok_s(done) for done in rounds]),
-            "ttft_s": round(statistics.median(s.ttft for done in rounds for s in done), 4),
-            "itl_p50_s": round(percentile(itls, 50), 4),
-            "itl_p99_s": round(percentile(itls, 99), 4),
-        }
-    ours, theirs = row["slotserve"], row["llama-server"]
-    row["decode_ratio"] = round(
-        ours["aggregate_tok_s"]["median"] / theirs["aggregate_tok_s"]["median"], 2
-    )
-    row["ttft_ratio"] = round(ours["ttft_s"] / theirs["ttft_s"], 2)
-    return row
+        row[name] = side_figures(
+            [aggregate_tok_s(done) for done in rounds],
+            [s.ttft for done in rounds for s in done],
+            [gap for done in rounds for s in done for gap in s.itl],
+        )
+    return add_ratios(row, "slotserve", "llama-server")
 
 
 def servers_section(r: dict[str, Any]) -> list[str]:
@@ -243,30 +231,7 @@ def servers_section(r: dict[str, Any]) -> list[str]:
         "",
     ]
     rows = [
-        [
-            str(x["streams"]),
-            format_summary(x["slotserve"]["aggregate_tok_s"]),
-            format_summary(x["llama-server"]["aggregate_tok_s"]),
-            f"**{x['decode_ratio']}×**",
-            f"{x['slotserve']['ttft_s'] * 1000:.0f} / {x['llama-server']['ttft_s'] * 1000:.0f}",
-            f"**{x['ttft_ratio']}×**",
-            _pair(x, "itl_p50_s"),
-            _pair(x, "itl_p99_s"),
-        ]
-        for x in r["rows"]
+        [str(x["streams"]), *comparison_cells(x, "slotserve", "llama-server")] for x in r["rows"]
     ]
-    header = [
-        "streams",
-        "slotserve decode tok/s",
-        "llama-server decode tok/s",
-        "decode ratio",
-        "TTFT ms (slotserve / llama-server)",
-        "TTFT ratio",
-        "ITL p50 ms",
-        "ITL p99 ms",
-    ]
+    header = ["streams", "slotserve decode tok/s", "llama-server decode tok/s", *COMPARISON_COLUMNS]
     return lines + markdown_table(header, rows)
-
-
-def _pair(row: dict[str, Any], key: str) -> str:
-    return f"{row['slotserve'][key] * 1000:.0f} / {row['llama-server'][key] * 1000:.0f}"

@@ -37,7 +37,6 @@ from slotserve.export.program import (
     QKV,
     Embed,
     Head,
-    Linears,
     Out,
     PairId,
     TwoPass,
@@ -45,6 +44,7 @@ from slotserve.export.program import (
     dense_linear,
     dense_linears,
     head_weight,
+    in_two_passes,
     int4_linears,
     int8_rows_linear,
 )
@@ -188,13 +188,10 @@ def _modules(
     weights = check_supported(model)
     info, tokens = model.info, options.max_tokens
     quantised = options.quant != "fp32"
-    passes: Callable[[nn.Module], nn.Module] = (
-        TwoPass if options.quant == "8da4w-2pass" else (lambda linear: linear)
-    )
-    linears: Linears = dense_linears(weights)
-    if quantised:
-        int4 = int4_linears(weights, info, model.source)
-        linears = lambda i, kind: passes(int4(i, kind))  # noqa: E731
+    two_passes = options.quant == "8da4w-2pass"
+    linears = int4_linears(weights, info, model.source) if quantised else dense_linears(weights)
+    if two_passes:
+        linears = in_two_passes(linears)
     width = (info.n_heads + 2 * info.n_kv_heads) * info.head_dim
     modules: dict[str, tuple[nn.Module, Inputs]] = {
         "embed": (Embed(weights.embed, quantised), (torch.zeros(tokens, dtype=torch.long),))
@@ -218,10 +215,8 @@ def _modules(
         attn = torch.randn(tokens, info.n_heads * info.head_dim)
         modules[f"layer{i}_out"] = (out, (torch.randn(tokens, info.dim), attn))
     head_weights = head_weight(weights)
-    head_linear = (
-        passes(int8_rows_linear(head_weights)) if quantised else dense_linear(head_weights)
-    )
-    head = Head(info, weights.norm, head_linear)
+    head_linear = int8_rows_linear(head_weights) if quantised else dense_linear(head_weights)
+    head = Head(info, weights.norm, TwoPass(head_linear) if two_passes else head_linear)
     modules["head"] = (head, (torch.randn(min(tokens, HEAD_ROWS), info.dim),))
     modules["weights_id"] = (PairId(pair_id), ())
     return modules

@@ -117,6 +117,11 @@ class TwoPass(nn.Module):
         return passes.mean((2, 3), keepdim=True).view(rows, width) * 2
 
 
+def in_two_passes(linears: Linears) -> Linears:
+    """``linears``' projections, each wrapped in `TwoPass`."""
+    return lambda i, kind: TwoPass(linears(i, kind))
+
+
 def dense_linear(weight: torch.Tensor) -> nn.Linear:
     linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     linear.weight = nn.Parameter(weight.float().clone(), requires_grad=False)
