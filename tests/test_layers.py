@@ -18,6 +18,7 @@ LAYERS: dict[str, int] = {
     "info": 0,
     "tokenizer": 0,
     "memory": 0,
+    "paths": 0,
     "kv": 1,
     "sampling": 1,
     "model": 2,

@@ -103,12 +103,17 @@ def run_and_compare(info: ModelInfo, config: KVConfig, plans: list[list[int]], s
 CONFIGS = [
     KVConfig(layout="flat", max_seqs=4, max_context=64),
     KVConfig(layout="cell", max_seqs=4, max_context=64, block_size=4),
+    # The same layouts with torch SDPA for every step (the kernel takes chunks of <= 2).
+    KVConfig(layout="flat", max_seqs=4, max_context=64, attention="torch"),
+    KVConfig(layout="cell", max_seqs=4, max_context=64, block_size=4, attention="torch"),
     KVConfig(layout="ring", max_seqs=4, max_context=64, ring_window=6),
     KVConfig(layout="ring", max_seqs=4, max_context=64, ring_window=5, sinks=2),
 ]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: f"{c.layout}-w{c.ring_window}-s{c.sinks}")
+@pytest.mark.parametrize(
+    "config", CONFIGS, ids=lambda c: f"{c.layout}-w{c.ring_window}-s{c.sinks}-{c.attention}"
+)
 @pytest.mark.parametrize("info", [INFO, MIXED], ids=["full", "mixed"])
 def test_ring_wrap_and_long_chunks(info: ModelInfo, config: KVConfig) -> None:
     # Chunks straddle the ring's end (4+3 over 6 or 5), one chunk is longer than the whole

@@ -23,21 +23,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import platformdirs
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from slotserve.errors import ArtifactError
+from slotserve.paths import cache_dir
 
 CACHE_SCHEMA = "2"  # 2: entries carry tensor checksums and a metadata digest
 _RESERVED_KEYS = ("schema", "digest", "tensors", "metadata_digest")
-
-
-def cache_dir() -> Path:
-    """``$SLOTSERVE_CACHE_DIR`` or the platform's user cache directory."""
-    override = os.environ.get("SLOTSERVE_CACHE_DIR")
-    return Path(override) if override else Path(platformdirs.user_cache_dir("slotserve"))
 
 
 def file_digest(path: Path) -> str:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from slotserve.artifact.weight_cache import cache_dir
+from slotserve.paths import cache_dir
 
 # Pinned, so that a figure measured against llama-server names the llama.cpp it ran.
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"

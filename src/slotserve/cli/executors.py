@@ -45,7 +45,8 @@ def add_executor_args(parser: argparse.ArgumentParser) -> None:
 
 def bundle_path(gguf: Path, max_tokens: int) -> Path:
     """Where `--executor xnnpack` keeps the bundle of ``gguf`` for steps of ``max_tokens``."""
-    from slotserve.artifact.weight_cache import cache_dir, file_digest
+    from slotserve.artifact.weight_cache import file_digest
+    from slotserve.paths import cache_dir
 
     return cache_dir() / f"bundle-{file_digest(gguf)[:32]}-8da4w-t{max_tokens}"
 

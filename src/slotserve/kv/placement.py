@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from slotserve.info import ModelInfo
 from slotserve.kv.config import KVConfig
+from slotserve.kv.kernel import attention_kernel
 from slotserve.kv.layouts import CellGroup, FlatGroup, GroupShape, LayerGroup, RingGroup
 
 Rule = tuple[str, int | None]  # (placement, attention window)
@@ -50,6 +51,7 @@ def cells_per_layer(rule: Rule, config: KVConfig) -> int:
 def build_groups(info: ModelInfo, config: KVConfig) -> list[LayerGroup]:
     """Allocate the storage of every layer, grouped by placement rule."""
     shape = GroupShape(info.n_kv_heads, info.head_dim, config.torch_dtype)
+    kernel = attention_kernel() if config.attention == "auto" else None
     groups: list[LayerGroup] = []
     for (kind, window), layers in layer_rules(info, config).items():
         if kind == "ring":
@@ -60,7 +62,11 @@ def build_groups(info: ModelInfo, config: KVConfig) -> list[LayerGroup]:
                 RingGroup(layers, config.max_seqs, config.ring_window, config.sinks, shape)
             )
         elif kind == "cell":
-            groups.append(CellGroup(layers, config.total_blocks, config.block_size, shape, window))
+            groups.append(
+                CellGroup(layers, config.total_blocks, config.block_size, shape, window, kernel)
+            )
         else:
-            groups.append(FlatGroup(layers, config.max_seqs, config.max_context, shape, window))
+            groups.append(
+                FlatGroup(layers, config.max_seqs, config.max_context, shape, window, kernel)
+            )
     return groups

@@ -1,0 +1,167 @@
+"""The compiled KV kernel (`kernels/update_and_attend.c`): in a decode-sized step, one call
+per layer writes the new K/V rows into the pool's cells and attends over the cells in place,
+without the gather, padding, mask and a dozen small torch ops of the torch path.
+
+Built once per machine with the system C compiler (``-O3 -march=native``: the build is for
+this CPU, so the file name carries a digest of the source, the flags and the CPU's feature
+list) into ``cache_dir()/kernels``, then loaded with ctypes. Where there is no compiler, or
+the build fails, `attention_kernel` returns None and the pool keeps the torch path (the
+reason is logged once). ``SLOTSERVE_ATTENTION=torch`` turns the kernel off for a process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from slotserve.paths import cache_dir
+
+SOURCE = Path(__file__).with_name("kernels") / "update_and_attend.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC")
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
+
+_log = logging.getLogger(__name__)
+_POINTER, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+Storage = tuple[torch.Tensor, torch.Tensor | None]  # (data, int8 scales)
+
+
+class AttentionKernel:
+    """``update_and_attend`` of a loaded library: see the C source for the contract."""
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._function = library.update_and_attend
+        self._function.restype = ctypes.c_int
+        self._function.argtypes = [
+            _POINTER,
+            _I64,
+            *(_POINTER,) * 2,
+            _I64,
+            *(_POINTER,) * 6,
+            ctypes.c_int,
+            _POINTER,
+            _I64,
+            *(_POINTER,) * 2,
+            *(_I64,) * 5,
+            ctypes.c_float,
+            _POINTER,
+        ]
+
+    def update_and_attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        write: torch.Tensor,
+        keys: Storage,
+        values: Storage,
+        cells: torch.Tensor,
+        seq: torch.Tensor,
+        pos: torch.Tensor,
+        window: int | None,
+    ) -> torch.Tensor:
+        """Store the step's ``k, v[T, kv_heads, dim]`` at cells ``write[T]`` of the ``keys``
+        and ``values`` storages, then return the attention of ``q[T, heads, dim]`` (query
+        ``t`` of sequence ``seq[t]`` at position ``pos[t]``) over the keys at positions
+        ``0..pos[t]`` (the last ``window`` of them), which live at ``cells[seq[t], p]``:
+        ``[T, heads * dim]`` fp32. ``q, k, v`` may be row-strided views (of one fused
+        projection): they are read in place."""
+        q, k, v = (_rows(x) for x in (q, k, v))
+        if k.stride(0) != v.stride(0):
+            k, v = k.contiguous(), v.contiguous()
+        (data, key_scales), (value_data, value_scales) = keys, values
+        n_queries, heads, dim = q.shape
+        write, cells, seq, pos = (t.contiguous() for t in (write, cells, seq, pos))
+        out = torch.empty(n_queries, heads * dim)
+        scratch = torch.empty(heads // data.shape[1] * cells.shape[1])
+        status = self._function(
+            q.data_ptr(),
+            q.stride(0),
+            k.data_ptr(),
+            v.data_ptr(),
+            k.stride(0),
+            write.data_ptr(),
+            out.data_ptr(),
+            data.data_ptr(),
+            value_data.data_ptr(),
+            key_scales.data_ptr() if key_scales is not None else None,
+            value_scales.data_ptr() if value_scales is not None else None,
+            DTYPE_CODES[data.dtype],
+            cells.data_ptr(),
+            cells.shape[1],
+            seq.data_ptr(),
+            pos.data_ptr(),
+            n_queries,
+            heads,
+            data.shape[1],
+            dim,
+            window or 0,
+            dim**-0.5,
+            scratch.data_ptr(),
+        )
+        if status != 0:
+            raise ValueError(
+                f"update_and_attend refused its arguments (q {tuple(q.shape)}, cells "
+                f"{tuple(cells.shape)}, positions {pos.tolist()}): a query position is past "
+                "the cells given, or the head counts do not divide"
+            )
+        return out
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x[T, heads, dim]`` as fp32 whose heads and values are contiguous within a row
+    (rows may be apart: a view into a fused projection stays a view)."""
+    x = x.float()
+    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+        return x
+    return x.contiguous()
+
+
+@functools.cache
+def attention_kernel() -> AttentionKernel | None:
+    """The kernel for this machine, built on first use; None where it cannot be built or
+    ``SLOTSERVE_ATTENTION=torch``."""
+    if os.environ.get("SLOTSERVE_ATTENTION", "") == "torch":
+        return None
+    try:
+        return AttentionKernel(ctypes.CDLL(str(_built_library())))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or error
+        _log.warning("attention kernel unavailable (%s); using torch SDPA", detail)
+        return None
+
+
+def _built_library() -> Path:
+    """The shared library for this source, compiler flags and CPU, compiled if missing."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler (cc or gcc) on PATH")
+    digest = hashlib.sha256(SOURCE.read_bytes())
+    digest.update(" ".join((compiler, *FLAGS)).encode())
+    digest.update(_cpu_features().encode())
+    target = cache_dir() / "kernels" / f"update_and_attend-{digest.hexdigest()[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(f".tmp{os.getpid()}")
+        command = [compiler, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"]
+        subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
+        partial.replace(target)  # atomic: a concurrent build never sees half a file
+    return target
+
+
+def _cpu_features() -> str:
+    """The CPU's feature flags (``-march=native`` compiles for them)."""
+    try:
+        with open("/proc/cpuinfo") as handle:
+            return next((line for line in handle if line.startswith("flags")), "")
+    except OSError:
+        return ""

@@ -1,0 +1,244 @@
+/* A layer's KV write and attention for one step, in the pool's cells, in place.
+ *
+ * First each new K/V row t is stored at cell write[t] (converted to the storage dtype, as
+ * slotserve.kv.storage.KVStorage.write does). Then one query row t belongs to sequence seq[t] at position pos[t]; the keys it sees are that
+ * sequence's positions lo..pos[t] (lo = pos[t] - window + 1 with a window, else 0), found
+ * at cells[seq[t] * key_len + j]. No gather, no padding, no mask: each query reads exactly
+ * the cells it attends to, once per KV head for all the query heads that share it (GQA).
+ * Scores, softmax and the weighted sum are in fp32, whatever the storage dtype. Built by
+ * slotserve.kv.kernel with -O3 -march=native -fopenmp-simd (no OpenMP runtime: the loops
+ * are vectorised, not threaded).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __F16C__
+#include <immintrin.h>
+#endif
+
+enum { KV_FP32 = 0, KV_FP16 = 1, KV_BF16 = 2, KV_INT8 = 3 };
+
+#define INLINE static inline __attribute__((always_inline))
+
+/* Row `cell`, head `g` of a [n_cells, kv_heads, dim] storage, as fp32: in place for fp32,
+ * else converted into `row`. */
+INLINE const float *load_row(const void *data, const float *scales, int dtype, int64_t cell,
+                     int64_t g, int64_t kv_heads, int64_t dim, float *row) {
+    int64_t offset = (cell * kv_heads + g) * dim;
+    switch (dtype) {
+    case KV_FP32:
+        return (const float *)data + offset;
+    case KV_FP16: {
+        const uint16_t *src = (const uint16_t *)data + offset;
+        int64_t d = 0;
+#ifdef __F16C__ /* eight at a time in hardware; gcc would convert one by one in software */
+        for (; d + 8 <= dim; d += 8)
+            _mm256_storeu_ps(row + d, _mm256_cvtph_ps(_mm_loadu_si128((const void *)(src + d))));
+#endif
+        for (; d < dim; d++) row[d] = (float)((const _Float16 *)src)[d];
+        break;
+    }
+    case KV_BF16: {
+        const uint16_t *src = (const uint16_t *)data + offset;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; d++) {
+            uint32_t bits = (uint32_t)src[d] << 16;
+            float value;
+            memcpy(&value, &bits, sizeof value);
+            row[d] = value;
+        }
+        break;
+    }
+    default: { /* KV_INT8: one fp32 scale per (cell, head) */
+        const int8_t *src = (const int8_t *)data + offset;
+        float scale = scales[cell * kv_heads + g];
+#pragma omp simd
+        for (int64_t d = 0; d < dim; d++) row[d] = (float)src[d] * scale;
+        break;
+    }
+    }
+    return row;
+}
+
+/* Sixteen partial sums, added as a tree: gcc keeps them in vector registers, where an
+ * `omp simd reduction` spilled its lanes and added them one by one. */
+/* Rows are requested this many keys ahead of their use: in a step the weights streamed
+ * between layers have evicted the pool from the caches, and the hardware prefetcher does
+ * not follow cell indices (measured: the first pass over a layer's KV took twice the
+ * second). */
+#define AHEAD 8
+
+INLINE void prefetch_row(const void *data, int dtype, int64_t cell, int64_t g,
+                         int64_t kv_heads, int64_t dim) {
+    static const int64_t bytes[] = {4, 2, 2, 1};
+    const char *start = (const char *)data + (cell * kv_heads + g) * dim * bytes[dtype];
+    for (int64_t at = 0; at < dim * bytes[dtype]; at += 64) __builtin_prefetch(start + at);
+}
+
+/* Store the fp32 row `src` at row `cell`, head `g`, converting to the storage dtype with
+ * torch's rounding: to nearest even (fp16, bf16), int8 symmetric with amax / 127 scales. */
+INLINE void store_row(void *data, float *scales, int dtype, int64_t cell, int64_t g,
+                      int64_t kv_heads, int64_t dim, const float *src) {
+    int64_t offset = (cell * kv_heads + g) * dim;
+    switch (dtype) {
+    case KV_FP32:
+        memcpy((float *)data + offset, src, (size_t)dim * sizeof(float));
+        break;
+    case KV_FP16: {
+        _Float16 *dst = (_Float16 *)data + offset;
+        for (int64_t d = 0; d < dim; d++) dst[d] = (_Float16)src[d];
+        break;
+    }
+    case KV_BF16: {
+        uint16_t *dst = (uint16_t *)data + offset;
+        for (int64_t d = 0; d < dim; d++) {
+            uint32_t bits;
+            memcpy(&bits, &src[d], sizeof bits);
+            if ((bits & 0x7fffffffu) > 0x7f800000u) dst[d] = 0x7fc0; /* NaN, as torch writes it */
+            else dst[d] = (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+        }
+        break;
+    }
+    default: { /* KV_INT8 */
+        float amax = 0.0f;
+        for (int64_t d = 0; d < dim; d++) amax = fabsf(src[d]) > amax ? fabsf(src[d]) : amax;
+        float scale = (amax > 1e-8f ? amax : 1e-8f) / 127.0f;
+        int8_t *dst = (int8_t *)data + offset;
+        for (int64_t d = 0; d < dim; d++) {
+            float value = nearbyintf(src[d] / scale);
+            dst[d] = (int8_t)(value > 127.0f ? 127.0f : value < -127.0f ? -127.0f : value);
+        }
+        scales[cell * kv_heads + g] = scale;
+        break;
+    }
+    }
+}
+
+INLINE float dot(const float *a, const float *b, int64_t dim) {
+    float lanes[16] = {0}, sum = 0.0f;
+    int64_t d = 0;
+    for (; d + 16 <= dim; d += 16)
+        for (int l = 0; l < 16; l++) lanes[l] += a[d + l] * b[d + l];
+    for (int width = 8; width >= 1; width /= 2)
+        for (int l = 0; l < width; l++) lanes[l] += lanes[l + width];
+    for (; d < dim; d++) sum += a[d] * b[d];
+    return lanes[0] + sum;
+}
+
+/* e^x for x <= 0, to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6
+ * Taylor polynomial, 2^n through the exponent bits. Unlike libm's expf it vectorises. */
+INLINE float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float round = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
+    float n = (x * 1.44269504089f + round) - round;
+    float r = x - n * 0.693145751953f - n * 1.42860682e-6f; /* ln2 split in two parts */
+    float p = 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+/* One query row's heads that share KV head g (`group` of them, at qg) over the keys at
+ * cells[lo..hi]: scores, softmax, weighted values into og. `scores` holds group * span. */
+INLINE void attend_group(const float *qg, float *og, const void *keys, const void *values,
+                         const float *key_scales, const float *value_scales, int dtype,
+                         const int64_t *cells, int64_t lo, int64_t hi, int64_t g,
+                         int64_t group, int64_t kv_heads, int64_t dim, float scale,
+                         float *scores, float *row) {
+    const int64_t span = hi - lo + 1;
+    float best[group];
+    for (int64_t r = 0; r < group; r++) best[r] = -INFINITY;
+    for (int64_t j = 0; j < span; j++) {
+        if (j + AHEAD < span) prefetch_row(keys, dtype, cells[lo + j + AHEAD], g, kv_heads, dim);
+        const float *k = load_row(keys, key_scales, dtype, cells[lo + j], g, kv_heads, dim, row);
+        for (int64_t r = 0; r < group; r++) {
+            float score = dot(qg + r * dim, k, dim);
+            scores[r * span + j] = score;
+            best[r] = score > best[r] ? score : best[r];
+        }
+    }
+    for (int64_t r = 0; r < group; r++) {
+        float *s = scores + r * span, total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < span; j++) {
+            s[j] = exp_nonpositive((s[j] - best[r]) * scale);
+            total += s[j];
+        }
+        float inverse = 1.0f / total;
+        for (int64_t j = 0; j < span; j++) s[j] *= inverse;
+        memset(og + r * dim, 0, (size_t)dim * sizeof(float));
+    }
+    for (int64_t j = 0; j < span; j++) {
+        if (j + AHEAD < span)
+            prefetch_row(values, dtype, cells[lo + j + AHEAD], g, kv_heads, dim);
+        const float *v =
+            load_row(values, value_scales, dtype, cells[lo + j], g, kv_heads, dim, row);
+        for (int64_t r = 0; r < group; r++) {
+            float *o = og + r * dim, p = scores[r * span + j];
+#pragma omp simd
+            for (int64_t d = 0; d < dim; d++) o[d] += p * v[d];
+        }
+    }
+}
+
+/* q: [n_queries, heads, dim] and k_new, v_new: [n_queries, kv_heads, dim], fp32, each row
+ * `q_stride` / `kv_stride` floats after the last (views into one fused projection need no
+ * copy). write: [n_queries] cells for the new rows. out: [n_queries, heads, dim].
+ * keys, values: [n_cells, kv_heads, dim] of `dtype` (key_scales, value_scales:
+ * [n_cells, kv_heads] for KV_INT8, else unused). cells: [n_seqs, key_len]. scratch:
+ * heads / kv_heads * key_len floats. Returns 0, or -1 when an argument is out of range
+ * (then nothing is written). */
+int update_and_attend(const float *q, int64_t q_stride, const float *k_new,
+                      const float *v_new, int64_t kv_stride, const int64_t *write, float *out,
+                      void *keys, void *values, float *key_scales, float *value_scales,
+                      int dtype, const int64_t *cells, int64_t key_len, const int64_t *seq,
+                      const int64_t *pos, int64_t n_queries, int64_t heads, int64_t kv_heads,
+                      int64_t dim, int64_t window, float scale, float *scratch) {
+    if (kv_heads < 1 || heads % kv_heads || dim < 1 || dim > 1024 || dtype < 0 || dtype > 3)
+        return -1;
+    for (int64_t t = 0; t < n_queries; t++)
+        if (pos[t] < 0 || pos[t] >= key_len || seq[t] < 0 || write[t] < 0) return -1;
+    for (int64_t t = 0; t < n_queries; t++)
+        for (int64_t g = 0; g < kv_heads; g++) {
+            const int64_t at = t * kv_stride + g * dim;
+            store_row(keys, key_scales, dtype, write[t], g, kv_heads, dim, k_new + at);
+            store_row(values, value_scales, dtype, write[t], g, kv_heads, dim, v_new + at);
+        }
+    const int64_t group = heads / kv_heads;
+    float row[dim];
+    for (int64_t t = 0; t < n_queries; t++) {
+        const int64_t lo = window > 0 && pos[t] - window + 1 > 0 ? pos[t] - window + 1 : 0;
+        const int64_t *row_cells = cells + seq[t] * key_len;
+        for (int64_t g = 0; g < kv_heads; g++) {
+            const float *qg = q + t * q_stride + g * group * dim;
+            float *og = out + (t * heads + g * group) * dim;
+            /* Constant dtypes (and the common head size) per call site, so that each case
+             * compiles its own loops, unrolled where the size is known. */
+#define ATTEND(code, size)                                                                   \
+    attend_group(qg, og, keys, values, key_scales, value_scales, code, row_cells, lo, pos[t], \
+                 g, group, kv_heads, size, scale, scratch, row)
+#define BY_DTYPE(size)                                                                       \
+    switch (dtype) {                                                                         \
+    case KV_FP32: ATTEND(KV_FP32, size); break;                                              \
+    case KV_FP16: ATTEND(KV_FP16, size); break;                                              \
+    case KV_BF16: ATTEND(KV_BF16, size); break;                                              \
+    default: ATTEND(KV_INT8, size); break;                                                   \
+    }
+            if (dim == 64) {
+                BY_DTYPE(64)
+            } else {
+                BY_DTYPE(dim)
+            }
+#undef BY_DTYPE
+#undef ATTEND
+        }
+    }
+    return 0;
+}
