@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from slotserve.info import ModelInfo
 from slotserve.kv import KVConfig, KVPool, StepBatch
-from slotserve.kv.kernel import attention_kernel
+from slotserve.kv.kernel import StepCells, attention_kernel
 from slotserve.kv.layouts import KERNEL_MAX_QUERIES, PrefixGroup
 
 # The bundled model's attention shape (9 query heads over 3 KV heads of 64) and a small one.
@@ -128,8 +128,8 @@ def test_decode_steps_take_the_kernel_and_long_chunks_do_not() -> None:
     pool.reserve(0, 40)
     long_chunk = StepBatch([0], [0], [KERNEL_MAX_QUERIES + 1])
     decode = StepBatch([0], [KERNEL_MAX_QUERIES + 1], [1])
-    assert "seq" not in group._plan(long_chunk, pool.sessions)
-    assert "seq" in group._plan(decode, pool.sessions)
+    assert "kernel" not in group._plan(long_chunk, pool.sessions, info.n_heads)
+    assert "kernel" in group._plan(decode, pool.sessions, info.n_heads)
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on PATH")
@@ -138,20 +138,12 @@ def test_out_of_range_positions_are_refused_with_nothing_written() -> None:
     assert kernel is not None
     keys, values = torch.zeros(16, 2, 8), torch.zeros(16, 2, 8)
     q, k, v = torch.randn(1, 4, 8), torch.ones(1, 2, 8), torch.ones(1, 2, 8)
-    cells = torch.arange(4).view(1, 4)
+    # Position 4 of a sequence whose cells cover positions 0..3.
+    step = StepCells.of(
+        torch.tensor([3]), torch.arange(4).view(1, 4), torch.tensor([0]), torch.tensor([4]), 2
+    )
     with pytest.raises(ValueError, match="position is past the cells"):
-        kernel.update_and_attend(
-            q,
-            k,
-            v,
-            torch.tensor([3]),
-            (keys, None),
-            (values, None),
-            cells,
-            torch.tensor([0]),
-            torch.tensor([4]),
-            None,
-        )
+        kernel.update_and_attend(q, k, v, step, (keys, None), (values, None), None)
     assert not keys.any() and not values.any()
 
 
@@ -163,15 +155,10 @@ def test_a_window_limits_the_keys() -> None:
     keys, values = torch.randn(16, 1, 8, generator=gen), torch.randn(16, 1, 8, generator=gen)
     q = torch.randn(1, 2, 8, generator=gen)
     k, v = keys[9:10].clone(), values[9:10].clone()
-    args = (
-        torch.tensor([9]),
-        (keys, None),
-        (values, None),
-        torch.arange(16).view(1, 16),
-        torch.tensor([0]),
-        torch.tensor([9]),
+    step = StepCells.of(
+        torch.tensor([9]), torch.arange(16).view(1, 16), torch.tensor([0]), torch.tensor([9]), 2
     )
-    out = kernel.update_and_attend(q, k, v, *args, window=3)
+    out = kernel.update_and_attend(q, k, v, step, (keys, None), (values, None), window=3)
     # The window's three keys (positions 7, 8, 9) by plain attention.
     scores = torch.einsum("hd,ld->hl", q[0], keys[7:10, 0]) / 8**0.5
     expected = scores.softmax(-1) @ values[7:10, 0]

@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -61,69 +62,95 @@ class AttentionKernel:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        write: torch.Tensor,
+        step: StepCells,
         keys: Storage,
         values: Storage,
-        cells: torch.Tensor,
-        seq: torch.Tensor,
-        pos: torch.Tensor,
         window: int | None,
     ) -> torch.Tensor:
-        """Store the step's ``k, v[T, kv_heads, dim]`` at cells ``write[T]`` of the ``keys``
-        and ``values`` storages, then return the attention of ``q[T, heads, dim]`` (query
-        ``t`` of sequence ``seq[t]`` at position ``pos[t]``) over the keys at positions
-        ``0..pos[t]`` (the last ``window`` of them), which live at ``cells[seq[t], p]``:
-        ``[T, heads * dim]`` fp32. ``q, k, v`` may be row-strided views (of one fused
-        projection): they are read in place."""
-        q, k, v = (_rows(x) for x in (q, k, v))
+        """Store the step's ``k, v[T, kv_heads, dim]`` at cells ``step.write`` of the
+        ``keys`` and ``values`` storages, then return the attention of ``q[T, heads, dim]``
+        (query ``t`` of sequence ``step.seq[t]`` at position ``step.pos[t]``) over the keys
+        at positions ``0..pos[t]`` (the last ``window`` of them), which live at
+        ``step.cells[seq[t], p]``: ``[T, heads * dim]`` fp32. ``q, k, v`` may be row-strided
+        views (of one fused projection): they are read in place."""
+        q, k, v = _rows(q), _rows(k), _rows(v)
         if k.stride(0) != v.stride(0):
             k, v = k.contiguous(), v.contiguous()
         (data, key_scales), (value_data, value_scales) = keys, values
         n_queries, heads, dim = q.shape
-        write, cells, seq, pos = (t.contiguous() for t in (write, cells, seq, pos))
         out = torch.empty(n_queries, heads * dim)
-        scratch = torch.empty(heads // data.shape[1] * cells.shape[1])
         status = self._function(
             q.data_ptr(),
             q.stride(0),
             k.data_ptr(),
             v.data_ptr(),
             k.stride(0),
-            write.data_ptr(),
+            step.write.data_ptr(),
             out.data_ptr(),
             data.data_ptr(),
             value_data.data_ptr(),
             key_scales.data_ptr() if key_scales is not None else None,
             value_scales.data_ptr() if value_scales is not None else None,
             DTYPE_CODES[data.dtype],
-            cells.data_ptr(),
-            cells.shape[1],
-            seq.data_ptr(),
-            pos.data_ptr(),
+            step.cells.data_ptr(),
+            step.cells.shape[1],
+            step.seq.data_ptr(),
+            step.pos.data_ptr(),
             n_queries,
             heads,
             data.shape[1],
             dim,
             window or 0,
             dim**-0.5,
-            scratch.data_ptr(),
+            step.scratch.data_ptr(),
         )
         if status != 0:
             raise ValueError(
                 f"update_and_attend refused its arguments (q {tuple(q.shape)}, cells "
-                f"{tuple(cells.shape)}, positions {pos.tolist()}): a query position is past "
-                "the cells given, or the head counts do not divide"
+                f"{tuple(step.cells.shape)}, positions {step.pos.tolist()}): a query position "
+                "is past the cells given, or the head counts do not divide"
             )
         return out
 
 
+@dataclass(frozen=True)
+class StepCells:
+    """One step's indices for the kernel, made once and shared by every layer of a group:
+    ``write[T]`` the cells of the new rows, ``cells[B, key_len]`` the cell of each
+    sequence's positions, ``seq[T]`` and ``pos[T]`` each query's sequence and position, and
+    the ``scratch`` the softmax needs (``heads / kv_heads * key_len`` floats)."""
+
+    write: torch.Tensor
+    cells: torch.Tensor
+    seq: torch.Tensor
+    pos: torch.Tensor
+    scratch: torch.Tensor
+
+    @classmethod
+    def of(
+        cls,
+        write: torch.Tensor,
+        cells: torch.Tensor,
+        seq: torch.Tensor,
+        pos: torch.Tensor,
+        queries_per_kv_head: int,
+    ) -> StepCells:
+        index = [t.to(torch.int64).contiguous() for t in (write, cells, seq, pos)]
+        if index[0].shape != index[2].shape or index[2].shape != index[3].shape:
+            raise ValueError(
+                f"write {tuple(write.shape)}, seq {tuple(seq.shape)} and pos "
+                f"{tuple(pos.shape)} must have one entry per query row"
+            )
+        scratch = torch.empty(queries_per_kv_head * cells.shape[1])
+        return cls(index[0], index[1], index[2], index[3], scratch)
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """``x[T, heads, dim]`` as fp32 whose heads and values are contiguous within a row
-    (rows may be apart: a view into a fused projection stays a view)."""
-    x = x.float()
-    if x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+    (rows may be apart: a view into a fused projection stays a view, without a copy)."""
+    if x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
         return x
-    return x.contiguous()
+    return x.float().contiguous()
 
 
 @functools.cache

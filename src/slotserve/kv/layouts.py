@@ -20,7 +20,7 @@ import torch
 
 from slotserve.kv.attention import attend, pad_rows, prefix_mask, visibility_mask
 from slotserve.kv.batch import StepBatch
-from slotserve.kv.kernel import AttentionKernel
+from slotserve.kv.kernel import AttentionKernel, StepCells
 from slotserve.kv.session import SessionKV
 from slotserve.kv.storage import KVStorage
 
@@ -45,6 +45,7 @@ class LayerGroup(ABC):
 
     def __init__(self, layers: list[int], n_cells: int, shape: GroupShape) -> None:
         self.layers = layers
+        self.shape = shape
         self.n_cells = n_cells
         self.keys = {layer: self._storage(shape) for layer in layers}
         self.values = {layer: self._storage(shape) for layer in layers}
@@ -104,7 +105,9 @@ class PrefixGroup(LayerGroup):
         self.window = window
         self.kernel = kernel
 
-    def _plan(self, batch: StepBatch, sessions: Mapping[int, SessionKV]) -> dict[str, object]:
+    def _plan(
+        self, batch: StepBatch, sessions: Mapping[int, SessionKV], heads: int
+    ) -> dict[str, object]:
         key_len = max(batch.ends)
         bound = [sessions[s] for s in batch.sessions]
         write = torch.cat(
@@ -122,7 +125,8 @@ class PrefixGroup(LayerGroup):
         )
         plan: dict[str, object] = {"write": write, "gather": gather}
         if self.kernel is not None and batch.max_len <= KERNEL_MAX_QUERIES:
-            plan["seq"] = batch.pad_index()[0]
+            seq, group = batch.pad_index()[0], heads // self.shape.kv_heads
+            plan["kernel"] = StepCells.of(write, gather, seq, batch.positions, group)
             return plan
         causal = batch.size == 1 and batch.starts[0] == 0 and self.window is None
         plan["causal"] = causal
@@ -145,25 +149,15 @@ class PrefixGroup(LayerGroup):
         batch: StepBatch,
         sessions: Mapping[int, SessionKV],
     ) -> torch.Tensor:
-        plan = batch.memo(("kv-plan", id(self)), lambda: self._plan(batch, sessions))
+        plan = batch.memo(("kv-plan", id(self)), lambda: self._plan(batch, sessions, q.shape[1]))
         write = plan["write"]
         assert isinstance(write, torch.Tensor)
-        if "seq" in plan:
+        step = plan.get("kernel")
+        if isinstance(step, StepCells):
             assert self.kernel is not None
-            seq, gather = plan["seq"], plan["gather"]
-            assert isinstance(seq, torch.Tensor) and isinstance(gather, torch.Tensor)
             key, value = self.keys[layer], self.values[layer]
             return self.kernel.update_and_attend(
-                q,
-                k,
-                v,
-                write,
-                (key.data, key.scales),
-                (value.data, value.scales),
-                gather,
-                seq,
-                batch.positions,
-                self.window,
+                q, k, v, step, (key.data, key.scales), (value.data, value.scales), self.window
             )
         self.keys[layer].write(write, k)
         self.values[layer].write(write, v)
