@@ -43,33 +43,36 @@ def test_the_kernel_builds_where_a_compiler_is() -> None:
     assert all(g.kernel is not None for g in pool.groups if isinstance(g, PrefixGroup))
 
 
-def drive(pool: KVPool, info: ModelInfo, plans: list[list[int]], seed: int) -> list[torch.Tensor]:
-    """Run sessions through chunked steps (``plans[b]``: chunk sizes); every layer's output."""
+def drive(
+    pool: KVPool, info: ModelInfo, plans: list[list[int]], seed: int, rows: bool = False
+) -> list[torch.Tensor]:
+    """Run sessions through chunked steps (``plans[b]``: chunk sizes); every layer's output.
+    Each layer's q, k, v are one fused projection's rows, as the executors have them: passed
+    whole (``rows``, `update_and_attend_rows`) or as views."""
     gen = torch.Generator().manual_seed(seed)
     for b, plan in enumerate(plans):
         pool.reserve(b, sum(plan))
     outputs, done = [], [0] * len(plans)
+    heads, kv_heads, dim = info.n_heads, info.n_kv_heads, info.head_dim
     for step in range(max(len(p) for p in plans)):
         live = [b for b, p in enumerate(plans) if step < len(p)]
         batch = StepBatch(live, [done[b] for b in live], [plans[b][step] for b in live])
         pool.begin_step(batch)
         for layer in range(info.n_layers):
             n = batch.n_tokens
-            # q, k, v as views of one fused projection, as the executors pass them.
-            fused = torch.randn(
-                n, (info.n_heads + 2 * info.n_kv_heads) * info.head_dim, generator=gen
+            fused = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=gen)
+            if rows:
+                outputs.append(pool.update_and_attend_rows(layer, fused, batch))
+                continue
+            q, k, v = torch.split(fused, [heads * dim, kv_heads * dim, kv_heads * dim], dim=1)
+            out = pool.update_and_attend(
+                layer,
+                q.reshape(n, heads, dim),
+                k.reshape(n, kv_heads, dim),
+                v.reshape(n, kv_heads, dim),
+                batch,
             )
-            widths = [info.n_heads * info.head_dim, *[info.n_kv_heads * info.head_dim] * 2]
-            q, k, v = torch.split(fused, widths, dim=1)
-            outputs.append(
-                pool.update_and_attend(
-                    layer,
-                    q.reshape(n, info.n_heads, info.head_dim),
-                    k.reshape(n, info.n_kv_heads, info.head_dim),
-                    v.reshape(n, info.n_kv_heads, info.head_dim),
-                    batch,
-                )
-            )
+            outputs.append(out)
         pool.check_integrity()
         for b in live:
             done[b] += plans[b][step]
@@ -104,7 +107,8 @@ def test_kernel_writes_the_same_bytes_and_attends_alike(
         )
         for attention in ("auto", "torch")
     }
-    outputs = {name: drive(pool, info, plans, seed) for name, pool in pools.items()}
+    # The kernel's pool reads the fused rows in place; the torch pool gets views of them.
+    outputs = {name: drive(pool, info, plans, seed, name == "auto") for name, pool in pools.items()}
     for kernel_out, torch_out in zip(outputs["auto"], outputs["torch"], strict=True):
         torch.testing.assert_close(kernel_out, torch_out, rtol=0, atol=2e-5)
     for ours, theirs in zip(pools["auto"].groups, pools["torch"].groups, strict=True):
@@ -191,3 +195,15 @@ def test_the_environment_can_turn_the_kernel_off(
 def test_attention_option_is_validated() -> None:
     with pytest.raises(ValueError, match="attention='fast' is not one of"):
         KVConfig(attention="fast")
+
+
+@pytest.mark.parametrize("layout", ["flat", "cell", "ring"])
+def test_fused_rows_equal_views(layout: str) -> None:
+    """`update_and_attend_rows` on ``[q | k | v]`` rows is `update_and_attend` on their views,
+    for every layout (the ring and the torch path take the views themselves)."""
+    info, plans = SHAPES[0], [[5, 1, 1, 2], [1, 1, 3, 1]]
+    config = KVConfig(layout=layout, max_seqs=2, max_context=64, ring_window=4)
+    by_rows = drive(KVPool(info, config), info, plans, seed=3, rows=True)
+    by_views = drive(KVPool(info, config), info, plans, seed=3)
+    for a, b in zip(by_rows, by_views, strict=True):
+        assert torch.equal(a, b)

@@ -97,20 +97,11 @@ class ExecuTorchExecutor:
                 f"{self.max_step_tokens} or export again with a larger --max-batch-tokens"
             )
         info, rope = self.model.info, self.model.rope
-        heads, kv_heads, head_dim = info.n_heads, info.n_kv_heads, info.head_dim
-        widths = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
         (x,) = self._embed.execute([tokens.to(torch.long).contiguous()])
         cos, sin = fused_rope_rows(info, rope.cos[batch.positions], rope.sin[batch.positions])
         for layer, (qkv, out) in enumerate(zip(self._qkv, self._out, strict=True)):
             (fused,) = qkv.execute([x, cos, sin])
-            q, k, v = torch.split(fused, widths, dim=1)
-            attn = kv.update_and_attend(
-                layer,
-                q.reshape(-1, heads, head_dim),
-                k.reshape(-1, kv_heads, head_dim),
-                v.reshape(-1, kv_heads, head_dim),
-                batch,
-            )
+            attn = kv.update_and_attend_rows(layer, fused, batch)  # [q | k | v] rows, in place
             (x,) = out.execute([x, attn.contiguous()])
         return self._logits(x[batch.last_token_rows()])
 

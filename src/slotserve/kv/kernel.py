@@ -76,39 +76,67 @@ class AttentionKernel:
         q, k, v = _rows(q), _rows(k), _rows(v)
         if k.stride(0) != v.stride(0):
             k, v = k.contiguous(), v.contiguous()
+        pointers = (q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0))
+        return self._run(pointers, q.shape[1], step, keys, values, window)
+
+    def update_and_attend_rows(
+        self,
+        qkv: torch.Tensor,
+        heads: int,
+        step: StepCells,
+        keys: Storage,
+        values: Storage,
+        window: int | None,
+    ) -> torch.Tensor:
+        """The same for one fused projection's rows, ``qkv[T, (heads + 2·kv_heads)·dim]``
+        (the query heads, then the key heads, then the value heads), read in place: no view
+        of it is made (in a step, each torch call costs several microseconds)."""
+        if qkv.dtype != torch.float32 or qkv.stride(1) != 1:
+            qkv = qkv.float().contiguous()
+        width = keys[0].shape[1] * keys[0].shape[2] * 4  # one row's K (or V) bytes
+        start, stride = qkv.data_ptr(), qkv.stride(0)
+        q_bytes = heads * keys[0].shape[2] * 4
+        pointers = (start, stride, start + q_bytes, start + q_bytes + width, stride)
+        return self._run(pointers, heads, step, keys, values, window)
+
+    def _run(
+        self,
+        rows: tuple[int, int, int, int, int],
+        heads: int,
+        step: StepCells,
+        keys: Storage,
+        values: Storage,
+        window: int | None,
+    ) -> torch.Tensor:
+        """One call: ``rows`` are the pointers and row strides of q, k and v."""
         (data, key_scales), (value_data, value_scales) = keys, values
-        n_queries, heads, dim = q.shape
+        n_queries, kv_heads, dim = step.write.shape[0], data.shape[1], data.shape[2]
         out = torch.empty(n_queries, heads * dim)
         status = self._function(
-            q.data_ptr(),
-            q.stride(0),
-            k.data_ptr(),
-            v.data_ptr(),
-            k.stride(0),
-            step.write.data_ptr(),
+            *rows,
+            step.pointers[0],
             out.data_ptr(),
             data.data_ptr(),
             value_data.data_ptr(),
             key_scales.data_ptr() if key_scales is not None else None,
             value_scales.data_ptr() if value_scales is not None else None,
             DTYPE_CODES[data.dtype],
-            step.cells.data_ptr(),
-            step.cells.shape[1],
-            step.seq.data_ptr(),
-            step.pos.data_ptr(),
+            step.pointers[1],
+            step.key_len,
+            *step.pointers[2:4],
             n_queries,
             heads,
-            data.shape[1],
+            kv_heads,
             dim,
             window or 0,
             dim**-0.5,
-            step.scratch.data_ptr(),
+            step.pointers[4],
         )
         if status != 0:
             raise ValueError(
-                f"update_and_attend refused its arguments (q {tuple(q.shape)}, cells "
-                f"{tuple(step.cells.shape)}, positions {step.pos.tolist()}): a query position "
-                "is past the cells given, or the head counts do not divide"
+                f"update_and_attend refused its arguments ({n_queries} queries of {heads} "
+                f"heads, cells {tuple(step.cells.shape)}, positions {step.pos.tolist()}): a "
+                "query position is past the cells given, or the head counts do not divide"
             )
         return out
 
@@ -118,13 +146,16 @@ class StepCells:
     """One step's indices for the kernel, made once and shared by every layer of a group:
     ``write[T]`` the cells of the new rows, ``cells[B, key_len]`` the cell of each
     sequence's positions, ``seq[T]`` and ``pos[T]`` each query's sequence and position, and
-    the ``scratch`` the softmax needs (``heads / kv_heads * key_len`` floats)."""
+    the ``scratch`` the softmax needs (``heads / kv_heads * key_len`` floats); ``pointers``
+    are their addresses, read once."""
 
     write: torch.Tensor
     cells: torch.Tensor
     seq: torch.Tensor
     pos: torch.Tensor
     scratch: torch.Tensor
+    pointers: tuple[int, int, int, int, int]
+    key_len: int
 
     @classmethod
     def of(
@@ -135,14 +166,21 @@ class StepCells:
         pos: torch.Tensor,
         queries_per_kv_head: int,
     ) -> StepCells:
-        index = [t.to(torch.int64).contiguous() for t in (write, cells, seq, pos)]
-        if index[0].shape != index[2].shape or index[2].shape != index[3].shape:
+        write, cells, seq, pos = (t.to(torch.int64).contiguous() for t in (write, cells, seq, pos))
+        if write.shape != seq.shape or seq.shape != pos.shape:
             raise ValueError(
                 f"write {tuple(write.shape)}, seq {tuple(seq.shape)} and pos "
                 f"{tuple(pos.shape)} must have one entry per query row"
             )
         scratch = torch.empty(queries_per_kv_head * cells.shape[1])
-        return cls(index[0], index[1], index[2], index[3], scratch)
+        pointers = (
+            write.data_ptr(),
+            cells.data_ptr(),
+            seq.data_ptr(),
+            pos.data_ptr(),
+            scratch.data_ptr(),
+        )
+        return cls(write, cells, seq, pos, scratch, pointers, cells.shape[1])
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -75,6 +75,19 @@ class LayerGroup(ABC):
     ) -> torch.Tensor:
         """Write the step's K/V for ``layer`` and return its attention output."""
 
+    def update_and_attend_rows(
+        self,
+        layer: int,
+        qkv: torch.Tensor,
+        batch: StepBatch,
+        sessions: Mapping[int, SessionKV],
+    ) -> torch.Tensor:
+        """`update_and_attend` on fused ``[q | k | v]`` rows, as views of them."""
+        kv_heads, head_dim = self.shape.kv_heads, self.shape.head_dim
+        heads = qkv.shape[1] // head_dim - 2 * kv_heads
+        q, k, v = torch.split(qkv.view(qkv.shape[0], -1, head_dim), [heads, kv_heads, kv_heads], 1)
+        return self.update_and_attend(layer, q, k, v, batch, sessions)
+
     def visible_positions(self, length: int) -> torch.Tensor:
         """Stored positions that the next query of a session of ``length`` can see."""
         return torch.arange(length)
@@ -166,6 +179,24 @@ class PrefixGroup(LayerGroup):
         mask = plan["mask"]
         assert mask is None or isinstance(mask, torch.Tensor)
         return attend(q, keys, values, batch, mask, causal_from_zero=bool(plan["causal"]))
+
+    def update_and_attend_rows(
+        self,
+        layer: int,
+        qkv: torch.Tensor,
+        batch: StepBatch,
+        sessions: Mapping[int, SessionKV],
+    ) -> torch.Tensor:
+        """The kernel reads the fused rows in place; the torch path takes views of them."""
+        heads = qkv.shape[1] // self.shape.head_dim - 2 * self.shape.kv_heads
+        plan = batch.memo(("kv-plan", id(self)), lambda: self._plan(batch, sessions, heads))
+        step = plan.get("kernel")
+        if not isinstance(step, StepCells):
+            return super().update_and_attend_rows(layer, qkv, batch, sessions)
+        assert self.kernel is not None
+        key, value = self.keys[layer], self.values[layer]
+        storages = (key.data, key.scales), (value.data, value.scales)
+        return self.kernel.update_and_attend_rows(qkv, heads, step, *storages, self.window)
 
 
 class FlatGroup(PrefixGroup):

@@ -352,6 +352,13 @@ class KVPool:
         """Write the step's K/V for ``layer`` and attend; see `slotserve.kv.KVStore`."""
         return self._group_of[layer].update_and_attend(layer, q, k, v, batch, self.sessions)
 
+    def update_and_attend_rows(
+        self, layer: int, qkv: torch.Tensor, batch: StepBatch
+    ) -> torch.Tensor:
+        """The same on one fused projection's rows; see `slotserve.kv.KVStore`."""
+        group = self._group_of[layer]
+        return group.update_and_attend_rows(layer, qkv, batch, self.sessions)
+
     # -- internals -------------------------------------------------------------------
 
     def _get(self, session: int) -> SessionKV:

@@ -10,7 +10,8 @@ from slotserve.kv.batch import StepBatch
 
 
 class KVStore(Protocol):
-    """What the model may ask of the KV cache: nothing but ``update_and_attend``.
+    """What the model may ask of the KV cache: nothing but ``update_and_attend`` (or the same
+    on one fused projection's rows, ``update_and_attend_rows``).
 
     Implementations write ``k``/``v`` (``[T, kv_heads, head_dim]``, RoPE applied) at the
     positions the batch names and return attention of ``q`` (``[T, heads, head_dim]``)
@@ -23,3 +24,11 @@ class KVStore(Protocol):
     def update_and_attend(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch
     ) -> torch.Tensor: ...
+
+    def update_and_attend_rows(
+        self, layer: int, qkv: torch.Tensor, batch: StepBatch
+    ) -> torch.Tensor:
+        """`update_and_attend` for ``qkv[T, (heads + 2·kv_heads)·head_dim]``, the rows of one
+        fused projection (query heads, then key heads, then value heads), as an exported
+        program returns them: a layout may read them in place without making views."""
+        ...
