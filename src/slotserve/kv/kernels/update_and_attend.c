@@ -60,8 +60,6 @@ INLINE const float *load_row(const void *data, const float *scales, int dtype, i
     return row;
 }
 
-/* Sixteen partial sums, added as a tree: gcc keeps them in vector registers, where an
- * `omp simd reduction` spilled its lanes and added them one by one. */
 /* Rows are requested this many keys ahead of their use: in a step the weights streamed
  * between layers have evicted the pool from the caches, and the hardware prefetcher does
  * not follow cell indices (measured: the first pass over a layer's KV took twice the
@@ -114,15 +112,33 @@ INLINE void store_row(void *data, float *scales, int dtype, int64_t cell, int64_
     }
 }
 
+/* Eight lanes (GCC's vector extension: AVX registers where the CPU has them), two
+ * accumulators, and the lanes added as a tree in registers: plain loops (or an `omp simd`
+ * reduction) had the compiler add the lanes one by one through the stack, the hottest
+ * instructions of the kernel. */
+typedef float lanes8 __attribute__((vector_size(32)));
+typedef int32_t index8 __attribute__((vector_size(32)));
+
+INLINE lanes8 load8(const float *from) {
+    lanes8 value;
+    memcpy(&value, from, sizeof value);
+    return value;
+}
+
 INLINE float dot(const float *a, const float *b, int64_t dim) {
-    float lanes[16] = {0}, sum = 0.0f;
+    lanes8 even = {0}, odd = {0};
     int64_t d = 0;
-    for (; d + 16 <= dim; d += 16)
-        for (int l = 0; l < 16; l++) lanes[l] += a[d + l] * b[d + l];
-    for (int width = 8; width >= 1; width /= 2)
-        for (int l = 0; l < width; l++) lanes[l] += lanes[l + width];
+    for (; d + 16 <= dim; d += 16) {
+        even += load8(a + d) * load8(b + d);
+        odd += load8(a + d + 8) * load8(b + d + 8);
+    }
+    even += odd;
+    even += __builtin_shuffle(even, (index8){4, 5, 6, 7, 0, 1, 2, 3});
+    even += __builtin_shuffle(even, (index8){2, 3, 0, 1, 6, 7, 4, 5});
+    even += __builtin_shuffle(even, (index8){1, 0, 3, 2, 5, 4, 7, 6});
+    float sum = even[0];
     for (; d < dim; d++) sum += a[d] * b[d];
-    return lanes[0] + sum;
+    return sum;
 }
 
 /* e^x for x <= 0, to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6
