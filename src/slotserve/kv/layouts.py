@@ -26,8 +26,9 @@ from slotserve.kv.storage import KVStorage
 
 # Steps whose sequences add at most this many tokens each attend with the compiled kernel
 # (when it is built); longer chunks go to torch SDPA, whose matrix products win there
-# (30 layers at 300 positions: the kernel 1.7-2.5x faster at 1 token a sequence, 1.1-1.7x
-# at 2, even at 4, 1.4-1.9x slower at 8; /tmp-style pool benchmark, Intel Xeon).
+# (a pool of 30 layers at 300 positions: the kernel 1.7-2.5x faster at 1 token a sequence,
+# 1.1-1.7x at 2, even at 4, 1.4-1.9x slower at 8; Intel Xeon, before its dot products were
+# vectorised by hand).
 KERNEL_MAX_QUERIES = 2
 
 
