@@ -85,9 +85,13 @@ class LayerGroup(ABC):
     ) -> torch.Tensor:
         """`update_and_attend` on fused ``[q | k | v]`` rows, as views of them."""
         kv_heads, head_dim = self.shape.kv_heads, self.shape.head_dim
-        heads = qkv.shape[1] // head_dim - 2 * kv_heads
+        heads = self.query_heads(qkv)
         q, k, v = torch.split(qkv.view(qkv.shape[0], -1, head_dim), [heads, kv_heads, kv_heads], 1)
         return self.update_and_attend(layer, q, k, v, batch, sessions)
+
+    def query_heads(self, qkv: torch.Tensor) -> int:
+        """How many query heads fused ``[q | k | v]`` rows carry."""
+        return qkv.shape[1] // self.shape.head_dim - 2 * self.shape.kv_heads
 
     def visible_positions(self, length: int) -> torch.Tensor:
         """Stored positions that the next query of a session of ``length`` can see."""
@@ -189,7 +193,7 @@ class PrefixGroup(LayerGroup):
         sessions: Mapping[int, SessionKV],
     ) -> torch.Tensor:
         """The kernel reads the fused rows in place; the torch path takes views of them."""
-        heads = qkv.shape[1] // self.shape.head_dim - 2 * self.shape.kv_heads
+        heads = self.query_heads(qkv)
         plan = batch.memo(("kv-plan", id(self)), lambda: self._plan(batch, sessions, heads))
         step = plan.get("kernel")
         if not isinstance(step, StepCells):
