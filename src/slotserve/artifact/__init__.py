@@ -24,14 +24,25 @@ def load(spec: str | Path, *, progress: bool = True, weights: str = "fp32") -> M
     here (schema, files), and `slotserve.Engine` runs it on the ExecuTorch executor.
 
     ``weights="int8"`` quantises the projections for ~2.3x faster CPU decode at some cost
-    in accuracy (see `slotserve.model.quantized`); the default keeps fp32.
+    in accuracy (see `slotserve.model.quantized`); ``weights="gguf"`` keeps a GGUF file's
+    Q4_0/Q4_1/Q8_0 matrices as its blocks (`slotserve.model.gguf_linear`); the default
+    keeps fp32.
     """
+    if weights == "gguf":
+        return load_gguf(_gguf_path(spec), progress=progress, blocks=True)
     model = _load(spec, progress)
     if weights == "fp32":
         return model
     if model.weights is None:
         raise ValueError(f"weights={weights!r}: a bundle's weights were fixed at export")
     return Model(model.info, model.tokenizer, with_weights(model.weights, weights), model.source)
+
+
+def _gguf_path(spec: str | Path) -> Path:
+    path = bundled_gguf_path() if str(spec) == "bundled" else Path(spec).expanduser()
+    if path.suffix != ".gguf":
+        raise ValueError(f"weights='gguf' keeps a GGUF file's blocks; {str(spec)!r} is not one")
+    return path
 
 
 def _load(spec: str | Path, progress: bool) -> Model:

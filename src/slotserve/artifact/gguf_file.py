@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -18,6 +18,9 @@ from gguf.quants import dequantize
 
 from slotserve.errors import ArtifactError
 from slotserve.info import ModelInfo, RopeConfig
+from slotserve.model.gguf_linear import BlockLinear, to_q4_1
+
+WeightT = TypeVar("WeightT", torch.Tensor, BlockLinear)
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 # RoPE tables for the whole context are built at load, so a corrupt context length would
@@ -310,9 +313,11 @@ def hf_tensor_name(name: str, path: Path) -> str:
 
 
 def iter_tensors(
-    reader: GGUFReader, info: ModelInfo, path: Path
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, fp32 tensor)`` for every tensor, dequantised and un-permuted."""
+    reader: GGUFReader, info: ModelInfo, path: Path, *, keep_blocks: bool = False
+) -> Iterator[tuple[str, torch.Tensor | BlockLinear]]:
+    """Yield ``(hf_name, fp32 tensor)`` for every tensor, dequantised and un-permuted. With
+    ``keep_blocks``, the matrices in a type the block kernel multiplies (Q4_0, Q4_1, Q8_0)
+    come as `BlockLinear` on the file's blocks instead (rows un-permuted, Q4_0 as Q4_1)."""
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
         if kind not in SUPPORTED_QUANTS:
@@ -321,6 +326,10 @@ def iter_tensors(
                 f"tensor type {kind} is not supported; supported: {SUPPORTED_QUANTS}",
                 tensor.name,
             )
+        name = hf_tensor_name(tensor.name, path)
+        if keep_blocks and kind in BLOCK_KINDS and len(tensor.shape) == 2:
+            yield name, _unpermute(name, _blocks(tensor), info)
+            continue
         shape = tuple(int(n) for n in reversed(tensor.shape))
         try:
             array = np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
@@ -329,14 +338,26 @@ def iter_tensors(
             raise ArtifactError(
                 path, f"cannot dequantise {kind} data ({exc})", tensor.name
             ) from exc
-        name = hf_tensor_name(tensor.name, path)
         yield name, _unpermute(name, torch.from_numpy(array.copy()), info)
 
 
-def _unpermute(name: str, weight: torch.Tensor, info: ModelInfo) -> torch.Tensor:
+BLOCK_KINDS = ("Q4_0", "Q4_1", "Q8_0")
+
+
+def _blocks(tensor: Any) -> BlockLinear:
+    """A 2-D Q4_0/Q4_1/Q8_0 tensor's blocks, copied out of the file's mapping."""
+    rows = int(tensor.shape[1])
+    data = torch.from_numpy(np.asarray(tensor.data).view(np.uint8).reshape(rows, -1).copy())
+    if tensor.tensor_type.name == "Q4_0":
+        return BlockLinear.from_gguf(to_q4_1(data), "Q4_1")
+    return BlockLinear.from_gguf(data, tensor.tensor_type.name)
+
+
+def _unpermute(name: str, weight: WeightT, info: ModelInfo) -> WeightT:
     # llama.cpp's converter interleaves the two rotary halves of each Q/K head for the
     # "llama" architecture (GGML's rope pairs adjacent dims). Undo it so the model can use
-    # the rotate-half layout of the Hugging Face weights for every source.
+    # the rotate-half layout of the Hugging Face weights for every source. Rows are
+    # independent, so a block matrix's rows move the same way.
     if info.arch != "llama":
         return weight
     if name.endswith("self_attn.q_proj.weight"):
@@ -345,5 +366,8 @@ def _unpermute(name: str, weight: torch.Tensor, info: ModelInfo) -> torch.Tensor
         heads = info.n_kv_heads
     else:
         return weight
-    rows, cols = weight.shape
-    return weight.reshape(heads, info.head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+    order = torch.arange(heads * info.head_dim)
+    order = order.view(heads, info.head_dim // 2, 2).transpose(1, 2).reshape(-1)
+    if isinstance(weight, BlockLinear):
+        return weight.rows(order)
+    return weight[order].contiguous()

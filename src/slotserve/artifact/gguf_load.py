@@ -11,6 +11,7 @@ import logging
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -33,10 +34,18 @@ from slotserve.tokenizer import Tokenizer
 log = logging.getLogger("slotserve")
 
 
-def load_gguf(path: Path, *, use_cache: bool = True, progress: bool = True) -> Model:
-    """Load ``path``; the first load dequantises (with a progress bar) and fills the cache."""
+def load_gguf(
+    path: Path, *, use_cache: bool = True, progress: bool = True, blocks: bool = False
+) -> Model:
+    """Load ``path``; the first load dequantises (with a progress bar) and fills the cache.
+
+    With ``blocks``, the Q4_0/Q4_1/Q8_0 matrices stay the file's blocks (`BlockLinear`, read
+    without the cache: there is nothing to dequantise) and the rest is dequantised."""
     if not path.is_file():
         raise ArtifactError(path, "no such file; pass a path to a .gguf file")
+    if blocks:
+        info, tokenizer, parts = _read_gguf(path, progress, keep_blocks=True)
+        return Model(info, tokenizer, build_weights(info, parts, str(path)), source=str(path))
     digest = weight_cache.file_digest(path)
     if use_cache and (model := _load_cached(path, digest)) is not None:
         return model
@@ -76,19 +85,21 @@ def _decode_entry_meta(meta: Mapping[str, str], entry: Path) -> tuple[ModelInfo,
         raise ArtifactError(entry, f"cache entry metadata unreadable ({exc})", "metadata") from exc
 
 
-def _read_gguf(path: Path, progress: bool) -> tuple[ModelInfo, Tokenizer, dict[str, torch.Tensor]]:
+def _read_gguf(
+    path: Path, progress: bool, *, keep_blocks: bool = False
+) -> tuple[ModelInfo, Tokenizer, dict[str, Any]]:
     reader = open_gguf(path)
     meta = read_metadata(reader)
     shapes = tensor_shapes(reader)
     info = model_info_from_gguf(meta, shapes.keys(), path, shapes=shapes)
     tokenizer = tokenizer_from_gguf(meta, str(path))
-    tensors: Iterable[tuple[str, torch.Tensor]] = iter_tensors(reader, info, path)
+    tensors: Iterable[tuple[str, Any]] = iter_tensors(reader, info, path, keep_blocks=keep_blocks)
     if progress:
         console = Console(file=sys.stderr)
         tensors = track(
             tensors,
             total=len(reader.tensors),
-            description=f"dequantising {path.name}",
+            description=f"{'reading' if keep_blocks else 'dequantising'} {path.name}",
             console=console,
             transient=True,
         )

@@ -41,6 +41,7 @@ from slotserve.export.program import (
     PairId,
     TwoPass,
     check_supported,
+    dense_embedding,
     dense_linear,
     dense_linears,
     head_weight,
@@ -194,7 +195,10 @@ def _modules(
         linears = in_two_passes(linears)
     width = (info.n_heads + 2 * info.n_kv_heads) * info.head_dim
     modules: dict[str, tuple[nn.Module, Inputs]] = {
-        "embed": (Embed(weights.embed, quantised), (torch.zeros(tokens, dtype=torch.long),))
+        "embed": (
+            Embed(dense_embedding(weights), quantised),
+            (torch.zeros(tokens, dtype=torch.long),),
+        )
     }
     for i, layer in enumerate(weights.layers):
         qkv = QKV(info, layer.attn_norm, linears(i, "qkv"))

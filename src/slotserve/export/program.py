@@ -289,8 +289,9 @@ def check_supported(model: Model) -> LlamaWeights:
             f"qk_norm={info.qk_norm} is not supported yet: serve it with the torch executor"
         )
     weights = model.require_weights()
-    if not isinstance(weights.lm_head, DenseLinear) or not isinstance(
-        weights.layers[0].qkv, DenseLinear
+    dense = (weights.lm_head, weights.layers[0].qkv)
+    if not all(isinstance(x, DenseLinear) for x in dense) or not isinstance(
+        weights.embed, torch.Tensor
     ):
         raise ValueError(
             f"export reads the model's fp32 weights, but {model.source} was loaded with "
@@ -302,6 +303,11 @@ def check_supported(model: Model) -> LlamaWeights:
 def dense_weight(linear: Linear) -> torch.Tensor:
     assert isinstance(linear, DenseLinear), linear  # check_supported ran
     return linear.weight
+
+
+def dense_embedding(weights: LlamaWeights) -> torch.Tensor:
+    assert isinstance(weights.embed, torch.Tensor), weights.embed  # check_supported ran
+    return weights.embed
 
 
 def layer_weight(weights: LlamaWeights, layer: int, kind: LinearKind) -> torch.Tensor:
@@ -372,4 +378,4 @@ def _q4_layer_blocks(
 
 
 def head_weight(weights: LlamaWeights) -> torch.Tensor:
-    return weights.embed if weights.tied else dense_weight(weights.lm_head)
+    return dense_embedding(weights) if weights.tied else dense_weight(weights.lm_head)

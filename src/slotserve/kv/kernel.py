@@ -2,28 +2,25 @@
 per layer writes the new K/V rows into the pool's cells and attends over the cells in place,
 without the gather, padding, mask and a dozen small torch ops of the torch path.
 
-Built once per machine with the system C compiler (``-O3 -march=native``: the build is for
-this CPU, so the file name carries a digest of the source, the flags and the CPU's feature
-list) into ``cache_dir()/kernels``, then loaded with ctypes. Where there is no compiler, or
-the build fails, `attention_kernel` returns None and the pool keeps the torch path (the
-reason is logged once). ``SLOTSERVE_ATTENTION=torch`` turns the kernel off for a process.
+Built once per machine with the system C compiler (``-O3 -march=native``, `slotserve.paths`)
+and loaded with ctypes. Where there is no compiler, or the build fails, `attention_kernel`
+returns None and the pool keeps the torch path (the reason is logged once).
+``SLOTSERVE_ATTENTION=torch`` turns the kernel off for a process.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
-import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from slotserve.paths import cache_dir
+from slotserve.paths import load_library
 
 SOURCE = Path(__file__).with_name("kernels") / "update_and_attend.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC")
@@ -198,35 +195,8 @@ def attention_kernel() -> AttentionKernel | None:
     if os.environ.get("SLOTSERVE_ATTENTION", "") == "torch":
         return None
     try:
-        return AttentionKernel(ctypes.CDLL(str(_built_library())))
+        return AttentionKernel(load_library(SOURCE, FLAGS))
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", "") or error
         _log.warning("attention kernel unavailable (%s); using torch SDPA", detail)
         return None
-
-
-def _built_library() -> Path:
-    """The shared library for this source, compiler flags and CPU, compiled if missing."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler (cc or gcc) on PATH")
-    digest = hashlib.sha256(SOURCE.read_bytes())
-    digest.update(" ".join((compiler, *FLAGS)).encode())
-    digest.update(_cpu_features().encode())
-    target = cache_dir() / "kernels" / f"update_and_attend-{digest.hexdigest()[:16]}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        partial = target.with_suffix(f".tmp{os.getpid()}")
-        command = [compiler, *FLAGS, "-o", str(partial), str(SOURCE), "-lm"]
-        subprocess.run(command, check=True, capture_output=True, text=True, timeout=120)
-        partial.replace(target)  # atomic: a concurrent build never sees half a file
-    return target
-
-
-def _cpu_features() -> str:
-    """The CPU's feature flags (``-march=native`` compiles for them)."""
-    try:
-        with open("/proc/cpuinfo") as handle:
-            return next((line for line in handle if line.startswith("flags")), "")
-    except OSError:
-        return ""

@@ -20,6 +20,11 @@ class Linear(Protocol):
     @property
     def nbytes(self) -> int: ...
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(out_features, in_features)``."""
+        ...
+
 
 # On these CPUs torch multiplies 2 or 3 rows one row at a time (2-3x the cost of one row),
 # while 4 rows take the blocked GEMM path (~1.6x one row). Measured with F.linear on the
@@ -45,6 +50,11 @@ class DenseLinear:
     def nbytes(self) -> int:
         extra = self.bias.nbytes if self.bias is not None else 0
         return self.weight.nbytes + extra
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, cols = self.weight.shape
+        return rows, cols
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from slotserve.info import ModelInfo
@@ -9,6 +11,7 @@ from slotserve.kv.batch import StepBatch
 from slotserve.kv.config import KVConfig
 from slotserve.kv.pool import KVPool
 from slotserve.kv.store import KVStore
+from slotserve.model.block_forward import BlockLayers
 from slotserve.model.layers import RopeTables
 from slotserve.model.llama import forward_hidden
 from slotserve.model.weights import LlamaWeights
@@ -40,6 +43,11 @@ class Model:
         self.program_bytes = program_bytes
         self.rope = RopeTables.build(info.rope, info.head_dim, info.max_context)
 
+    @functools.cached_property
+    def _block_layers(self) -> BlockLayers | None:
+        """The fused forward's view of the weights, where it covers them."""
+        return BlockLayers.of(self.weights, self.info) if self.weights is not None else None
+
     @property
     def weight_bytes(self) -> int:
         """Resident bytes of the weights: loaded tensors, or the lowered program's."""
@@ -70,7 +78,10 @@ class Model:
             raise ValueError(
                 f"position {max(batch.ends)} exceeds the model's context {self.info.max_context}"
             )
-        hidden = forward_hidden(weights, self.info, self.rope, tokens, batch, kv)
+        if self._block_layers is not None:
+            hidden = self._block_layers.forward_hidden(weights, self.rope, tokens, batch, kv)
+        else:
+            hidden = forward_hidden(weights, self.info, self.rope, tokens, batch, kv)
         if not all_logits:
             hidden = hidden[batch.last_token_rows()]
         return weights.lm_head(hidden).float()

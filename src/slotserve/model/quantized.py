@@ -44,6 +44,10 @@ class Int8Linear:
         return out.reshape(*x.shape[:-1], self.out_features)
 
     @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+    @property
     def nbytes(self) -> int:
         """int8 weights, one fp64 scale and one int64 zero point per output channel, bias."""
         per_channel = 8 + 8 + (4 if self.has_bias else 0)

@@ -1,7 +1,9 @@
 """Model weights as plain tensors, built from a state dict with Hugging Face names.
 
 Q/K/V and gate/up projections are fused into one matmul each: fewer, larger GEMMs are
-faster on CPU at the small batch sizes of a device.
+faster on CPU at the small batch sizes of a device. A state dict may hold some matrices as
+a GGUF file's blocks (`BlockLinear`): they stay blocks where all parts of a projection share
+one block type, and are dequantised otherwise.
 """
 
 from __future__ import annotations
@@ -13,7 +15,11 @@ import torch
 
 from slotserve.errors import ArtifactError
 from slotserve.info import ModelInfo
+from slotserve.model.gguf_linear import BlockEmbedding, BlockLinear
 from slotserve.model.layers import DenseLinear, Linear
+
+Part = torch.Tensor | BlockLinear  # one state-dict entry
+Embedding = torch.Tensor | BlockEmbedding
 
 
 @dataclass(frozen=True)
@@ -30,7 +36,7 @@ class LayerWeights:
 
 @dataclass(frozen=True)
 class LlamaWeights:
-    embed: torch.Tensor
+    embed: Embedding
     layers: tuple[LayerWeights, ...]
     norm: torch.Tensor
     lm_head: Linear
@@ -52,16 +58,30 @@ class LlamaWeights:
 
     @property
     def n_params(self) -> int:
-        return self.nbytes // self.embed.element_size()
+        """Parameters (a tied head counted once), whatever their storage."""
+        vocab, dim = self.embed.shape
+        total = vocab * dim + dim + (0 if self.tied else _params(self.lm_head))
+        for layer in self.layers:
+            total += 2 * dim + sum(_params(x) for x in (layer.qkv, layer.o, layer.gate_up))
+            total += _params(layer.down)
+            total += sum(n.numel() for n in (layer.q_norm, layer.k_norm) if n is not None)
+        return total
+
+
+def _params(linear: Linear) -> int:
+    rows, cols = linear.shape
+    bias = getattr(linear, "bias", None)
+    return rows * cols + (bias.numel() if bias is not None else 0)
 
 
 class _StateDict:
     """Checked access to a state dict: a missing or misshapen tensor is an ArtifactError."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor], source: str, dtype: torch.dtype):
+    def __init__(self, tensors: Mapping[str, Part], source: str, dtype: torch.dtype):
         self.tensors, self.source, self.dtype = tensors, source, dtype
 
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def part(self, name: str, shape: tuple[int, ...]) -> Part:
+        """The entry as stored: dense (in the state dict's dtype) or blocks."""
         if name not in self.tensors:
             raise ArtifactError(self.source, f"tensor missing, expected shape {shape}", name)
         tensor = self.tensors[name]
@@ -69,37 +89,58 @@ class _StateDict:
             raise ArtifactError(
                 self.source, f"tensor has shape {tuple(tensor.shape)}, expected {shape}", name
             )
-        return tensor.to(self.dtype)
+        return tensor if isinstance(tensor, BlockLinear) else tensor.to(self.dtype)
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """The entry as a dense tensor (blocks dequantised)."""
+        return self.dense(self.part(name, shape))
+
+    def dense(self, part: Part) -> torch.Tensor:
+        return part.dequantize().to(self.dtype) if isinstance(part, BlockLinear) else part
 
     def maybe(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
         return self.get(name, shape) if name in self.tensors else None
 
+    def linear(self, parts: list[Part], bias: torch.Tensor | None = None) -> Linear:
+        """The row-wise concatenation of ``parts`` as one projection."""
+        blocks = [part for part in parts if isinstance(part, BlockLinear)]
+        if len(blocks) == len(parts) and len({part.kind for part in blocks}) == 1:
+            packed = _cat([part.packed for part in blocks])
+            return BlockLinear(packed, blocks[0].kind, blocks[0].in_features, bias)
+        return DenseLinear(_cat([self.dense(part) for part in parts]), bias)
+
+
+def _cat(rows: list[torch.Tensor]) -> torch.Tensor:
+    # One part is used as it is: a tied head shares the embedding's storage.
+    return rows[0] if len(rows) == 1 else torch.cat(rows)
+
 
 def build_weights(
     info: ModelInfo,
-    tensors: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, Part],
     source: str,
     dtype: torch.dtype = torch.float32,
 ) -> LlamaWeights:
     """Assemble `LlamaWeights` from tensors named as in Hugging Face Llama/Qwen checkpoints."""
     sd = _StateDict(tensors, source, dtype)
-    embed = sd.get("model.embed_tokens.weight", (info.vocab_size, info.dim))
+    table = sd.part("model.embed_tokens.weight", (info.vocab_size, info.dim))
     layers = tuple(_build_layer(info, sd, i) for i in range(info.n_layers))
     norm = sd.get("model.norm.weight", (info.dim,))
-    head = sd.maybe("lm_head.weight", (info.vocab_size, info.dim))
-    if head is None and not info.tied_embeddings:
-        raise ArtifactError(source, "untied model has no lm_head", "lm_head.weight")
-    tied = head is None
-    lm_head = DenseLinear(embed if tied else head)  # type: ignore[arg-type]
-    return LlamaWeights(embed, layers, norm, lm_head, tied)
+    head_name = "lm_head.weight"
+    if head_name not in tensors and not info.tied_embeddings:
+        raise ArtifactError(source, "untied model has no lm_head", head_name)
+    tied = head_name not in tensors
+    head = table if tied else sd.part(head_name, (info.vocab_size, info.dim))
+    embed = BlockEmbedding(table) if isinstance(table, BlockLinear) else table
+    return LlamaWeights(embed, layers, norm, sd.linear([head]), tied)
 
 
 def _build_layer(info: ModelInfo, sd: _StateDict, i: int) -> LayerWeights:
     p = f"model.layers.{i}."
     q_out, kv_out, dim = info.n_heads * info.head_dim, info.kv_dim, info.dim
-    q = sd.get(p + "self_attn.q_proj.weight", (q_out, dim))
-    k = sd.get(p + "self_attn.k_proj.weight", (kv_out, dim))
-    v = sd.get(p + "self_attn.v_proj.weight", (kv_out, dim))
+    q = sd.part(p + "self_attn.q_proj.weight", (q_out, dim))
+    k = sd.part(p + "self_attn.k_proj.weight", (kv_out, dim))
+    v = sd.part(p + "self_attn.v_proj.weight", (kv_out, dim))
     bias = None
     if info.qkv_bias:
         bias = torch.cat(
@@ -110,15 +151,15 @@ def _build_layer(info: ModelInfo, sd: _StateDict, i: int) -> LayerWeights:
             ]
         )
     qk_shape = (info.head_dim,)
-    gate = sd.get(p + "mlp.gate_proj.weight", (info.ffn_dim, dim))
-    up = sd.get(p + "mlp.up_proj.weight", (info.ffn_dim, dim))
+    gate = sd.part(p + "mlp.gate_proj.weight", (info.ffn_dim, dim))
+    up = sd.part(p + "mlp.up_proj.weight", (info.ffn_dim, dim))
     return LayerWeights(
         attn_norm=sd.get(p + "input_layernorm.weight", (dim,)),
-        qkv=DenseLinear(torch.cat([q, k, v]), bias),
+        qkv=sd.linear([q, k, v], bias),
         q_norm=sd.get(p + "self_attn.q_norm.weight", qk_shape) if info.qk_norm else None,
         k_norm=sd.get(p + "self_attn.k_norm.weight", qk_shape) if info.qk_norm else None,
-        o=DenseLinear(sd.get(p + "self_attn.o_proj.weight", (dim, q_out))),
+        o=sd.linear([sd.part(p + "self_attn.o_proj.weight", (dim, q_out))]),
         mlp_norm=sd.get(p + "post_attention_layernorm.weight", (dim,)),
-        gate_up=DenseLinear(torch.cat([gate, up])),
-        down=DenseLinear(sd.get(p + "mlp.down_proj.weight", (dim, info.ffn_dim))),
+        gate_up=sd.linear([gate, up]),
+        down=sd.linear([sd.part(p + "mlp.down_proj.weight", (dim, info.ffn_dim))]),
     )
