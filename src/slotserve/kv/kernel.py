@@ -23,7 +23,7 @@ import torch
 from slotserve.paths import load_library
 
 SOURCE = Path(__file__).with_name("kernels") / "update_and_attend.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
 
 _log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class AttentionKernel:
             *(_I64,) * 5,
             ctypes.c_float,
             _POINTER,
+            ctypes.c_int,
         ]
 
     def update_and_attend(
@@ -128,6 +129,7 @@ class AttentionKernel:
             window or 0,
             dim**-0.5,
             step.pointers[4],
+            step.threads,
         )
         if status != 0:
             raise ValueError(
@@ -143,8 +145,9 @@ class StepCells:
     """One step's indices for the kernel, made once and shared by every layer of a group:
     ``write[T]`` the cells of the new rows, ``cells[B, key_len]`` the cell of each
     sequence's positions, ``seq[T]`` and ``pos[T]`` each query's sequence and position, and
-    the ``scratch`` the softmax needs (``heads / kv_heads * key_len`` floats); ``pointers``
-    are their addresses, read once."""
+    the ``scratch`` the softmax needs (``heads / kv_heads * key_len`` floats for each of
+    ``threads``, torch's thread count: the kernel shares a large step's work out over
+    torch's OpenMP threads); ``pointers`` are their addresses, read once."""
 
     write: torch.Tensor
     cells: torch.Tensor
@@ -153,6 +156,7 @@ class StepCells:
     scratch: torch.Tensor
     pointers: tuple[int, int, int, int, int]
     key_len: int
+    threads: int
 
     @classmethod
     def of(
@@ -169,7 +173,8 @@ class StepCells:
                 f"write {tuple(write.shape)}, seq {tuple(seq.shape)} and pos "
                 f"{tuple(pos.shape)} must have one entry per query row"
             )
-        scratch = torch.empty(queries_per_kv_head * cells.shape[1])
+        threads = torch.get_num_threads()
+        scratch = torch.empty(threads, queries_per_kv_head * cells.shape[1])
         pointers = (
             write.data_ptr(),
             cells.data_ptr(),
@@ -177,7 +182,7 @@ class StepCells:
             pos.data_ptr(),
             scratch.data_ptr(),
         )
-        return cls(write, cells, seq, pos, scratch, pointers, cells.shape[1])
+        return cls(write, cells, seq, pos, scratch, pointers, cells.shape[1], threads)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -6,10 +6,10 @@
  * at cells[seq[t] * key_len + j]. No gather, no padding, no mask: each query reads exactly
  * the cells it attends to, once per KV head for all the query heads that share it (GQA).
  * Scores, softmax and the weighted sum are in fp32, whatever the storage dtype. Built by
- * slotserve.kv.kernel with -O3 -march=native -fopenmp-simd (no OpenMP runtime: the loops
- * are vectorised, not threaded).
+ * slotserve.kv.kernel with -O3 -march=native -fopenmp.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 #ifdef __F16C__
@@ -209,18 +209,24 @@ INLINE void attend_group(const float *qg, float *og, const void *keys, const voi
  * copy). write: [n_queries] cells for the new rows. out: [n_queries, heads, dim].
  * keys, values: [n_cells, kv_heads, dim] of `dtype` (key_scales, value_scales:
  * [n_cells, kv_heads] for KV_INT8, else unused). cells: [n_seqs, key_len]. scratch:
- * heads / kv_heads * key_len floats. Returns 0, or -1 when an argument is out of range
- * (then nothing is written). */
+ * heads / kv_heads * key_len floats for each of `threads`. Returns 0, or -1 when an
+ * argument is out of range (then nothing is written).
+ *
+ * The (query, KV head) pairs are shared out over `threads` OpenMP threads when there is
+ * enough to share (torch's own threads: see slotserve.model.kernels/gguf_linear.c). */
 int update_and_attend(const float *q, int64_t q_stride, const float *k_new,
                       const float *v_new, int64_t kv_stride, const int64_t *write, float *out,
                       void *keys, void *values, float *key_scales, float *value_scales,
                       int dtype, const int64_t *cells, int64_t key_len, const int64_t *seq,
                       const int64_t *pos, int64_t n_queries, int64_t heads, int64_t kv_heads,
-                      int64_t dim, int64_t window, float scale, float *scratch) {
+                      int64_t dim, int64_t window, float scale, float *scratch, int threads) {
     if (kv_heads < 1 || heads % kv_heads || dim < 1 || dim > 1024 || dtype < 0 || dtype > 3)
         return -1;
-    for (int64_t t = 0; t < n_queries; t++)
+    int64_t keys_read = 0;
+    for (int64_t t = 0; t < n_queries; t++) {
         if (pos[t] < 0 || pos[t] >= key_len || seq[t] < 0 || write[t] < 0) return -1;
+        keys_read += pos[t] + 1;
+    }
     for (int64_t t = 0; t < n_queries; t++)
         for (int64_t g = 0; g < kv_heads; g++) {
             const int64_t at = t * kv_stride + g * dim;
@@ -228,18 +234,24 @@ int update_and_attend(const float *q, int64_t q_stride, const float *k_new,
             store_row(values, value_scales, dtype, write[t], g, kv_heads, dim, v_new + at);
         }
     const int64_t group = heads / kv_heads;
-    float row[dim];
-    for (int64_t t = 0; t < n_queries; t++) {
-        const int64_t lo = window > 0 && pos[t] - window + 1 > 0 ? pos[t] - window + 1 : 0;
-        const int64_t *row_cells = cells + seq[t] * key_len;
-        for (int64_t g = 0; g < kv_heads; g++) {
+    /* A handoff costs about a microsecond: share from ~50k multiply-adds. */
+    int parts = keys_read * heads * dim < (1 << 16) || threads < 1 ? 1 : threads;
+#pragma omp parallel num_threads(parts)
+    {
+        float row[dim];
+        float *scores = scratch + omp_get_thread_num() * group * key_len;
+#pragma omp for schedule(dynamic)
+        for (int64_t pair = 0; pair < n_queries * kv_heads; pair++) {
+            const int64_t t = pair / kv_heads, g = pair % kv_heads;
+            const int64_t lo = window > 0 && pos[t] - window + 1 > 0 ? pos[t] - window + 1 : 0;
+            const int64_t *row_cells = cells + seq[t] * key_len;
             const float *qg = q + t * q_stride + g * group * dim;
             float *og = out + (t * heads + g * group) * dim;
             /* Constant dtypes (and the common head size) per call site, so that each case
              * compiles its own loops, unrolled where the size is known. */
 #define ATTEND(code, size)                                                                   \
     attend_group(qg, og, keys, values, key_scales, value_scales, code, row_cells, lo, pos[t], \
-                 g, group, kv_heads, size, scale, scratch, row)
+                 g, group, kv_heads, size, scale, scores, row)
 #define BY_DTYPE(size)                                                                       \
     switch (dtype) {                                                                         \
     case KV_FP32: ATTEND(KV_FP32, size); break;                                              \
