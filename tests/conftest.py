@@ -16,7 +16,7 @@ DATA = Path(__file__).parent / "data"
 
 @pytest.fixture(scope="session")
 def bundled() -> ss.Model:
-    return ss.load("bundled", progress=False)
+    return ss.load("bundled", weights="fp32", progress=False)  # the dequantised reference
 
 
 @pytest.fixture(scope="session")

@@ -43,6 +43,9 @@ def test_generate_streams_a_chat_answer(capsys: pytest.CaptureFixture[str]) -> N
         "0",
         "--max-new-tokens",
         "16",
+        # The answer of one weight format: quantised continuations differ between CPUs.
+        "--weights",
+        "fp32",
     ]
     assert main(argv) == 0
     assert "Paris" in capsys.readouterr().out
@@ -51,7 +54,9 @@ def test_generate_streams_a_chat_answer(capsys: pytest.CaptureFixture[str]) -> N
 def test_inspect(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["inspect", "bundled"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["layers"] == 30 and out["weight_bytes"] > 100e6 and out["parameters"] > 130e6
+    assert out["layers"] == 30 and out["parameters"] > 130e6
+    # The default keeps the GGUF's blocks: the file's size resident, not a 513 MB fp32 copy.
+    assert 80e6 < out["weight_bytes"] <= ss.artifact.bundled_gguf_path().stat().st_size
 
 
 def test_bad_model_is_a_clean_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

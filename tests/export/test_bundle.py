@@ -43,7 +43,7 @@ def q41(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> tuple[ss.Model
     """A tiny Q4_1 GGUF and its 8da4w bundle, exported through `--executor xnnpack`'s path,
     which caches it by the file's digest."""
     gguf = write_tiny_gguf(tmp_path_factory.mktemp("q41") / "tiny-q4_1.gguf", "llama", "Q4_1")
-    model = ss.load(gguf, progress=False)
+    model = ss.load(gguf, weights="fp32", progress=False)
     return model, exported_bundle(model, 64)
 
 

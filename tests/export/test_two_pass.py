@@ -68,7 +68,9 @@ def test_8da4w_2pass_puts_every_projection_and_the_head_in_two_passes(tmp_path: 
     from slotserve.export.bundle import Quant, _modules
     from slotserve.testing import write_tiny_gguf
 
-    model = ss.load(write_tiny_gguf(tmp_path / "t.gguf", "llama", "Q4_1"), progress=False)
+    model = ss.load(
+        write_tiny_gguf(tmp_path / "t.gguf", "llama", "Q4_1"), weights="fp32", progress=False
+    )
 
     def projections(name: str, module: nn.Module) -> list[nn.Module]:
         if name.endswith("_qkv"):

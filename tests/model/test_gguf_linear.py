@@ -124,7 +124,7 @@ def test_misshapen_blocks_are_refused() -> None:
 def test_block_model_matches_its_dequantised_twin(tmp_path: Path, qtype: str) -> None:
     path = write_tiny_gguf(tmp_path / f"tiny-{qtype}.gguf", qtype=qtype)
     blocks = ss.load(path, weights="gguf", progress=False)
-    dense = ss.load(path, progress=False)
+    dense = ss.load(path, weights="fp32", progress=False)
     assert blocks.weights is not None and dense.weights is not None
     assert isinstance(blocks.weights.layers[0].qkv, BlockLinear)
     assert blocks.weights.n_params == dense.weights.n_params
@@ -158,3 +158,13 @@ def test_bundled_block_weights(bundled: ss.Model, reference: dict[str, Any]) -> 
                 assert mine == theirs
     # Measured 298/308 (96.8%) on AVX-512 VNNI; fp32 weights get 296/308.
     assert agree / total >= 0.95, f"{agree}/{total}"
+
+
+def test_auto_keeps_blocks_where_the_file_has_them(tmp_path: Path) -> None:
+    q41 = ss.load(write_tiny_gguf(tmp_path / "q.gguf", qtype="Q4_1"), progress=False)
+    f32 = ss.load(write_tiny_gguf(tmp_path / "f.gguf", qtype="F32"), progress=False)
+    assert q41.weights is not None and f32.weights is not None
+    assert isinstance(q41.weights.lm_head, BlockLinear)
+    assert not isinstance(f32.weights.layers[0].qkv, BlockLinear)
+    with pytest.raises(ValueError, match="weights='int4' is not one of"):
+        ss.load(tmp_path / "q.gguf", weights="int4")

@@ -11,23 +11,34 @@ from pathlib import Path
 
 from slotserve.artifact.bundle import is_bundle, read_bundle
 from slotserve.artifact.bundled import bundled_gguf_path
+from slotserve.artifact.gguf_file import has_block_matrices
 from slotserve.artifact.gguf_load import load_gguf
 from slotserve.artifact.hf import load_hf_dir
 from slotserve.errors import ArtifactError
 from slotserve.model import Model
+from slotserve.model.gguf_linear import gguf_kernel
 from slotserve.model.quantized import with_weights
 
+WEIGHT_CHOICES = ("auto", "gguf", "fp32", "int8")
 
-def load(spec: str | Path, *, progress: bool = True, weights: str = "fp32") -> Model:
+
+def load(spec: str | Path, *, progress: bool = True, weights: str = "auto") -> Model:
     """Load a model: ``"bundled"``, a ``.gguf`` path, a Hugging Face model directory, or a
     bundle directory (`slotserve export`). A bundle's model holds no weights: its checks run
     here (schema, files), and `slotserve.Engine` runs it on the ExecuTorch executor.
 
-    ``weights="int8"`` quantises the projections for ~2.3x faster CPU decode at some cost
-    in accuracy (see `slotserve.model.quantized`); ``weights="gguf"`` keeps a GGUF file's
-    Q4_0/Q4_1/Q8_0 matrices as its blocks (`slotserve.model.gguf_linear`); the default
-    keeps fp32.
+    ``weights`` is how a GGUF file's or an HF directory's weights are held:
+    ``"gguf"`` keeps a GGUF file's Q4_0/Q4_1/Q8_0 matrices as its blocks, multiplied by a
+    compiled kernel with llama.cpp's arithmetic (`slotserve.model.gguf_linear`: the file's
+    size resident, and the fastest decode); ``"fp32"`` dequantises everything;
+    ``"int8"`` quantises fp32 projections per channel (`slotserve.model.quantized`).
+    ``"auto"`` (the default) is ``"gguf"`` for a GGUF file with such matrices where the
+    kernel builds, else ``"fp32"``.
     """
+    if weights not in WEIGHT_CHOICES:
+        raise ValueError(f"weights={weights!r} is not one of {WEIGHT_CHOICES}")
+    if weights == "auto":
+        weights = _automatic_format(spec)
     if weights == "gguf":
         return load_gguf(_gguf_path(spec), progress=progress, blocks=True)
     model = _load(spec, progress)
@@ -36,6 +47,13 @@ def load(spec: str | Path, *, progress: bool = True, weights: str = "fp32") -> M
     if model.weights is None:
         raise ValueError(f"weights={weights!r}: a bundle's weights were fixed at export")
     return Model(model.info, model.tokenizer, with_weights(model.weights, weights), model.source)
+
+
+def _automatic_format(spec: str | Path) -> str:
+    path = bundled_gguf_path() if str(spec) == "bundled" else Path(spec).expanduser()
+    if path.suffix != ".gguf" or not path.is_file() or not has_block_matrices(path):
+        return "fp32"
+    return "gguf" if gguf_kernel() is not None else "fp32"
 
 
 def _gguf_path(spec: str | Path) -> Path:
@@ -60,4 +78,12 @@ def _load(spec: str | Path, progress: bool) -> Model:
     )
 
 
-__all__ = ["bundled_gguf_path", "is_bundle", "load", "load_gguf", "load_hf_dir", "read_bundle"]
+__all__ = [
+    "WEIGHT_CHOICES",
+    "bundled_gguf_path",
+    "is_bundle",
+    "load",
+    "load_gguf",
+    "load_hf_dir",
+    "read_bundle",
+]

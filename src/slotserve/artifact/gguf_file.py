@@ -344,6 +344,15 @@ def iter_tensors(
 BLOCK_KINDS = ("Q4_0", "Q4_1", "Q8_0")
 
 
+def has_block_matrices(path: Path) -> bool:
+    """Whether the file's layers hold matrices in a type the block kernel multiplies."""
+    reader = open_gguf(path)
+    return any(
+        t.name.startswith("blk.") and len(t.shape) == 2 and t.tensor_type.name in BLOCK_KINDS
+        for t in reader.tensors
+    )
+
+
 def _blocks(tensor: Any) -> BlockLinear:
     """A 2-D Q4_0/Q4_1/Q8_0 tensor's blocks, copied out of the file's mapping."""
     rows = int(tensor.shape[1])

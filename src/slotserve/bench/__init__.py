@@ -51,7 +51,7 @@ def run_bench(
     model_spec: str,
     scenario: str,
     *,
-    weights: str = "fp32",
+    weights: str = "auto",
     repeats: int = 3,
     options: BenchOptions | None = None,
     baselines: bool = False,

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from slotserve.executor import Executor, executor_for
 from slotserve.model import Model
+from slotserve.model.layers import DenseLinear
 
 EXECUTORS = ("torch", "xnnpack")
 log = logging.getLogger("slotserve")
@@ -86,6 +87,10 @@ def exported_bundle(model: Model, max_tokens: int) -> Path:
     path = bundle_path(gguf, max_tokens)
     if path.exists():
         return path
+    if not isinstance(model.weights.lm_head if model.weights else None, DenseLinear):
+        from slotserve.artifact import load
+
+        model = load(gguf, weights="fp32")  # export reads the fp32 weights
     console = Console(stderr=True)
     options = ExportOptions(quant="8da4w", max_tokens=max_tokens)
     with console.status(f"exporting {gguf.name} to XNNPACK (once; cached as {path})") as bar:

@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     )
     console = Console(stderr=True)
     began = time.monotonic()
-    model = load(args.model)
+    model = load(args.model, weights="fp32")  # export reads the fp32 weights
     console.print(f"loaded {model.source} in {time.monotonic() - began:.1f} s")
     with console.status(f"exporting to {args.out} (minutes on a 2-core CPU)") as status:
 

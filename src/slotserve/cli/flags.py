@@ -49,9 +49,11 @@ _CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 def add_weights_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--weights",
-        choices=["fp32", "int8"],
-        default="fp32",
-        help="int8: quantised projections, faster decode, less exact",
+        choices=["auto", "gguf", "fp32", "int8"],
+        default="auto",
+        help="how a .gguf/HF model's weights are held: gguf keeps a GGUF file's Q4_0/Q4_1/"
+        "Q8_0 blocks (its size in memory, the fastest decode); fp32 dequantises; int8 "
+        "quantises fp32 projections; auto (default): gguf where the file has such blocks",
     )
 
 

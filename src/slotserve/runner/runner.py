@@ -48,7 +48,7 @@ class TextLLMRunner:
         model: str | Path | Model = "bundled",
         *,
         max_context: int | None = None,
-        weights: str = "fp32",
+        weights: str = "auto",
         prefix_cache: bool = True,
     ):
         self._spec = model
