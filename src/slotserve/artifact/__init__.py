@@ -35,10 +35,7 @@ def load(spec: str | Path, *, progress: bool = True, weights: str = "auto") -> M
     ``"auto"`` (the default) is ``"gguf"`` for a GGUF file with such matrices where the
     kernel builds, else ``"fp32"``.
     """
-    if weights not in WEIGHT_CHOICES:
-        raise ValueError(f"weights={weights!r} is not one of {WEIGHT_CHOICES}")
-    if weights == "auto":
-        weights = _automatic_format(spec)
+    weights = weight_format(spec, weights)
     if weights == "gguf":
         return load_gguf(_gguf_path(spec), progress=progress, blocks=True)
     model = _load(spec, progress)
@@ -47,6 +44,14 @@ def load(spec: str | Path, *, progress: bool = True, weights: str = "auto") -> M
     if model.weights is None:
         raise ValueError(f"weights={weights!r}: a bundle's weights were fixed at export")
     return Model(model.info, model.tokenizer, with_weights(model.weights, weights), model.source)
+
+
+def weight_format(spec: str | Path, weights: str = "auto") -> str:
+    """The format `load` holds ``spec``'s weights in for ``weights`` (which resolves
+    ``"auto"``), without loading them."""
+    if weights not in WEIGHT_CHOICES:
+        raise ValueError(f"weights={weights!r} is not one of {WEIGHT_CHOICES}")
+    return _automatic_format(spec) if weights == "auto" else weights
 
 
 def _automatic_format(spec: str | Path) -> str:

@@ -146,8 +146,8 @@ class StepCells:
     ``write[T]`` the cells of the new rows, ``cells[B, key_len]`` the cell of each
     sequence's positions, ``seq[T]`` and ``pos[T]`` each query's sequence and position, and
     the ``scratch`` the softmax needs (``heads / kv_heads * key_len`` floats for each of
-    ``threads``, torch's thread count: the kernel shares a large step's work out over
-    torch's OpenMP threads); ``pointers`` are their addresses, read once."""
+    ``threads``, the process's cores: the kernel shares a large step's work out over
+    OpenMP threads); ``pointers`` are their addresses, read once."""
 
     write: torch.Tensor
     cells: torch.Tensor
@@ -173,7 +173,7 @@ class StepCells:
                 f"write {tuple(write.shape)}, seq {tuple(seq.shape)} and pos "
                 f"{tuple(pos.shape)} must have one entry per query row"
             )
-        threads = torch.get_num_threads()
+        threads = _cores()
         scratch = torch.empty(threads, queries_per_kv_head * cells.shape[1])
         pointers = (
             write.data_ptr(),
@@ -183,6 +183,13 @@ class StepCells:
             scratch.data_ptr(),
         )
         return cls(write, cells, seq, pos, scratch, pointers, cells.shape[1], threads)
+
+
+def _cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
