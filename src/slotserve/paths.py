@@ -57,3 +57,11 @@ def _cpu_features() -> str:
             return next((line for line in handle if line.startswith("flags")), "")
     except OSError:
         return ""
+
+
+def process_cores() -> int:
+    """The cores this process may run on (the kernels' OpenMP threads, one per core)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)

@@ -16,6 +16,7 @@ import logging
 import sys
 from typing import Any
 
+from slotserve.cli.executors import kernel_threads
 from slotserve.cli.flags import add_sampling_args
 from slotserve.cli.generate import generation_config, print_piece
 
@@ -32,6 +33,11 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    with kernel_threads(args.model, args.weights):
+        return _chat(args)
+
+
+def _chat(args: argparse.Namespace) -> int:
     from slotserve.runner import TextLLMRunner, common_prefix
 
     # The runner's per-turn stats report (an info log line) would interleave with the chat.

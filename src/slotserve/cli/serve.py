@@ -11,11 +11,9 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from slotserve.artifact import weight_format
-from slotserve.cli.executors import add_executor_args, open_model
+from slotserve.cli.executors import add_executor_args, kernel_threads, open_model
 from slotserve.cli.flags import add_engine_args, add_pressure_arg, engine_config, pressure_source
 from slotserve.engine.config import EngineConfig
-from slotserve.model.gguf_linear import dedicate_cores_to_kernels
 
 if TYPE_CHECKING:
     from slotserve.server.defaults import SamplingDefaults
@@ -121,12 +119,17 @@ def served_name(spec: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.executor != "torch":  # a bundle's program runs on its own runtime's threads
+        return _serve(args)
+    with kernel_threads(args.model, args.weights):
+        return _serve(args)
+
+
+def _serve(args: argparse.Namespace) -> int:
     from slotserve.engine import Engine
     from slotserve.server import serve
 
     max_tokens = args.max_batch_tokens or EngineConfig().max_batch_tokens
-    if args.executor == "torch" and weight_format(args.model, args.weights) == "gguf":
-        dedicate_cores_to_kernels()  # before any torch work starts its threads
     spec, model, executor = open_model(args, max_tokens)
     config = engine_config(args, model)  # with --preset: sized for this model
     config = with_server_queue(config, args)

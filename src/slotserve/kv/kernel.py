@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from slotserve.paths import load_library
+from slotserve.paths import load_library, process_cores
 
 SOURCE = Path(__file__).with_name("kernels") / "update_and_attend.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -173,7 +173,7 @@ class StepCells:
                 f"write {tuple(write.shape)}, seq {tuple(seq.shape)} and pos "
                 f"{tuple(pos.shape)} must have one entry per query row"
             )
-        threads = _cores()
+        threads = process_cores()
         scratch = torch.empty(threads, queries_per_kv_head * cells.shape[1])
         pointers = (
             write.data_ptr(),
@@ -183,13 +183,6 @@ class StepCells:
             scratch.data_ptr(),
         )
         return cls(write, cells, seq, pos, scratch, pointers, cells.shape[1], threads)
-
-
-def _cores() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -14,14 +14,13 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from slotserve.paths import load_library
+from slotserve.paths import load_library, process_cores
 
 SOURCE = Path(__file__).with_name("kernels") / "gguf_linear.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -167,14 +166,6 @@ def gguf_kernel() -> GGUFKernel | None:
         _log.warning("GGUF block kernel unavailable (%s); weights load dequantised", detail)
         return None
     return GGUFKernel(library)
-
-
-def process_cores() -> int:
-    """The cores this process may run on."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not on Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def dedicate_cores_to_kernels() -> None:
