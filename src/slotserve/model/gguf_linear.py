@@ -1,12 +1,12 @@
-"""Linears and embeddings on a GGUF file's own Q4_1 and Q8_0 blocks, kept as the file
-stores them (`kernels/gguf_linear.c`).
+"""Linears and embeddings on a GGUF file's own Q4_1 and Q8_0 blocks: the file's bytes,
+packed in pairs of blocks for the kernel (`kernels/gguf_linear.c`).
 
 Reading the weights is most of a CPU decode step; these read the file's 4.5 or 8.5 bits
 per weight instead of a 32-bit copy, and multiply the way llama.cpp does (activations in
 int8 blocks of 32 with their own scale, integer dot products per block), so the results
-follow llama.cpp's. The products run on this process's cores through the kernel's own
-threads. Where the kernel cannot be built (no C compiler), `gguf_kernel` is
-None and loaders keep dequantised weights.
+follow llama.cpp's. The products run on OpenMP threads, one per core. Where the kernel
+cannot be built (no C compiler), `gguf_kernel` is None and `load` keeps dequantised
+weights.
 """
 
 from __future__ import annotations
