@@ -292,7 +292,7 @@ class BlockLinear:
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The fp32 weights (of ``rows`` only, if given): ``[len(rows), in_features]``."""
-        packed = self.packed if rows is None else self.packed[rows]
+        packed = self.packed if rows is None else torch.index_select(self.packed, 0, rows)
         return unpack(packed, self.kind, self.in_features)
 
 
@@ -304,8 +304,7 @@ class BlockEmbedding:
     table: BlockLinear
 
     def __getitem__(self, tokens: torch.Tensor) -> torch.Tensor:
-        rows = torch.index_select(self.table.packed, 0, tokens.reshape(-1))
-        return unpack(rows, self.table.kind, self.table.in_features).reshape(*tokens.shape, -1)
+        return self.table.dequantize(tokens.reshape(-1)).reshape(*tokens.shape, -1)
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -98,9 +98,6 @@ class _StateDict:
     def dense(self, part: Part) -> torch.Tensor:
         return part.dequantize().to(self.dtype) if isinstance(part, BlockLinear) else part
 
-    def maybe(self, name: str, shape: tuple[int, ...]) -> torch.Tensor | None:
-        return self.get(name, shape) if name in self.tensors else None
-
     def linear(self, parts: list[Part], bias: torch.Tensor | None = None) -> Linear:
         """The row-wise concatenation of ``parts`` as one projection."""
         blocks = [part for part in parts if isinstance(part, BlockLinear)]
