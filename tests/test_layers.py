@@ -26,7 +26,6 @@ LAYERS: dict[str, int] = {
     "artifact": 3,
     "executor": 4,
     "export": 4,
-    "presets": 4,
     "prefix": 4,
     "engine": 5,
     "runner": 6,

@@ -17,6 +17,7 @@ from slotserve.engine import (
     TokenEvent,
     Usage,
 )
+from slotserve.engine.presets import preset_config
 from slotserve.errors import (
     AdmissionRefused,
     ArtifactError,
@@ -56,4 +57,5 @@ __all__ = [
     "Tokenizer",
     "Usage",
     "load",
+    "preset_config",
 ]

@@ -11,10 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from slotserve.engine import EngineConfig
+from slotserve.engine.presets import PRESET_NAMES, preset_config
 from slotserve.model import Model
 from slotserve.plan import parse_bytes
-from slotserve.presets import PRESET_NAMES
 
 # Which scenarios each option applies to (``memory_budget`` goes with ``preset``).
 APPLIES_TO: dict[str, tuple[str, ...]] = {
@@ -29,7 +28,7 @@ class BenchOptions:
     """Options of the scenarios that take them; None leaves the scenario's default.
 
     ``shares``: the background minimum shares ``mixed`` sweeps against the chat turn's ITL,
-    each in [0, 1). ``preset``: the workload preset (`slotserve.presets`) whose engine shape
+    each in [0, 1). ``preset``: the workload preset (`slotserve.engine.presets`) whose engine shape
     replaces the scenario's own in ``mixed`` and ``bargein``, sized for ``memory_budget``
     (bytes or text such as ``"2GiB"``; None: the preset's default budget). ``reference``:
     the model the torch executor runs beside a bundle in ``executors``, and llama-server's
@@ -78,7 +77,7 @@ def scenario_kwargs(scenario: str, options: BenchOptions, model: Model) -> dict[
     if options.shares is not None and scenario in APPLIES_TO["shares"]:
         kwargs["shares"] = options.shares
     if options.preset is not None and scenario in APPLIES_TO["preset"]:
-        kwargs["config"] = EngineConfig.preset(options.preset, model, options.memory_budget)
+        kwargs["config"] = preset_config(options.preset, model, options.memory_budget)
     if options.reference is not None and scenario in APPLIES_TO["reference"]:
         from slotserve.artifact import load
 

@@ -12,9 +12,9 @@ import dataclasses
 from typing import Any
 
 from slotserve.engine.config import EngineConfig
+from slotserve.engine.presets import PRESET_NAMES, PresetChoice, choose_preset
 from slotserve.engine.pressure import PRESSURE_SPELLINGS, PressureSource, pressure_from
 from slotserve.plan import MemoryMap, parse_bytes
-from slotserve.presets import PRESET_NAMES, PresetChoice, choose_preset
 
 # Engine flags: argparse dest → (EngineConfig field, type, choices, help).
 ENGINE_FLAGS: dict[str, tuple[str, Any, tuple[str, ...] | None, str]] = {
@@ -159,8 +159,8 @@ def resolve_engine_config(
         return EngineConfig(**settings, memory_budget=budget), None
     if model is None:
         raise ValueError(f"--preset {preset} sizes the engine for a model; load it first")
-    choice = choose_preset(preset, model.info, model.weight_bytes, budget, settings)
-    return EngineConfig(**choice.settings), choice
+    choice = choose_preset(preset, model, budget, **settings)
+    return choice.config, choice
 
 
 def memory_map_from(text: str | None) -> MemoryMap | None:

@@ -81,10 +81,10 @@ def _model_and_context(args: argparse.Namespace) -> tuple[Any, int | None]:
     if args.preset is None:
         return args.model, args.max_context
     from slotserve.artifact import load
-    from slotserve.engine import EngineConfig
+    from slotserve.engine.presets import preset_config
 
     model = load(args.model, weights=args.weights)
-    config = EngineConfig.preset(args.preset, model, args.memory_budget)
+    config = preset_config(args.preset, model, args.memory_budget)
     log.info(
         "preset %s: max_context=%d; generate serves one request on a one-slot flat engine, "
         "so the preset's layout (%s), concurrency and queue do not apply here",

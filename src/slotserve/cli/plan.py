@@ -38,7 +38,6 @@ def run(args: argparse.Namespace) -> int:
             "name": choice.row.name,
             "row": {"shape": choice.row.shape, "admission": choice.row.admission},
             "decisions": [_jsonable(dataclasses.asdict(d)) for d in choice.decisions],
-            "notes": list(choice.notes),
         }
     if args.measure:
         before = rss_bytes()

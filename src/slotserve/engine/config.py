@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
 
 from slotserve.info import ModelInfo
 from slotserve.kv.config import KVConfig
 from slotserve.plan import CapacityPlan, MemoryMap, parse_bytes
-from slotserve.presets import DEFAULT_BACKGROUND_SHARE, choose_preset, estimated_weight_bytes
 
 POLICIES = ("isolate", "fifo")
 
-
-class _LoadedModel(Protocol):
-    """What a preset needs of a loaded `Model`: its shape and its resident weight bytes."""
-
-    @property
-    def info(self) -> ModelInfo: ...
-
-    @property
-    def weight_bytes(self) -> int: ...
+# Background's minimum share of steps under ``isolate`` when it competes with other classes.
+# At 0.1 a background job advances one step in ten while a chat turn streams, instead of
+# waiting for the whole turn; `slotserve bench mixed` measures what it costs the chat turn's
+# inter-token latency.
+DEFAULT_BACKGROUND_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -41,6 +35,8 @@ class EngineConfig:
     prefix cache may pin for snapshots of completed prompts; it needs ``kv_layout="cell"``
     (blocks shared) or ``"ring"`` (rings copied; the retention rule refuses a prefix a
     wrapped ring no longer holds).
+    A workload preset (`slotserve.engine.presets.preset_config`) is a set of overrides of
+    these fields, sized to a budget; the defaults here are the only ones.
     """
 
     max_seqs: int = 4
@@ -92,35 +88,6 @@ class EngineConfig:
     def prefix_cache_budget(self) -> int:
         """``prefix_cache_bytes`` in bytes (0: the prefix cache is off)."""
         return parse_bytes(self.prefix_cache_bytes)
-
-    @classmethod
-    def preset(
-        cls,
-        name: str,
-        model: ModelInfo | _LoadedModel,
-        memory_budget: int | str | None,
-        **overrides: Any,
-    ) -> EngineConfig:
-        """The config of workload preset ``name`` (`slotserve.presets.PRESETS`: ``chat``,
-        ``chat+background``, ``voice``, ``document-agent``, ``shared-prompt``) for a model
-        (a loaded `Model`, or its `ModelInfo` with fp32 weights assumed) and a budget.
-
-        ``max_context`` (and the ring window of ``document-agent``) is the largest the
-        budget allows for the preset's shape. ``overrides`` are `EngineConfig` fields that
-        replace the preset's choice; the sized settings are then computed around them.
-        `slotserve.presets.choose_preset` gives the same choice with its reasons."""
-        unknown = set(overrides) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(
-                f"{sorted(unknown)} are not EngineConfig fields; use any of "
-                f"{sorted(cls.__dataclass_fields__)}"
-            )
-        if isinstance(model, ModelInfo):
-            info, weight_bytes = model, estimated_weight_bytes(model)
-        else:
-            info, weight_bytes = model.info, model.weight_bytes
-        choice = choose_preset(name, info, weight_bytes, memory_budget, overrides)
-        return cls(**choice.settings)
 
     def kv_config(self) -> KVConfig:
         return KVConfig(

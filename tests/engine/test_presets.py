@@ -1,19 +1,21 @@
-"""Workload presets: the config each yields for a budget and a model, and that it serves its
-workload shape; explicit settings override; `slotserve plan --preset` explains itself."""
+"""Workload presets: the config each yields for a budget and a model (sized with the model's
+own weight bytes, whatever their format), that it fits that budget and serves its workload
+shape (the shared-prompt preset with its prefix cache on); explicit settings override;
+`slotserve plan --preset` explains itself."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-import logging
 from pathlib import Path
 
 import pytest
 
 import slotserve as ss
 from slotserve.cli import main
+from slotserve.engine.presets import PRESETS, PresetRow, choose_preset
 from slotserve.kv.config import KVConfig
-from slotserve.plan import CapacityPlan, parse_bytes
-from slotserve.presets import PRESETS, choose_preset, estimated_weight_bytes
+from slotserve.plan import CapacityPlan, MemoryMap, parse_bytes
 from tests.engine.conftest import RecordingExecutor
 from tests.engine.test_release_checklist import wait_until
 
@@ -28,21 +30,65 @@ def grown(config: ss.EngineConfig, model: ss.Model, **kv: int) -> CapacityPlan:
     return planned(config, model).with_kv(**kv)
 
 
+@pytest.fixture(scope="module")
+def blocks() -> ss.Model:
+    """The bundled model as its GGUF file's blocks (what ``load`` gives by default)."""
+    return ss.load("bundled", weights="gguf", progress=False)
+
+
 # -- the config each preset yields for the bundled model and 1 GiB ---------------------
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
 def test_preset_follows_its_row_and_fits_the_budget(name: str, bundled: ss.Model) -> None:
-    config = ss.EngineConfig.preset(name, bundled, BUDGET)
+    config = ss.preset_config(name, bundled, BUDGET)
     row = PRESETS[name]
-    assert {key: getattr(config, key) for key in row.settings()} == row.settings()
+    assert {key: getattr(config, key) for key in row.overrides} == dict(row.overrides)
     assert config.memory_budget == parse_bytes(BUDGET)
     assert planned(config, bundled).fits
 
 
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_the_rest_is_engine_config_defaults(name: str, bundled: ss.Model) -> None:
+    """A preset is overrides: every field neither the row nor the budget decides keeps
+    `EngineConfig`'s own default."""
+    config = ss.preset_config(name, bundled, BUDGET)
+    decided = {*PRESETS[name].overrides, "max_context", "ring_window", "prefix_cache_bytes"}
+    for f in dataclasses.fields(ss.EngineConfig):
+        if f.name not in decided | {"memory_budget"}:
+            assert getattr(config, f.name) == f.default, f.name
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+@pytest.mark.parametrize("budget", ["256MiB", "1GiB"])
+def test_a_preset_config_fits_the_budget_it_was_sized_for(
+    name: str, budget: str, blocks: ss.Model
+) -> None:
+    """The engine's own plan of the config (what `Engine` checks at start) fits the
+    budget, with the weight bytes of the format the model was loaded in."""
+    choice = choose_preset(name, blocks, budget)
+    plan = planned(choice.config, blocks)
+    assert plan.memory_budget == parse_bytes(budget) and plan.fits
+    plan.check()
+    assert plan.arenas["weights"] == blocks.weight_bytes
+    sized = {d.setting: d for d in choice.decisions if d.source == "sized"}
+    assert "max_context" in sized or "ring_window" in sized
+    assert {d.setting for d in choice.decisions} >= {"max_context", "ring_window"}
+
+
+def test_a_memory_map_sizes_like_a_budget(tiny: ss.Model) -> None:
+    weights = tiny.weight_bytes
+    memory_map = MemoryMap(weights=weights, kv=1 << 20, activations=8 << 20)
+    config = ss.preset_config("voice", tiny, None, memory_map=memory_map)
+    assert config.memory_map == memory_map and config.memory_budget is None
+    plan = planned(config, tiny)
+    assert plan.fits and plan.kv_bytes <= 1 << 20
+    assert not grown(config, tiny, max_context=config.max_context + config.block_size).fits
+
+
 @pytest.mark.parametrize("name", ["chat", "chat+background", "voice", "shared-prompt"])
 def test_max_context_is_the_largest_the_budget_allows(name: str, bundled: ss.Model) -> None:
-    config = ss.EngineConfig.preset(name, bundled, BUDGET)
+    config = ss.preset_config(name, bundled, BUDGET)
     step = config.block_size if config.kv_layout == "cell" else 1
     assert config.max_context % step == 0
     assert config.max_context < bundled.info.max_context
@@ -51,7 +97,7 @@ def test_max_context_is_the_largest_the_budget_allows(name: str, bundled: ss.Mod
 
 def test_bundled_figures_at_one_gib(bundled: ss.Model) -> None:
     """The table at 1 GiB for the bundled model (fp32 weights, fp32 KV), pinned."""
-    chosen = {name: ss.EngineConfig.preset(name, bundled, BUDGET) for name in PRESETS}
+    chosen = {name: ss.preset_config(name, bundled, BUDGET) for name in PRESETS}
     assert {n: (c.kv_layout, c.max_seqs, c.max_context) for n, c in chosen.items()} == {
         "chat": ("flat", 1, 7704),
         "chat+background": ("cell", 4, 2432),
@@ -66,40 +112,59 @@ def test_bundled_figures_at_one_gib(bundled: ss.Model) -> None:
     assert chosen["chat+background"].background_min_share > 0
 
 
+def test_sizing_uses_the_loaded_weights_not_an_fp32_estimate(
+    bundled: ss.Model, blocks: ss.Model
+) -> None:
+    """The same model as GGUF blocks holds a fraction of its fp32 bytes: the preset gives
+    the difference to the KV pool, and each config fits only with its own weights."""
+    assert blocks.weight_bytes < bundled.weight_bytes
+    for name in ("chat+background", "shared-prompt"):
+        fp32 = ss.preset_config(name, bundled, "768MiB")
+        quantised = ss.preset_config(name, blocks, "768MiB")
+        assert quantised.max_context > fp32.max_context
+        assert planned(quantised, blocks).fits and not planned(quantised, bundled).fits
+
+
 def test_overrides_win_and_the_context_is_sized_around_them(bundled: ss.Model) -> None:
-    alone = ss.EngineConfig.preset("chat", bundled, BUDGET)
-    two = ss.EngineConfig.preset("chat", bundled, BUDGET, max_seqs=2, kv_dtype="int8")
+    alone = ss.preset_config("chat", bundled, BUDGET)
+    two = ss.preset_config("chat", bundled, BUDGET, max_seqs=2, kv_dtype="int8")
     assert (two.max_seqs, two.kv_dtype, two.kv_layout) == (2, "int8", "flat")
     assert planned(two, bundled).fits
-    fixed = ss.EngineConfig.preset("voice", bundled, BUDGET, max_context=512)
+    fixed = ss.preset_config("voice", bundled, BUDGET, max_context=512)
     assert fixed.max_context == 512 and fixed.max_seqs == 4
     assert alone.max_context < bundled.info.max_context
+    off = ss.preset_config("shared-prompt", bundled, BUDGET, prefix_cache_bytes=0)
+    assert off.prefix_cache_budget == 0
     with pytest.raises(ValueError, match="not EngineConfig fields"):
-        ss.EngineConfig.preset("chat", bundled, BUDGET, max_sessions=2)
+        ss.preset_config("chat", bundled, BUDGET, max_sessions=2)
 
 
-def test_bad_names_and_budgets_are_clear_errors(bundled: ss.Model) -> None:
+def test_bad_names_budgets_and_rows_are_clear_errors(bundled: ss.Model) -> None:
     with pytest.raises(ValueError, match="not one of chat, chat\\+background"):
-        ss.EngineConfig.preset("podcast", bundled, BUDGET)
+        ss.preset_config("podcast", bundled, BUDGET)
     with pytest.raises(ss.PlanError, match=r"does not fit the budget 256\.00 MiB"):
-        ss.EngineConfig.preset("chat", bundled, "256MiB")
+        ss.preset_config("chat", bundled, "256MiB")
+    with pytest.raises(ValueError, match=r"\['max_context'\] cannot be a row's override"):
+        PresetRow("chat", "shape", "admission", {"max_context": 512})
+    with pytest.raises(ValueError, match="needs kv_layout='cell', not 'flat'"):
+        PresetRow("chat", "shape", "admission", {"kv_layout": "flat"}, prefix_cache_share=0.5)
+    with pytest.raises(ValueError, match="policy='lifo' is not one of"):
+        PresetRow("chat", "shape", "admission", {"policy": "lifo"})
 
 
-def test_model_info_alone_estimates_fp32_weights(bundled: ss.Model, tiny: ss.Model) -> None:
-    for model in (bundled, tiny):
-        assert estimated_weight_bytes(model.info) == model.weight_bytes
-    assert ss.EngineConfig.preset("chat", bundled.info, BUDGET) == ss.EngineConfig.preset(
-        "chat", bundled, BUDGET
-    )
-
-
-def test_shared_prompt_says_the_prefix_cache_is_unavailable(
-    bundled: ss.Model, caplog: pytest.LogCaptureFixture
-) -> None:
-    with caplog.at_level(logging.WARNING, logger="slotserve"):
-        choice = choose_preset("shared-prompt", bundled.info, bundled.weight_bytes, BUDGET)
-    assert "prefix cache is unavailable" in caplog.text
-    assert any("prefix cache is unavailable" in line for line in choice.lines())
+def test_shared_prompt_sizes_its_prefix_cache_as_a_share_of_the_pool(bundled: ss.Model) -> None:
+    choice = choose_preset("shared-prompt", bundled, BUDGET)
+    plan = planned(choice.config, bundled)
+    prefix = plan.prefix_cache
+    assert prefix is not None and choice.config.prefix_cache_budget == prefix["pinnable_bytes"]
+    assert prefix["blocks"] == int(0.25 * plan.kv.total_blocks)
+    assert prefix["pool_fraction"] == pytest.approx(0.25, abs=1 / plan.kv.total_blocks)
+    (decision,) = [d for d in choice.decisions if d.setting == "prefix_cache_bytes"]
+    assert decision.source == "sized" and "25% of the KV pool" in decision.why
+    line = next(line for line in choice.lines() if " prefix_cache_bytes = " in line)
+    assert f"{prefix['blocks']} blocks" in line and "unavailable" not in line
+    for name in set(PRESETS) - {"shared-prompt"}:
+        assert ss.preset_config(name, bundled, BUDGET).prefix_cache_budget == 0
 
 
 # -- each preset serves its workload shape (tiny model, small budgets) ------------------
@@ -112,7 +177,7 @@ def tiny_budget(model: ss.Model, layout: str, max_seqs: int, context: int, **kv:
 
 
 def test_chat_serves_one_conversation_and_queues_the_next_turn(tiny: ss.Model) -> None:
-    config = ss.EngineConfig.preset("chat", tiny, tiny_budget(tiny, "flat", 1, 192))
+    config = ss.preset_config("chat", tiny, tiny_budget(tiny, "flat", 1, 192))
     assert (config.max_seqs, config.max_context, config.queue_depth) == (1, 192, 1)
     with ss.Engine(tiny, config) as engine:
         params = ss.SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
@@ -124,7 +189,7 @@ def test_chat_serves_one_conversation_and_queues_the_next_turn(tiny: ss.Model) -
 
 
 def test_chat_background_never_co_batches_and_never_starves(tiny: ss.Model) -> None:
-    config = ss.EngineConfig.preset("chat+background", tiny, tiny_budget(tiny, "cell", 4, 128))
+    config = ss.preset_config("chat+background", tiny, tiny_budget(tiny, "cell", 4, 128))
     assert (config.kv_layout, config.policy, config.max_context) == ("cell", "isolate", 128)
     executor = RecordingExecutor(tiny)
     long = ss.SamplingParams(temperature=0, max_new_tokens=100, ignore_eos=True)
@@ -145,7 +210,7 @@ def test_chat_background_never_co_batches_and_never_starves(tiny: ss.Model) -> N
 
 
 def test_voice_fifty_barge_ins_leave_no_leak(tiny: ss.Model) -> None:
-    config = ss.EngineConfig.preset("voice", tiny, tiny_budget(tiny, "cell", 4, 128))
+    config = ss.preset_config("voice", tiny, tiny_budget(tiny, "cell", 4, 128))
     assert (config.kv_layout, config.max_seqs, config.queue_timeout_s) == ("cell", 4, 2.0)
     params = ss.SamplingParams(temperature=0.7, max_new_tokens=60, ignore_eos=True, seed=1)
     with ss.Engine(tiny, config) as engine:
@@ -166,7 +231,7 @@ def test_voice_fifty_barge_ins_leave_no_leak(tiny: ss.Model) -> None:
 
 def test_document_agent_serves_a_prompt_longer_than_its_window(tiny: ss.Model) -> None:
     budget = tiny_budget(tiny, "ring", 1, 256, ring_window=80, sinks=4)
-    config = ss.EngineConfig.preset("document-agent", tiny, budget)
+    config = ss.preset_config("document-agent", tiny, budget)
     assert (config.kv_layout, config.max_context, config.sinks) == ("ring", 256, 4)
     assert 80 <= config.ring_window < 100
     document = [3 + i % 250 for i in range(200)]  # longer than the window
@@ -179,7 +244,7 @@ def test_document_agent_serves_a_prompt_longer_than_its_window(tiny: ss.Model) -
 
 
 def test_shared_prompt_admits_a_burst_in_batches(tiny: ss.Model) -> None:
-    config = ss.EngineConfig.preset("shared-prompt", tiny, tiny_budget(tiny, "cell", 8, 64))
+    config = ss.preset_config("shared-prompt", tiny, tiny_budget(tiny, "cell", 8, 64))
     assert (config.policy, config.max_seqs, config.queue_depth) == ("fifo", 8, 32)
     executor = RecordingExecutor(tiny)
     shared = list(range(3, 30))
@@ -189,6 +254,22 @@ def test_shared_prompt_admits_a_burst_in_batches(tiny: ss.Model) -> None:
         assert all(h.result().reason == "length" for h in handles)
         assert max(len(step) for step in executor.steps) == 8  # co-batched, slot ceiling
         assert engine.stats().refusals == {}
+
+
+def test_shared_prompt_restores_the_shared_prefix_from_its_cache(tiny: ss.Model) -> None:
+    config = ss.preset_config("shared-prompt", tiny, tiny_budget(tiny, "cell", 8, 64))
+    assert config.prefix_cache_budget > 0
+    shared = list(range(3, 35))  # two whole blocks of 16
+    params = ss.SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
+    with ss.Engine(tiny, config) as engine:
+        assert engine.prefix is not None
+        assert engine.stats().prefix_budget_bytes == config.prefix_cache_budget
+        finals = [engine.submit([*shared, 40 + i], params).result() for i in range(4)]
+        assert [f.usage.cached_tokens >= len(shared) for f in finals] == [False, True, True, True]
+        stats = engine.stats()
+        assert stats.prefix_hits == 3 and stats.prefix_tokens_restored >= 3 * len(shared)
+        assert stats.prefix_bytes_pinned <= config.prefix_cache_budget
+        engine.check_integrity()
 
 
 # -- the command line --------------------------------------------------------------------
