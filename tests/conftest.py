@@ -9,9 +9,17 @@ from typing import Any
 import pytest
 
 import slotserve as ss
+from slotserve.native import Kernels, build_kernels
 from slotserve.testing import write_tiny_hf_dir
 
 DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kernels() -> Kernels:
+    """The compiled kernels, built once, as `slotserve.load` builds them (a test that
+    multiplies GGUF blocks by hand needs them built first)."""
+    return build_kernels()
 
 
 @pytest.fixture(scope="session")

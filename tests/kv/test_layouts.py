@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from slotserve.info import ModelInfo
 from slotserve.kv import KVConfig, KVPool, StepBatch
+from slotserve.native import build_kernels
 
 INFO = ModelInfo(
     arch="llama",
@@ -58,11 +59,14 @@ def effective_window(info: ModelInfo, config: KVConfig, layer: int) -> tuple[int
     return None, 0
 
 
-def run_and_compare(info: ModelInfo, config: KVConfig, plans: list[list[int]], seed: int) -> None:
+def run_and_compare(
+    info: ModelInfo, config: KVConfig, kernel: bool, plans: list[list[int]], seed: int
+) -> None:
     """Drive sessions through chunked steps (plans[b] = chunk sizes) and compare each
-    layer's output with the reference over the accumulated history."""
+    layer's output with the reference over the accumulated history. With ``kernel`` the
+    pool attends decode-sized steps with the compiled kernel (where it builds)."""
     gen = torch.Generator().manual_seed(seed)
-    pool = KVPool(info, config)
+    pool = KVPool(info, config, attention=build_kernels().attention if kernel else None)
     for b, plan in enumerate(plans):
         pool.reserve(b, sum(plan))
     hist_k = {
@@ -82,7 +86,8 @@ def run_and_compare(info: ModelInfo, config: KVConfig, plans: list[list[int]], s
             q = torch.randn(n, info.n_heads, info.head_dim, generator=gen)
             k = torch.randn(n, info.n_kv_heads, info.head_dim, generator=gen)
             v = torch.randn(n, info.n_kv_heads, info.head_dim, generator=gen)
-            out = pool.update_and_attend(layer, q, k, v, batch)
+            qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)
+            out = pool.update_and_attend(layer, qkv, batch)
             window, sinks = effective_window(info, config, layer)
             offset = 0
             for b, length in zip(live, lengths, strict=True):
@@ -100,25 +105,33 @@ def run_and_compare(info: ModelInfo, config: KVConfig, plans: list[list[int]], s
         pool.check_integrity()
 
 
+# (config, whether the pool is given the compiled attention kernel)
 CONFIGS = [
-    KVConfig(layout="flat", max_seqs=4, max_context=64),
-    KVConfig(layout="cell", max_seqs=4, max_context=64, block_size=4),
+    (KVConfig(layout="flat", max_seqs=4, max_context=64), True),
+    (KVConfig(layout="cell", max_seqs=4, max_context=64, block_size=4), True),
     # The same layouts with torch SDPA for every step (the kernel takes chunks of <= 2).
-    KVConfig(layout="flat", max_seqs=4, max_context=64, attention="torch"),
-    KVConfig(layout="cell", max_seqs=4, max_context=64, block_size=4, attention="torch"),
-    KVConfig(layout="ring", max_seqs=4, max_context=64, ring_window=6),
-    KVConfig(layout="ring", max_seqs=4, max_context=64, ring_window=5, sinks=2),
+    (KVConfig(layout="flat", max_seqs=4, max_context=64), False),
+    (KVConfig(layout="cell", max_seqs=4, max_context=64, block_size=4), False),
+    (KVConfig(layout="ring", max_seqs=4, max_context=64, ring_window=6), True),
+    (KVConfig(layout="ring", max_seqs=4, max_context=64, ring_window=5, sinks=2), True),
 ]
 
 
-@pytest.mark.parametrize(
-    "config", CONFIGS, ids=lambda c: f"{c.layout}-w{c.ring_window}-s{c.sinks}-{c.attention}"
-)
+def config_id(case: tuple[KVConfig, bool]) -> str:
+    config, kernel = case
+    return (
+        f"{config.layout}-w{config.ring_window}-s{config.sinks}-{'kernel' if kernel else 'torch'}"
+    )
+
+
+@pytest.mark.parametrize("case", CONFIGS, ids=config_id)
 @pytest.mark.parametrize("info", [INFO, MIXED], ids=["full", "mixed"])
-def test_ring_wrap_and_long_chunks(info: ModelInfo, config: KVConfig) -> None:
+def test_ring_wrap_and_long_chunks(info: ModelInfo, case: tuple[KVConfig, bool]) -> None:
     # Chunks straddle the ring's end (4+3 over 6 or 5), one chunk is longer than the whole
     # window (9), then single-token decodes wrap again.
-    run_and_compare(info, config, [[4, 3, 9, 1, 1, 1, 1, 1, 1, 1], [1, 2, 3, 4, 5, 6]], seed=1)
+    config, kernel = case
+    plans = [[4, 3, 9, 1, 1, 1, 1, 1, 1, 1], [1, 2, 3, 4, 5, 6]]
+    run_and_compare(info, config, kernel, plans, seed=1)
 
 
 @settings(max_examples=30, deadline=None)
@@ -129,27 +142,32 @@ def test_ring_wrap_and_long_chunks(info: ModelInfo, config: KVConfig) -> None:
     st.integers(0, 1000),
 )
 def test_random_ragged_batches(
-    config: KVConfig, info: ModelInfo, plans: list[list[int]], seed: int
+    case: tuple[KVConfig, bool], info: ModelInfo, plans: list[list[int]], seed: int
 ) -> None:
-    run_and_compare(info, config, plans, seed)
+    config, kernel = case
+    run_and_compare(info, config, kernel, plans, seed)
 
 
 def test_int8_is_close_and_small() -> None:
     # The bundled model's attention shape: 3 KV heads of 64 (one fp32 scale per 64 int8s).
     info = dataclasses.replace(INFO, n_heads=9, n_kv_heads=3, head_dim=64, dim=576)
-    fp32 = KVPool(info, KVConfig(layout="cell", max_seqs=4, max_context=64, block_size=4))
+    kernel = build_kernels().attention
+    fp32 = KVPool(info, KVConfig(layout="cell", max_seqs=4, max_context=64, block_size=4), kernel)
     int8 = KVPool(
-        info, KVConfig(layout="cell", max_seqs=4, max_context=64, block_size=4, dtype="int8")
+        info,
+        KVConfig(layout="cell", max_seqs=4, max_context=64, block_size=4, dtype="int8"),
+        kernel,
     )
     assert int8.nbytes <= 0.30 * fp32.nbytes
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(10, h, 64, generator=gen) for h in (9, 3, 3))
+    qkv = torch.cat([q.flatten(1), k.flatten(1), v.flatten(1)], 1)
     outs = []
     for pool in (fp32, int8):
         pool.reserve(0, 10)
         batch = StepBatch.single(0, 10)
         pool.begin_step(batch)
-        outs.append(pool.update_and_attend(0, q, k, v, batch))
+        outs.append(pool.update_and_attend(0, qkv, batch))
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0.05)
 
 

@@ -7,6 +7,7 @@ import torch
 
 from slotserve.errors import ContextOverflow, KVExhausted, SessionError
 from slotserve.kv import KVConfig, KVPool, StepBatch
+from slotserve.native import build_kernels
 from tests.kv.test_pool_state import INFO
 
 
@@ -14,6 +15,7 @@ def cell_pool(num_blocks: int = 8) -> KVPool:
     return KVPool(
         INFO,
         KVConfig(layout="cell", max_seqs=3, max_context=32, block_size=4, num_blocks=num_blocks),
+        attention=build_kernels().attention,
     )
 
 
@@ -22,8 +24,10 @@ def write(pool: KVPool, session: int, values: list[float]) -> None:
     batch = StepBatch.single(start, len(values), session)
     pool.begin_step(batch)
     keys = torch.tensor(values).view(-1, 1, 1).expand(-1, 1, 4).contiguous()
+    q = torch.zeros(len(values), 2, 4)
+    qkv = torch.cat([q.flatten(1), keys.flatten(1), keys.flatten(1)], 1)
     for layer in range(INFO.n_layers):
-        pool.update_and_attend(layer, torch.zeros(len(values), 2, 4), keys, keys, batch)
+        pool.update_and_attend(layer, qkv, batch)
 
 
 def stored(pool: KVPool, session: int) -> list[float]:

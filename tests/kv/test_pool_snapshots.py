@@ -8,6 +8,7 @@ import torch
 from slotserve.errors import KVExhausted, SessionError
 from slotserve.info import ModelInfo
 from slotserve.kv import KVConfig, KVPool, StepBatch
+from slotserve.native import build_kernels
 
 INFO = ModelInfo(
     arch="llama", n_layers=2, dim=16, n_heads=2, n_kv_heads=1, head_dim=4, ffn_dim=32,
@@ -19,7 +20,7 @@ def cell_pool(num_blocks: int = 12, max_seqs: int = 2) -> KVPool:
     config = KVConfig(
         layout="cell", max_seqs=max_seqs, max_context=32, block_size=4, num_blocks=num_blocks
     )
-    return KVPool(INFO, config)
+    return KVPool(INFO, config, attention=build_kernels().attention)
 
 
 def write(pool: KVPool, session: int, n: int, value: float) -> None:
@@ -29,7 +30,7 @@ def write(pool: KVPool, session: int, n: int, value: float) -> None:
     pool.begin_step(batch)
     k = torch.full((n, INFO.n_kv_heads, INFO.head_dim), value)
     q = torch.zeros(n, INFO.n_heads, INFO.head_dim)
-    pool.update_and_attend(0, q, k, k, batch)
+    pool.update_and_attend(0, torch.cat([q.flatten(1), k.flatten(1), k.flatten(1)], 1), batch)
 
 
 def keys(pool: KVPool, session: int, n: int, snapshots: bool = False) -> torch.Tensor:
@@ -103,7 +104,8 @@ def test_copy_on_write_room_counts_snapshot_holders() -> None:
 
 
 def test_snapshots_need_an_all_cell_pool() -> None:
-    flat = KVPool(INFO, KVConfig(layout="flat", max_seqs=2, max_context=32))
+    config = KVConfig(layout="flat", max_seqs=2, max_context=32)
+    flat = KVPool(INFO, config, attention=build_kernels().attention)
     flat.reserve(0, 8)
     write(flat, 0, 2, 1.0)
     assert not flat.supports_snapshots

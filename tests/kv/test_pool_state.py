@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from slotserve.errors import ContextOverflow, KVExhausted, SessionError
 from slotserve.info import ModelInfo
 from slotserve.kv import KVConfig, KVPool, StepBatch
+from slotserve.native import build_kernels
 
 INFO = ModelInfo(
     arch="llama",
@@ -45,7 +46,8 @@ class PoolMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.pool = KVPool(self.info, self.config)
+        # Decode-sized writes take the compiled kernel where it builds, the others torch.
+        self.pool = KVPool(self.info, self.config, attention=build_kernels().attention)
         self.written: dict[int, torch.Tensor] = {}  # layer-0 keys each session committed
         self.counter = 0
 
@@ -82,8 +84,9 @@ class PoolMachine(RuleBasedStateMachine):
         self.counter += 1
         keys = torch.full((n, 1, 4), float(self.counter)) + torch.arange(n).view(-1, 1, 1) / 100
         q = torch.zeros(n, 2, 4)
+        qkv = torch.cat([q.flatten(1), keys.flatten(1), keys.flatten(1)], 1)
         for layer in range(self.info.n_layers):
-            self.pool.update_and_attend(layer, q, keys, keys, batch)
+            self.pool.update_and_attend(layer, qkv, batch)
         self.written[session] = torch.cat([self.written[session], keys])
 
     @precondition(lambda self: any(len(w) for w in self.written.values()))

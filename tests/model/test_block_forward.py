@@ -8,13 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import slotserve as ss
 from slotserve.kv import KVConfig, KVPool, StepBatch
-from slotserve.model.block_forward import BlockLayers, Scratch
-from slotserve.model.gguf_linear import BLOCK, padded_blocks
-from slotserve.model.layers import rms_norm
+from slotserve.model.block_forward import BlockHalves
+from slotserve.model.halves import StepContext
+from slotserve.model.llama import EagerHalves
 from slotserve.testing import write_tiny_gguf
 
 
@@ -26,56 +25,39 @@ def block_model(
     return ss.load(path, weights="gguf", progress=False)
 
 
-def _layers(model: ss.Model) -> BlockLayers:
-    layers = model._block_layers
-    assert layers is not None
-    return layers
-
-
-def test_layer_calls_equal_the_eager_ops(block_model: ss.Model) -> None:
-    info, weights, layers = block_model.info, block_model.require_weights(), _layers(block_model)
-    eager, fused = weights.layers[1], layers.layers[1]
+def test_halves_equal_the_eager_halves(block_model: ss.Model) -> None:
+    """The fused halves and the eager halves on the same blocks, layer by layer."""
+    assert isinstance(block_model.halves, BlockHalves)
+    info, weights = block_model.info, block_model.weights
+    assert weights is not None
+    fused, eager = block_model.halves, EagerHalves(weights, info)
     rows = 5
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, info.dim, generator=gen)
     positions = torch.tensor([0, 3, 4, 9, 2])
-    widest = max(info.dim, info.ffn_dim, info.n_heads * info.head_dim)
-    h = torch.empty(rows, widest)
-    q = torch.empty(rows, padded_blocks(widest) * BLOCK, dtype=torch.int8)
-    scales = torch.empty(2, rows, padded_blocks(widest))
-    scratch = Scratch(h.data_ptr(), q.data_ptr(), scales[0].data_ptr(), scales[1].data_ptr())
-
-    qkv = torch.empty(rows, (info.n_heads + 2 * info.n_kv_heads) * info.head_dim)
-    rope = block_model.rope
-    layers.kernel.layer_in(
-        x, fused.attn_norm, info.norm_eps, fused.qkv, qkv, info.n_heads + info.n_kv_heads,
-        info.head_dim, rope.cos, rope.sin, positions, scratch,
-    )  # fmt: skip
-    projected = eager.qkv(rms_norm(x, eager.attn_norm, info.norm_eps))
-    rotated = (info.n_heads + info.n_kv_heads) * info.head_dim
-    heads = projected[:, :rotated].reshape(rows, -1, info.head_dim)
-    expected = torch.cat([rope.apply(heads, positions).flatten(1), projected[:, rotated:]], 1)
-    torch.testing.assert_close(qkv, expected, rtol=1e-5, atol=1e-5)
-
-    attn = torch.randn(rows, info.n_heads * info.head_dim, generator=gen)
-    gate_up = torch.empty(rows, 2 * info.ffn_dim)
-    out = x.clone()
-    layers.kernel.layer_out(
-        out, attn, fused.o, fused.mlp_norm, info.norm_eps, fused.gate_up, gate_up, fused.down,
-        scratch,
-    )  # fmt: skip
-    residual = x + eager.o(attn)
-    gate, up = eager.gate_up(rms_norm(residual, eager.mlp_norm, info.norm_eps)).chunk(2, -1)
-    expected = residual + eager.down(F.silu(gate) * up)
-    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    step = StepContext.of(block_model.rope, positions)
+    x = torch.randn(rows, info.dim, generator=gen)
+    for layer in range(info.n_layers):
+        torch.testing.assert_close(
+            fused.qkv(layer, x, step), eager.qkv(layer, x, step), rtol=1e-5, atol=1e-5
+        )
+        attn = torch.randn(rows, info.n_heads * info.head_dim, generator=gen)
+        expected = eager.out(layer, x, attn, step)
+        got = fused.out(layer, x.clone(), attn, step)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(fused.head(x), eager.head(x), rtol=1e-5, atol=1e-5)
 
 
 def test_it_covers_block_llama_only(tmp_path: Path, block_model: ss.Model) -> None:
-    assert block_model._block_layers is not None
+    assert block_model.halves.kind == "block"
     dense = ss.load(write_tiny_gguf(tmp_path / "f32.gguf", qtype="F32"), progress=False)
-    assert dense._block_layers is None  # dense projections: the eager forward
+    assert dense.halves.kind == "eager"  # dense projections
     qwen3 = write_tiny_gguf(tmp_path / "qwen3.gguf", kind="qwen3", qtype="Q8_0")
-    assert ss.load(qwen3, weights="gguf", progress=False)._block_layers is None  # q/k norms
+    model = ss.load(qwen3, weights="gguf", progress=False)
+    assert model.weights is not None
+    assert BlockHalves.refusal(model.weights, model.info) == "per-head q/k norms"
+    assert model.halves.kind == "eager"  # still the file's blocks, under eager glue
+    with pytest.raises(ValueError, match="do not cover this model: per-head q/k norms"):
+        BlockHalves(model.weights, model.info, block_model.halves.kernel)
 
 
 def test_steps_of_any_shape_agree_with_one_pass(block_model: ss.Model) -> None:

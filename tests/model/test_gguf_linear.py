@@ -15,7 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import slotserve as ss
-from slotserve.model.gguf_linear import BlockEmbedding, BlockLinear, gguf_kernel, to_q4_1
+from slotserve.model.gguf_linear import BlockEmbedding, BlockLinear, to_q4_1
+from slotserve.native import build, build_kernels
+from slotserve.native.blocks import BlockKernel
 from slotserve.testing import write_tiny_gguf
 
 
@@ -66,19 +68,14 @@ def blockwise_reference(x: torch.Tensor, rows_bytes: torch.Tensor, kind: str) ->
 def test_kernel_is_blockwise_llama_cpp_arithmetic(
     kind: str, rows: int, blocks: int, m: int, threads: int, seed: int
 ) -> None:
-    kernel = gguf_kernel()
-    assert kernel is not None
+    kernel = BlockKernel(build.load("blocks"), threads)
     gen = np.random.default_rng(seed)
     weight = gen.standard_normal((rows, blocks * 32)) * gen.uniform(0.01, 1.0, (rows, 1))
     rows_bytes, stored = gguf_rows(weight, kind)
     linear = BlockLinear.from_gguf(rows_bytes, stored)
     x = torch.from_numpy(gen.standard_normal((m, blocks * 32)).astype(np.float32))
     x[:, :32] *= 0.0 if seed % 5 == 0 else 1.0  # an all-zero block has scale 0
-    kernel.threads_override = threads
-    try:
-        got = linear(x)
-    finally:
-        kernel.threads_override = None
+    got = kernel.linear(x, linear.kind, linear.packed, linear.in_features)
     expected = blockwise_reference(x, rows_bytes, stored)
     scale = float(expected.abs().max()) + 1e-6
     assert torch.allclose(got.double(), expected, rtol=0, atol=2e-5 * scale)
@@ -114,10 +111,10 @@ def test_misshapen_blocks_are_refused() -> None:
     with pytest.raises(ValueError, match="are 40 bytes, got 20"):
         BlockLinear(torch.zeros(2, 20, dtype=torch.uint8), "Q4_1", 64)
     linear = BlockLinear.from_gguf(torch.zeros(2, 40, dtype=torch.uint8), "Q4_1")
-    kernel = gguf_kernel()
+    kernel = build_kernels().blocks
     assert kernel is not None
     with pytest.raises(ValueError, match="inputs of width 96"):
-        kernel.matmul(torch.zeros(1, 96), "Q4_1", linear.packed, 64)
+        kernel.linear(torch.zeros(1, 96), "Q4_1", linear.packed, 64)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])

@@ -38,7 +38,9 @@ def test_sliding_window_is_in_effect(tiny_dirs: dict[str, Path], kind: str) -> N
     # differ, so both implementations really apply it.
     model = ss.load(tiny_dirs[kind])
     assert any(w is not None for w in model.info.sliding_window)
-    full = Model(dataclasses.replace(model.info, sliding_window=()), model.tokenizer, model.weights)
+    full = Model.from_weights(
+        dataclasses.replace(model.info, sliding_window=()), model.tokenizer, model.weights
+    )
     ids = list(range(3, 33))
     assert (model.logits(ids)[10:] - full.logits(ids)[10:]).abs().max() > 1e-3
     torch.testing.assert_close(model.logits(ids)[:4], full.logits(ids)[:4])

@@ -31,7 +31,7 @@ def test_unknown_weight_format(tiny: ss.Model) -> None:
 
 
 def test_bundled_int8_agreement(bundled: ss.Model, reference: dict[str, Any]) -> None:
-    int8 = ss.Model(bundled.info, bundled.tokenizer, quantize_int8(bundled.weights))
+    int8 = ss.Model.from_weights(bundled.info, bundled.tokenizer, quantize_int8(bundled.weights))
     assert int8.weight_bytes < 0.65 * bundled.weight_bytes
     agree = total = 0
     for case in reference["cases"]:
@@ -61,7 +61,7 @@ def test_int8_model_serves(bundled: ss.Model) -> None:
     every token is among fp32's top 5 and within 2 nats of its best, and most are its argmax.
     Measured on Intel Xeon (AVX-512 VNNI): 80/96 argmax, worst rank 2, worst gap 0.78 nats.
     """
-    int8 = ss.Model(bundled.info, bundled.tokenizer, quantize_int8(bundled.weights))
+    int8 = ss.Model.from_weights(bundled.info, bundled.tokenizer, quantize_int8(bundled.weights))
     agree = total = 0
     with ss.Engine(int8, ss.EngineConfig(max_seqs=4, max_context=256)) as engine:
         for question in PROMPTS:

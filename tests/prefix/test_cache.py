@@ -11,6 +11,7 @@ import torch
 from slotserve.errors import KVExhausted, SessionError
 from slotserve.info import ModelInfo
 from slotserve.kv import KVConfig, KVPool, StepBatch
+from slotserve.native import build_kernels
 from slotserve.prefix import PrefixCache
 
 INFO = ModelInfo(
@@ -24,7 +25,7 @@ def make(num_blocks: int = 24, budget_blocks: int = 8, max_seqs: int = 4) -> Pre
     config = KVConfig(
         layout="cell", max_seqs=max_seqs, max_context=32, block_size=BS, num_blocks=num_blocks
     )
-    pool = KVPool(INFO, config)
+    pool = KVPool(INFO, config, attention=build_kernels().attention)
     return PrefixCache(pool, budget_blocks * pool.block_nbytes)
 
 
@@ -35,8 +36,8 @@ def prefill(cache: PrefixCache, session: int, tokens: list[int], extra: int = 4)
     n = len(tokens) - restored
     batch = StepBatch([session], [restored], [n])
     pool.begin_step(batch)
-    k = torch.zeros(n, INFO.n_kv_heads, INFO.head_dim)
-    pool.update_and_attend(0, torch.zeros(n, INFO.n_heads, INFO.head_dim), k, k, batch)
+    qkv = torch.zeros(n, (INFO.n_heads + 2 * INFO.n_kv_heads) * INFO.head_dim)  # [q | k | v]
+    pool.update_and_attend(0, qkv, batch)
     cache.publish(session, tokens)
     cache.check_integrity()
     pool.check_integrity()

@@ -14,18 +14,32 @@ from slotserve.artifact.bundled import bundled_gguf_path
 from slotserve.artifact.gguf_file import has_block_matrices
 from slotserve.artifact.gguf_load import load_gguf
 from slotserve.artifact.hf import load_hf_dir
+from slotserve.artifact.program import open_bundle
 from slotserve.errors import ArtifactError
 from slotserve.model import Model
-from slotserve.model.gguf_linear import gguf_kernel
+from slotserve.model.gguf_linear import BlockLinear
 from slotserve.model.quantized import with_weights
+from slotserve.native import (
+    KernelChoice,
+    Kernels,
+    build_kernels,
+    dedicate_cores_to_kernels,
+)
 
 WEIGHT_CHOICES = ("auto", "gguf", "fp32", "int8")
 
 
-def load(spec: str | Path, *, progress: bool = True, weights: str = "auto") -> Model:
+def load(
+    spec: str | Path,
+    *,
+    progress: bool = True,
+    weights: str = "auto",
+    kernels: KernelChoice = "auto",
+    bundle_threads: int | None = None,
+) -> Model:
     """Load a model: ``"bundled"``, a ``.gguf`` path, a Hugging Face model directory, or a
-    bundle directory (`slotserve export`). A bundle's model holds no weights: its checks run
-    here (schema, files), and `slotserve.Engine` runs it on the ExecuTorch executor.
+    bundle directory (`slotserve export`). A bundle's checks run here (schema, files, then
+    the program's methods, delegates and pairing), and its layers are its program's methods.
 
     ``weights`` is how a GGUF file's or an HF directory's weights are held:
     ``"gguf"`` keeps a GGUF file's Q4_0/Q4_1/Q8_0 matrices as its blocks, multiplied by a
@@ -34,31 +48,59 @@ def load(spec: str | Path, *, progress: bool = True, weights: str = "auto") -> M
     ``"int8"`` quantises fp32 projections per channel (`slotserve.model.quantized`).
     ``"auto"`` (the default) is ``"gguf"`` for a GGUF file with such matrices where the
     kernel builds, else ``"fp32"``.
+
+    ``kernels`` (`slotserve.native.build_kernels`): ``"auto"`` builds the C kernels for this
+    machine (once; logged), ``"off"`` runs torch ops only. The model's layer halves are
+    picked once, here, and logged (``model.halves.kind``). With kernel-backed weights, torch's
+    own ops get one thread (`slotserve.native.threads`: the kernels' threads keep the cores).
+    ``bundle_threads`` sizes ExecuTorch's thread pool for a bundle (default: its manifest's
+    load option).
     """
-    weights = weight_format(spec, weights)
+    built = build_kernels(kernels)
+    weights = weight_format(spec, weights, built)
     if weights == "gguf":
-        return load_gguf(_gguf_path(spec), progress=progress, blocks=True)
-    model = _load(spec, progress)
-    if weights == "fp32":
-        return model
-    if model.weights is None:
-        raise ValueError(f"weights={weights!r}: a bundle's weights were fixed at export")
-    return Model(model.info, model.tokenizer, with_weights(model.weights, weights), model.source)
+        if built.blocks is None:
+            state = "off" if kernels == "off" else "not built (see the warning above)"
+            raise ValueError(
+                f"weights='gguf' needs the block kernel, which is {state}; load with weights='fp32'"
+            )
+        model = load_gguf(_gguf_path(spec), progress=progress, blocks=True, kernels=built)
+    else:
+        model = _load(spec, progress, built, bundle_threads)
+        if weights != "fp32":
+            if model.weights is None:
+                raise ValueError(f"weights={weights!r}: a bundle's weights were fixed at export")
+            quantised = with_weights(model.weights, weights)
+            model = Model.from_weights(model.info, model.tokenizer, quantised, model.source, built)
+    if _has_blocks(model):
+        dedicate_cores_to_kernels()
+    return model
 
 
-def weight_format(spec: str | Path, weights: str = "auto") -> str:
+def weight_format(spec: str | Path, weights: str = "auto", kernels: Kernels | None = None) -> str:
     """The format `load` holds ``spec``'s weights in for ``weights`` (which resolves
-    ``"auto"``), without loading them."""
+    ``"auto"``: GGUF blocks where the file has them and ``kernels`` has the block kernel),
+    without loading them."""
     if weights not in WEIGHT_CHOICES:
         raise ValueError(f"weights={weights!r} is not one of {WEIGHT_CHOICES}")
-    return _automatic_format(spec) if weights == "auto" else weights
+    if weights != "auto":
+        return weights
+    has_kernel = kernels is not None and kernels.blocks is not None
+    return "gguf" if has_kernel and _has_block_matrices(spec) else "fp32"
 
 
-def _automatic_format(spec: str | Path) -> str:
+def _has_block_matrices(spec: str | Path) -> bool:
     path = bundled_gguf_path() if str(spec) == "bundled" else Path(spec).expanduser()
-    if path.suffix != ".gguf" or not path.is_file() or not has_block_matrices(path):
-        return "fp32"
-    return "gguf" if gguf_kernel() is not None else "fp32"
+    return path.suffix == ".gguf" and path.is_file() and has_block_matrices(path)
+
+
+def _has_blocks(model: Model) -> bool:
+    weights = model.weights
+    return weights is not None and any(
+        isinstance(linear, BlockLinear)
+        for layer in weights.layers
+        for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    )
 
 
 def _gguf_path(spec: str | Path) -> Path:
@@ -68,16 +110,16 @@ def _gguf_path(spec: str | Path) -> Path:
     return path
 
 
-def _load(spec: str | Path, progress: bool) -> Model:
+def _load(spec: str | Path, progress: bool, kernels: Kernels, bundle_threads: int | None) -> Model:
     if str(spec) == "bundled":
-        return load_gguf(bundled_gguf_path(), progress=progress)
+        return load_gguf(bundled_gguf_path(), progress=progress, kernels=kernels)
     path = Path(spec).expanduser()
     if is_bundle(path):
-        return read_bundle(path).model()
+        return open_bundle(read_bundle(path), kernels, threads=bundle_threads)
     if path.is_dir():
-        return load_hf_dir(path)
+        return load_hf_dir(path, kernels)
     if path.suffix == ".gguf" or path.is_file():
-        return load_gguf(path, progress=progress)
+        return load_gguf(path, progress=progress, kernels=kernels)
     raise ArtifactError(
         path, "no such model; pass 'bundled', a .gguf file or a Hugging Face model directory"
     )

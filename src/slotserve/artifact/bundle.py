@@ -22,7 +22,6 @@ from typing import Any
 from slotserve.artifact.weight_cache import file_digest
 from slotserve.errors import ArtifactError, SchemaVersionError
 from slotserve.info import ModelInfo
-from slotserve.model import Model
 from slotserve.tokenizer import Tokenizer
 
 BUNDLE_SCHEMA = 1
@@ -121,12 +120,6 @@ class Bundle:
         """What the runtime keeps resident for the weights: the program and its weights file
         (XNNPACK packs the weights once, at load)."""
         return self.program.stat().st_size + self.weights.stat().st_size
-
-    def model(self) -> Model:
-        """The bundle's weightless `Model` (info, tokenizer) for the engine."""
-        return Model(
-            self.info, self.tokenizer, None, str(self.directory), program_bytes=self.resident_bytes
-        )
 
     @property
     def program(self) -> Path:

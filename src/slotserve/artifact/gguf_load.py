@@ -29,13 +29,19 @@ from slotserve.artifact.gguf_tokenizer import tokenizer_from_gguf
 from slotserve.errors import ArtifactError
 from slotserve.info import ModelInfo
 from slotserve.model import Model, build_weights
+from slotserve.native import NO_KERNELS, Kernels
 from slotserve.tokenizer import Tokenizer
 
 log = logging.getLogger("slotserve")
 
 
 def load_gguf(
-    path: Path, *, use_cache: bool = True, progress: bool = True, blocks: bool = False
+    path: Path,
+    *,
+    use_cache: bool = True,
+    progress: bool = True,
+    blocks: bool = False,
+    kernels: Kernels = NO_KERNELS,
 ) -> Model:
     """Load ``path``; the first load dequantises (with a progress bar) and fills the cache.
 
@@ -45,9 +51,10 @@ def load_gguf(
         raise ArtifactError(path, "no such file; pass a path to a .gguf file")
     if blocks:
         info, tokenizer, parts = _read_gguf(path, progress, keep_blocks=True)
-        return Model(info, tokenizer, build_weights(info, parts, str(path)), source=str(path))
+        weights = build_weights(info, parts, str(path))
+        return Model.from_weights(info, tokenizer, weights, str(path), kernels)
     digest = weight_cache.file_digest(path)
-    if use_cache and (model := _load_cached(path, digest)) is not None:
+    if use_cache and (model := _load_cached(path, digest, kernels)) is not None:
         return model
     info, tokenizer, tensors = _read_gguf(path, progress)
     weights = build_weights(info, tensors, str(path))
@@ -55,10 +62,10 @@ def load_gguf(
     # fit its metadata never leaves an entry behind.
     if use_cache:
         _try_write_cache(digest, tensors, info, tokenizer)
-    return Model(info, tokenizer, weights, source=str(path))
+    return Model.from_weights(info, tokenizer, weights, str(path), kernels)
 
 
-def _load_cached(path: Path, digest: str) -> Model | None:
+def _load_cached(path: Path, digest: str, kernels: Kernels) -> Model | None:
     """The model from the cache entry for ``digest``, or None when there is none or it is
     unusable (then a warning names the entry, and the caller rebuilds it)."""
     try:
@@ -72,7 +79,7 @@ def _load_cached(path: Path, digest: str) -> Model | None:
     except ArtifactError as exc:
         log.warning("weight cache entry is unusable, rebuilding it from %s: %s", path, exc)
         return None
-    return Model(info, tokenizer, weights, source=str(path))
+    return Model.from_weights(info, tokenizer, weights, str(path), kernels)
 
 
 def _decode_entry_meta(meta: Mapping[str, str], entry: Path) -> tuple[ModelInfo, Tokenizer]:

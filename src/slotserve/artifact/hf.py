@@ -16,15 +16,16 @@ from slotserve.artifact.hf_config import model_info_from_config
 from slotserve.errors import ArtifactError
 from slotserve.info import ModelInfo
 from slotserve.model import Model, build_weights
+from slotserve.native import NO_KERNELS, Kernels
 from slotserve.tokenizer import Tokenizer
 
 
-def load_hf_dir(path: Path) -> Model:
+def load_hf_dir(path: Path, kernels: Kernels = NO_KERNELS) -> Model:
     config = _read_json(path / "config.json")
     info = model_info_from_config(config, path / "config.json")
     tensors = _read_safetensors(path)
     weights = build_weights(info, tensors, str(path))
-    return Model(info, _read_tokenizer(path, info), weights, source=str(path))
+    return Model.from_weights(info, _read_tokenizer(path, info), weights, str(path), kernels)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -61,7 +61,7 @@ def run_layouts(model: Model, repeats: int = 5) -> dict[str, object]:
         configs = layout_configs(max_context)
         task = progress.add_task("bench layouts", total=len(configs) * len(contexts))
         for name, config in configs.items():
-            pool = KVPool(model.info, config)
+            pool = KVPool(model.info, config, model.kernels.attention)
             pool.reserve(0, max_context)
             gen = torch.Generator().manual_seed(0)
             rows[name] = []

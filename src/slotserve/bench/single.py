@@ -57,12 +57,15 @@ def run_single(model: Model, repeats: int = 5) -> dict[str, Any]:
     longest = min(model.info.max_context - DECODE_TOKENS, executor.max_step_tokens or 1 << 30)
     lengths = [n for n in PROMPT_LENGTHS if n <= longest]
     context = max(lengths) + DECODE_TOKENS
-    kv = KVPool(model.info, KVConfig(layout="flat", max_seqs=1, max_context=context))
+    config = KVConfig(layout="flat", max_seqs=1, max_context=context)
+    kv = KVPool(model.info, config, model.kernels.attention)
     kv.reserve(0, context)
     int8 = None
     if model.weights is not None:
         int8 = TorchExecutor(
-            Model(model.info, model.tokenizer, quantize_int8(model.weights), model.source)
+            Model.from_weights(
+                model.info, model.tokenizer, quantize_int8(model.weights), model.source
+            )
         )
     gen = torch.Generator().manual_seed(0)
     rows = []

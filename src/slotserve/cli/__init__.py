@@ -11,7 +11,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from slotserve.cli import bench, chat, export, generate, inspect, plan, serve
+from slotserve.cli import bench, build_kernels, chat, export, generate, inspect, plan, serve
 from slotserve.errors import SlotserveError
 
 COMMANDS = {
@@ -22,6 +22,7 @@ COMMANDS = {
     "serve": serve,
     "bench": bench,
     "export": export,
+    "build-kernels": build_kernels,
 }
 
 

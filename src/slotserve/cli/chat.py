@@ -16,7 +16,6 @@ import logging
 import sys
 from typing import Any
 
-from slotserve.cli.executors import kernel_threads
 from slotserve.cli.flags import add_sampling_args
 from slotserve.cli.generate import generation_config, print_piece
 
@@ -33,8 +32,7 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    with kernel_threads(args.model, args.weights):
-        return _chat(args)
+    return _chat(args)
 
 
 def _chat(args: argparse.Namespace) -> int:

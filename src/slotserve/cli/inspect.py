@@ -36,6 +36,8 @@ def run(args: argparse.Namespace) -> int:
         "eos_ids": list(info.eos_ids),
         "parameters": model.weights.n_params if model.weights is not None else None,
         "weight_bytes": model.weight_bytes,
+        "halves": model.halves.kind,
+        "kernels": model.kernels.describe(),
         "kv_bytes_per_token_fp32": info.kv_bytes_per_token(4),
         "chat_template": model.tokenizer.chat_template is not None,
     }

@@ -1,5 +1,5 @@
 """The off-graph KV cache: storage the runtime owns and the model only reaches through
-``update_and_attend(layer, q, k, v, batch)``.
+``update_and_attend(layer, qkv, batch)`` (one fused projection's rows).
 
 `StepBatch` describes one forward step; `KVPool` holds every session's K/V in one of three
 layouts (`KVConfig.layout`: flat, ring, cell), allocated once; `attend` is the shared SDPA

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 import torch
 
 LAYOUTS = ("flat", "ring", "cell")
-ATTENTION = ("auto", "torch")
 KV_DTYPES = {
     "fp32": torch.float32,
     "fp16": torch.float16,
@@ -24,9 +23,8 @@ class KVConfig:
     get a ring of their window (exact, and bounded). With ``layout="ring"`` full-attention
     layers keep ``ring_window`` recent positions plus ``sinks`` first positions forever
     (StreamingLLM-style, an approximation of full attention). ``num_blocks`` (cell only)
-    defaults to enough blocks for every session at ``max_context``. ``attention="auto"``
-    lets decode-sized steps of the flat and cell layouts use the compiled kernel
-    (`slotserve.kv.kernel`) where it builds; ``"torch"`` keeps torch SDPA for every step.
+    defaults to enough blocks for every session at ``max_context``. Whether decode-sized
+    steps attend with the compiled kernel is the pool's ``attention`` argument.
     """
 
     layout: str = "flat"
@@ -37,13 +35,10 @@ class KVConfig:
     ring_window: int = 1024
     sinks: int = 0
     num_blocks: int | None = None
-    attention: str = "auto"
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"kv_layout={self.layout!r} is not one of {LAYOUTS}")
-        if self.attention not in ATTENTION:
-            raise ValueError(f"attention={self.attention!r} is not one of {ATTENTION}")
         if self.dtype not in KV_DTYPES:
             raise ValueError(f"kv dtype={self.dtype!r} is not one of {tuple(KV_DTYPES)}")
         for name in ("max_seqs", "max_context", "block_size", "ring_window"):

@@ -20,9 +20,9 @@ import torch
 
 from slotserve.kv.attention import attend, pad_rows, prefix_mask, visibility_mask
 from slotserve.kv.batch import StepBatch
-from slotserve.kv.kernel import AttentionKernel, StepCells
 from slotserve.kv.session import SessionKV
 from slotserve.kv.storage import KVStorage
+from slotserve.native.attention import AttentionKernel, StepCells
 
 # Steps whose sequences add at most this many tokens each attend with the compiled kernel
 # (when it is built); longer chunks go to torch SDPA, whose matrix products win there
@@ -68,26 +68,19 @@ class LayerGroup(ABC):
     def update_and_attend(
         self,
         layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        batch: StepBatch,
-        sessions: Mapping[int, SessionKV],
-    ) -> torch.Tensor:
-        """Write the step's K/V for ``layer`` and return its attention output."""
-
-    def update_and_attend_rows(
-        self,
-        layer: int,
         qkv: torch.Tensor,
         batch: StepBatch,
         sessions: Mapping[int, SessionKV],
     ) -> torch.Tensor:
-        """`update_and_attend` on fused ``[q | k | v]`` rows, as views of them."""
+        """Write the step's K/V for ``layer`` (from fused ``[q | k | v]`` rows) and return
+        its attention output."""
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views ``q[T, heads, hd]``, ``k, v[T, kv_heads, hd]`` of fused rows."""
         kv_heads, head_dim = self.shape.kv_heads, self.shape.head_dim
         heads = self.query_heads(qkv)
         q, k, v = torch.split(qkv.view(qkv.shape[0], -1, head_dim), [heads, kv_heads, kv_heads], 1)
-        return self.update_and_attend(layer, q, k, v, batch, sessions)
+        return q, k, v
 
     def query_heads(self, qkv: torch.Tensor) -> int:
         """How many query heads fused ``[q | k | v]`` rows carry."""
@@ -144,7 +137,9 @@ class PrefixGroup(LayerGroup):
         plan: dict[str, object] = {"write": write, "gather": gather}
         if self.kernel is not None and batch.max_len <= KERNEL_MAX_QUERIES:
             seq, group = batch.pad_index()[0], heads // self.shape.kv_heads
-            plan["kernel"] = StepCells.of(write, gather, seq, batch.positions, group)
+            plan["kernel"] = StepCells.of(
+                write, gather, seq, batch.positions, group, self.kernel.threads
+            )
             return plan
         causal = batch.size == 1 and batch.starts[0] == 0 and self.window is None
         plan["causal"] = causal
@@ -161,33 +156,6 @@ class PrefixGroup(LayerGroup):
     def update_and_attend(
         self,
         layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        batch: StepBatch,
-        sessions: Mapping[int, SessionKV],
-    ) -> torch.Tensor:
-        plan = batch.memo(("kv-plan", id(self)), lambda: self._plan(batch, sessions, q.shape[1]))
-        write = plan["write"]
-        assert isinstance(write, torch.Tensor)
-        step = plan.get("kernel")
-        if isinstance(step, StepCells):
-            assert self.kernel is not None
-            key, value = self.keys[layer], self.values[layer]
-            return self.kernel.update_and_attend(
-                q, k, v, step, (key.data, key.scales), (value.data, value.scales), self.window
-            )
-        self.keys[layer].write(write, k)
-        self.values[layer].write(write, v)
-        keys = self._keys(self.keys[layer], plan).transpose(1, 2)
-        values = self._keys(self.values[layer], plan).transpose(1, 2)
-        mask = plan["mask"]
-        assert mask is None or isinstance(mask, torch.Tensor)
-        return attend(q, keys, values, batch, mask, causal_from_zero=bool(plan["causal"]))
-
-    def update_and_attend_rows(
-        self,
-        layer: int,
         qkv: torch.Tensor,
         batch: StepBatch,
         sessions: Mapping[int, SessionKV],
@@ -196,12 +164,21 @@ class PrefixGroup(LayerGroup):
         heads = self.query_heads(qkv)
         plan = batch.memo(("kv-plan", id(self)), lambda: self._plan(batch, sessions, heads))
         step = plan.get("kernel")
-        if not isinstance(step, StepCells):
-            return super().update_and_attend_rows(layer, qkv, batch, sessions)
-        assert self.kernel is not None
-        key, value = self.keys[layer], self.values[layer]
-        storages = (key.data, key.scales), (value.data, value.scales)
-        return self.kernel.update_and_attend_rows(qkv, heads, step, *storages, self.window)
+        if isinstance(step, StepCells):
+            assert self.kernel is not None
+            key, value = self.keys[layer], self.values[layer]
+            storages = (key.data, key.scales), (value.data, value.scales)
+            return self.kernel.update_and_attend(qkv, heads, step, *storages, self.window)
+        q, k, v = self.split(qkv)
+        write = plan["write"]
+        assert isinstance(write, torch.Tensor)
+        self.keys[layer].write(write, k)
+        self.values[layer].write(write, v)
+        keys = self._keys(self.keys[layer], plan).transpose(1, 2)
+        values = self._keys(self.values[layer], plan).transpose(1, 2)
+        mask = plan["mask"]
+        assert mask is None or isinstance(mask, torch.Tensor)
+        return attend(q, keys, values, batch, mask, causal_from_zero=bool(plan["causal"]))
 
 
 class FlatGroup(PrefixGroup):
@@ -329,12 +306,11 @@ class RingGroup(LayerGroup):
     def update_and_attend(
         self,
         layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        qkv: torch.Tensor,
         batch: StepBatch,
         sessions: Mapping[int, SessionKV],
     ) -> torch.Tensor:
+        q, k, v = self.split(qkv)
         plan = batch.memo(("kv-plan", id(self)), lambda: self._plan(batch, sessions))
         keys = torch.cat(
             [self.keys[layer].gather(plan["old_cells"]), pad_rows(k.float(), batch)], 1

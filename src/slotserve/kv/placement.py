@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from slotserve.info import ModelInfo
 from slotserve.kv.config import KVConfig
-from slotserve.kv.kernel import attention_kernel
 from slotserve.kv.layouts import CellGroup, FlatGroup, GroupShape, LayerGroup, RingGroup
+from slotserve.native.attention import AttentionKernel
 
 Rule = tuple[str, int | None]  # (placement, attention window)
 
@@ -48,10 +48,12 @@ def cells_per_layer(rule: Rule, config: KVConfig) -> int:
     return config.max_seqs * cells_per_session(rule, config)
 
 
-def build_groups(info: ModelInfo, config: KVConfig) -> list[LayerGroup]:
-    """Allocate the storage of every layer, grouped by placement rule."""
+def build_groups(
+    info: ModelInfo, config: KVConfig, kernel: AttentionKernel | None = None
+) -> list[LayerGroup]:
+    """Allocate the storage of every layer, grouped by placement rule; flat and cell
+    groups attend decode-sized steps with ``kernel`` where one is given."""
     shape = GroupShape(info.n_kv_heads, info.head_dim, config.torch_dtype)
-    kernel = attention_kernel() if config.attention == "auto" else None
     groups: list[LayerGroup] = []
     for (kind, window), layers in layer_rules(info, config).items():
         if kind == "ring":

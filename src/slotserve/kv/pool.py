@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -32,6 +33,7 @@ from slotserve.kv.layouts import CellGroup, RingGroup
 from slotserve.kv.placement import build_groups
 from slotserve.kv.session import SessionKV
 from slotserve.kv.storage import KVStorage
+from slotserve.native.attention import AttentionKernel
 
 
 @dataclass(frozen=True)
@@ -43,12 +45,67 @@ class PoolUsage:
     used: int
 
 
+@dataclass(frozen=True)
+class RowGroup:
+    """Layers that keep each slot's positions in a row: ``flat`` (a whole context) or
+    ``ring`` (a window, plus sinks). Slot ``s`` owns cells ``s * size .. (s + 1) * size - 1``
+    of each layer in ``layers``."""
+
+    kind: Literal["flat", "ring"]
+    layers: tuple[int, ...]
+    size: int
+
+
+@dataclass(frozen=True)
+class RowCells:
+    """One session's row in one `RowGroup`: cells ``first .. first + group.size - 1``, of
+    which ``live`` hold positions it still sees; ``wrapped``: a ring written past its row
+    (its oldest positions, after the sinks, were overwritten)."""
+
+    group: RowGroup
+    first: int
+    live: int
+    wrapped: bool
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What one session, or one read-only snapshot (``slot`` None), holds in the pool.
+
+    ``blocks`` is its cell block table in position order (block ``blocks[i]`` holds positions
+    ``i * block_size ..``; every cell layer uses the same table), ``refcounts[i]`` the number
+    of tables holding ``blocks[i]`` (above 1: shared copy-on-write). ``rows``: its row in
+    each flat or ring group (a snapshot has none: it keeps copies of its ring rows outside
+    the pool's storage). ``length`` positions are written, ``capacity`` reserved."""
+
+    session: int
+    slot: int | None
+    length: int
+    capacity: int
+    blocks: tuple[int, ...]
+    refcounts: tuple[int, ...]
+    rows: tuple[RowCells, ...]
+
+
+@dataclass(frozen=True)
+class PoolHoldings:
+    """Who holds which cells of the pool, copied from its own tables (`KVPool.holdings`).
+    ``block_size`` is None without cell layers."""
+
+    block_size: int | None
+    row_groups: tuple[RowGroup, ...]
+    sessions: tuple[Holding, ...]
+    snapshots: tuple[Holding, ...]
+
+
 class KVPool:
     """K/V storage for up to ``max_seqs`` sessions of up to ``max_context`` positions."""
 
-    def __init__(self, info: ModelInfo, config: KVConfig) -> None:
+    def __init__(
+        self, info: ModelInfo, config: KVConfig, attention: AttentionKernel | None = None
+    ) -> None:
         self.info, self.config = info, config
-        self.groups = build_groups(info, config)
+        self.groups = build_groups(info, config, attention)
         self._group_of = {layer: g for g in self.groups for layer in g.layers}
         self._cells = [g for g in self.groups if isinstance(g, CellGroup)]
         self._rings = [g for g in self.groups if isinstance(g, RingGroup)]
@@ -84,6 +141,32 @@ class KVPool:
     def slot_of(self, session: int) -> int:
         """The slot row ``session`` is bound to."""
         return self._get(session).slot
+
+    def holdings(self) -> PoolHoldings:
+        """Every session (by id) and snapshot (by id) with the exact cells it holds: its
+        block table and each block's refcount, its row in each flat or ring group. A copy:
+        later changes to the pool do not show in it."""
+        rows = tuple(
+            RowGroup("ring", tuple(g.layers), g.row)
+            if isinstance(g, RingGroup)
+            else RowGroup("flat", tuple(g.layers), self.config.max_context)
+            for g in self.groups
+            if not isinstance(g, CellGroup)
+        )
+
+        def holding(session: int, bound: SessionKV) -> Holding:
+            refcounts = tuple(self.blocks.refcount[b] for b in bound.table)
+            cells = () if bound.slot < 0 else tuple(_row_cells(g, bound) for g in rows)
+            slot = None if bound.slot < 0 else bound.slot
+            blocks = tuple(bound.table)
+            return Holding(session, slot, bound.length, bound.capacity, blocks, refcounts, cells)
+
+        return PoolHoldings(
+            self.config.block_size if self._cells else None,
+            rows,
+            tuple(holding(k, self.sessions[k]) for k in sorted(self.sessions)),
+            tuple(holding(k, self.snapshots[k]) for k in sorted(self.snapshots)),
+        )
 
     def _blocks_for(self, n_tokens: int) -> int:
         return math.ceil(n_tokens / self.config.block_size) if self._cells else 0
@@ -346,18 +429,9 @@ class KVPool:
             bound.length = end
             bound.high_water = max(bound.high_water, end)
 
-    def update_and_attend(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch
-    ) -> torch.Tensor:
+    def update_and_attend(self, layer: int, qkv: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """Write the step's K/V for ``layer`` and attend; see `slotserve.kv.KVStore`."""
-        return self._group_of[layer].update_and_attend(layer, q, k, v, batch, self.sessions)
-
-    def update_and_attend_rows(
-        self, layer: int, qkv: torch.Tensor, batch: StepBatch
-    ) -> torch.Tensor:
-        """The same on one fused projection's rows; see `slotserve.kv.KVStore`."""
-        group = self._group_of[layer]
-        return group.update_and_attend_rows(layer, qkv, batch, self.sessions)
+        return self._group_of[layer].update_and_attend(layer, qkv, batch, self.sessions)
 
     # -- internals -------------------------------------------------------------------
 
@@ -458,3 +532,11 @@ class KVPool:
         tables = [s.table for s in (*self.sessions.values(), *self.snapshots.values())]
         self.blocks.check_integrity(tables)
         assert self._cow_needed(self.sessions) <= self.blocks.n_free, "copy-on-write overcommitted"
+
+
+def _row_cells(group: RowGroup, bound: SessionKV) -> RowCells:
+    """``bound``'s row in ``group``: a flat row holds every written position; a ring its
+    last ``size`` (sinks included), having wrapped once written past them."""
+    live = min(bound.length, group.size)
+    wrapped = group.kind == "ring" and bound.high_water > group.size
+    return RowCells(group, bound.slot * group.size, live, wrapped)

@@ -1,50 +1,26 @@
-"""The Llama forward for GGUF block weights: per layer, one kernel call before the attention
-(RMSNorm, the fused Q/K/V product, RoPE) and one after it (the output product and residual,
-RMSNorm, gate/up, SwiGLU, down and residual), around the pool's ``update_and_attend_rows``.
+"""The Llama family's fused halves on GGUF block weights: per layer, one kernel call before
+the attention (RMSNorm, the fused Q/K/V product, RoPE) and one after it (the output product
+and residual, RMSNorm, gate/up, SwiGLU, down and residual).
 
-It computes what `slotserve.model.llama.forward_hidden` computes on the same weights (the
-same `BlockLinear` products, norms and rotations); it only leaves out the dozens of small
-torch calls per layer that would otherwise cost as much as the products at decode time.
-`BlockLayers.of` returns None for a model it does not cover (dense or int8 projections,
-QKV biases, per-head Q/K norms), which keeps the eager forward.
+They compute what `slotserve.model.llama.EagerHalves` computes on the same weights (the
+same block products, norms and rotations); they only leave out the dozens of small torch
+calls per layer that would otherwise cost as much as the products at decode time.
+`BlockHalves.refusal` says why a model is not covered (then it runs the eager halves, on
+the same blocks).
 """
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import dataclass
 
 import torch
 
 from slotserve.info import ModelInfo
-from slotserve.kv.batch import StepBatch
-from slotserve.kv.store import KVStore
-from slotserve.model.gguf_linear import (
-    BLOCK,
-    KIND_CODES,
-    BlockLinear,
-    GGUFKernel,
-    gguf_kernel,
-    padded_blocks,
-)
-from slotserve.model.layers import RopeTables, rms_norm
+from slotserve.model.gguf_linear import BlockLinear
+from slotserve.model.halves import HalvesKind, StepContext
+from slotserve.model.layers import rms_norm
 from slotserve.model.weights import LlamaWeights
-
-
-class Matrix(ctypes.Structure):
-    """A projection as the kernel takes it: its packed rows, GGUF type code, row count."""
-
-    _fields_ = [("blocks", ctypes.c_void_p), ("kind", ctypes.c_int64), ("rows", ctypes.c_int64)]
-
-    @classmethod
-    def of(cls, linear: BlockLinear) -> Matrix:
-        return cls(linear.packed.data_ptr(), KIND_CODES[linear.kind], linear.shape[0])
-
-
-class Scratch(ctypes.Structure):
-    """A step's work space: ``h[m, widest]`` fp32, ``q[m, widest]`` int8, ``d, s``."""
-
-    _fields_ = [(name, ctypes.c_void_p) for name in ("h", "q", "d", "s")]
+from slotserve.native.blocks import BlockKernel, LayerInArgs, LayerOutArgs, Matrix, ScratchSpace
 
 
 @dataclass(frozen=True)
@@ -57,70 +33,101 @@ class _Layer:
     down: Matrix
 
 
-@dataclass(frozen=True)
-class BlockLayers:
-    """The layers of one model prepared for the kernel (made once, with the model)."""
+class _StepBuffers:
+    """One step's outputs and work space, shared by its layers."""
 
-    kernel: GGUFKernel
-    info: ModelInfo
-    layers: tuple[_Layer, ...]
+    def __init__(self, m: int, info: ModelInfo) -> None:
+        attn_width = info.n_heads * info.head_dim
+        self.qkv = torch.empty(m, (info.n_heads + 2 * info.n_kv_heads) * info.head_dim)
+        self.gate_up = torch.empty(m, 2 * info.ffn_dim)
+        self.scratch = ScratchSpace(m, max(info.dim, info.ffn_dim, attn_width))
 
-    @classmethod
-    def of(cls, weights: LlamaWeights, info: ModelInfo) -> BlockLayers | None:
-        kernel = gguf_kernel()
-        if kernel is None or info.qk_norm:
-            return None
-        linears = [(x.qkv, x.o, x.gate_up, x.down) for x in weights.layers]
-        if not all(
-            isinstance(linear, BlockLinear) and linear.bias is None
-            for group in linears
-            for linear in group
-        ):
-            return None
-        layers = tuple(
+
+class BlockHalves:
+    """`slotserve.model.halves.LayerHalves` as two kernel calls a layer."""
+
+    def __init__(self, weights: LlamaWeights, info: ModelInfo, kernel: BlockKernel) -> None:
+        if (reason := self.refusal(weights, info)) is not None:
+            raise ValueError(f"the fused block halves do not cover this model: {reason}")
+        self._weights, self.info, self.kernel = weights, info, kernel
+        self.layers = tuple(
             _Layer(
                 layer.attn_norm.float().contiguous(),
                 layer.mlp_norm.float().contiguous(),
-                *(Matrix.of(linear) for linear in group),  # type: ignore[arg-type]
+                *(_matrix(linear) for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)),
             )
-            for layer, group in zip(weights.layers, linears, strict=True)
+            for layer in weights.layers
         )
-        return cls(kernel, info, layers)
 
-    def forward_hidden(
-        self,
-        weights: LlamaWeights,
-        rope: RopeTables,
-        tokens: torch.Tensor,
-        batch: StepBatch,
-        kv: KVStore,
+    @staticmethod
+    def refusal(weights: LlamaWeights, info: ModelInfo) -> str | None:
+        """Why these halves cannot run ``weights`` (None: they can)."""
+        if info.qk_norm:
+            return "per-head q/k norms"
+        for layer in weights.layers:
+            for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
+                if not isinstance(linear, BlockLinear):
+                    return "projections that are not all GGUF blocks"
+                if linear.bias is not None:
+                    return "projection biases"
+        return None
+
+    @property
+    def kind(self) -> HalvesKind:
+        return "block"
+
+    @property
+    def weights(self) -> LlamaWeights:
+        return self._weights
+
+    @property
+    def weight_bytes(self) -> int:
+        return self._weights.nbytes
+
+    @property
+    def max_step_tokens(self) -> int | None:
+        return None
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._weights.embed[tokens].float().contiguous()
+
+    def qkv(self, layer: int, x: torch.Tensor, step: StepContext) -> torch.Tensor:
+        info, weights = self.info, self.layers[layer]
+        buffers = step.memo(("block", id(self)), lambda: _StepBuffers(x.shape[0], info))
+        cos, sin = step.memo("rope-f32", lambda: (_f32(step.cos), _f32(step.sin)))
+        args = LayerInArgs(
+            x.data_ptr(), x.shape[0], info.dim, weights.attn_norm.data_ptr(), info.norm_eps,
+            weights.qkv, buffers.qkv.data_ptr(), info.n_heads + info.n_kv_heads,
+            info.head_dim, cos.data_ptr(), sin.data_ptr(), buffers.scratch.struct,
+            self.kernel.threads,
+        )  # fmt: skip
+        self.kernel.layer_in(args)
+        return buffers.qkv
+
+    def out(
+        self, layer: int, x: torch.Tensor, attn: torch.Tensor, step: StepContext
     ) -> torch.Tensor:
-        """Final-norm hidden states ``[T, dim]``, as `forward_hidden` returns them."""
-        info = self.info
-        x = weights.embed[tokens].float().contiguous()
-        m = x.shape[0]
-        qkv_width = (info.n_heads + 2 * info.n_kv_heads) * info.head_dim
-        attn_width = info.n_heads * info.head_dim
-        widest = max(info.dim, info.ffn_dim, attn_width)
-        qkv, gate_up = torch.empty(m, qkv_width), torch.empty(m, 2 * info.ffn_dim)
-        blocks = padded_blocks(widest)
-        h, q = torch.empty(m, widest), torch.empty(m, blocks * BLOCK, dtype=torch.int8)
-        scales = torch.empty(2, m, blocks)
-        scratch = Scratch(h.data_ptr(), q.data_ptr(), scales[0].data_ptr(), scales[1].data_ptr())
-        positions = batch.positions.to(torch.int64).contiguous()
-        cos, sin = rope.cos.contiguous(), rope.sin.contiguous()
-        rotated = info.n_heads + info.n_kv_heads
-        eps = info.norm_eps
-        for index, layer in enumerate(self.layers):
-            self.kernel.layer_in(
-                x, layer.attn_norm, eps, layer.qkv, qkv, rotated, info.head_dim,
-                cos, sin, positions, scratch,
-            )  # fmt: skip
-            attn = kv.update_and_attend_rows(index, qkv, batch)
-            if attn.dtype != torch.float32 or not attn.is_contiguous():
-                attn = attn.float().contiguous()
-            self.kernel.layer_out(
-                x, attn, layer.o, layer.mlp_norm, eps, layer.gate_up, gate_up, layer.down,
-                scratch,
-            )  # fmt: skip
-        return rms_norm(x, weights.norm, eps)
+        info, weights = self.info, self.layers[layer]
+        buffers = step.memo(("block", id(self)), lambda: _StepBuffers(x.shape[0], info))
+        if attn.dtype != torch.float32 or not attn.is_contiguous():
+            attn = attn.float().contiguous()
+        args = LayerOutArgs(
+            x.data_ptr(), x.shape[0], info.dim, attn.data_ptr(), attn.shape[1], weights.o,
+            weights.mlp_norm.data_ptr(), info.norm_eps, weights.gate_up,
+            buffers.gate_up.data_ptr(), weights.down, buffers.scratch.struct,
+            self.kernel.threads,
+        )  # fmt: skip
+        self.kernel.layer_out(args)  # in place
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        return self._weights.lm_head(rms_norm(x, self._weights.norm, self.info.norm_eps))
+
+
+def _matrix(linear: object) -> Matrix:
+    assert isinstance(linear, BlockLinear)  # refusal() ran
+    return Matrix.of(linear.packed, linear.kind)
+
+
+def _f32(rows: torch.Tensor) -> torch.Tensor:
+    return rows.float().contiguous()

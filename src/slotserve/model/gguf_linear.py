@@ -1,202 +1,23 @@
 """Linears and embeddings on a GGUF file's own Q4_1 and Q8_0 blocks: the file's bytes,
-packed in pairs of blocks for the kernel (`kernels/gguf_linear.c`).
+packed in pairs of blocks for the kernel (`slotserve.native.blocks`).
 
 Reading the weights is most of a CPU decode step; these read the file's 4.5 or 8.5 bits
 per weight instead of a 32-bit copy, and multiply the way llama.cpp does (activations in
 int8 blocks of 32 with their own scale, integer dot products per block), so the results
 follow llama.cpp's. The products run on OpenMP threads, one per core. Where the kernel
-cannot be built (no C compiler), `gguf_kernel` is None and `load` keeps dequantised
-weights.
+cannot be built (no C compiler), `slotserve.load` keeps dequantised weights.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import logging
-import subprocess
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from slotserve.paths import load_library, process_cores
+from slotserve.native import require_block_kernel
+from slotserve.native.blocks import BLOCK, BLOCK_BYTES, padded_blocks, row_bytes
 
-SOURCE = Path(__file__).with_name("kernels") / "gguf_linear.c"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-BLOCK = 32
-BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
-KIND_CODES = {"Q4_1": 0, "Q8_0": 1}  # the kernel's names for them
-
-_log = logging.getLogger(__name__)
-_POINTER, _I64 = ctypes.c_void_p, ctypes.c_int64
-
-
-class GGUFKernel:
-    """The loaded kernel. Its products run on OpenMP threads (torch's runtime), one per
-    core this process may use, unless ``threads_override`` is set."""
-
-    def __init__(self, library: ctypes.CDLL) -> None:
-        self.threads_override: int | None = None
-        self._quantize = library.quantize_q8
-        self._quantize.restype = None
-        self._quantize.argtypes = [_POINTER, *(_I64,) * 3, *(_POINTER,) * 3]
-        self._gemm = library.gemm
-        self._gemm.restype = ctypes.c_int
-        self._gemm.argtypes = [
-            ctypes.c_int,
-            _POINTER,
-            *(_I64,) * 2,
-            *(_POINTER,) * 3,
-            _I64,
-            _POINTER,
-            _I64,
-            ctypes.c_int,
-        ]
-        self._layer_in = library.layer_in
-        self._layer_in.restype = ctypes.c_int
-        self._layer_in.argtypes = [
-            _POINTER, *(_I64,) * 2, _POINTER, ctypes.c_float, _POINTER, _POINTER,
-            *(_I64,) * 2, *(_POINTER,) * 4, ctypes.c_int,
-        ]  # fmt: skip
-        self._layer_out = library.layer_out
-        self._layer_out.restype = ctypes.c_int
-        self._layer_out.argtypes = [
-            _POINTER, *(_I64,) * 2, _POINTER, _I64, *(_POINTER,) * 2, ctypes.c_float,
-            *(_POINTER,) * 4, ctypes.c_int,
-        ]  # fmt: skip
-
-    @property
-    def threads(self) -> int:
-        return self.threads_override or process_cores()
-
-    def layer_in(
-        self,
-        x: torch.Tensor,
-        norm: torch.Tensor,
-        eps: float,
-        qkv_weights: ctypes.Structure,
-        qkv: torch.Tensor,
-        rotated_heads: int,
-        head_dim: int,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        positions: torch.Tensor,
-        scratch: ctypes.Structure,
-    ) -> None:
-        """``qkv = rope(rms_norm(x) W_qkv^T)``: see ``layer_in`` in the C source. All
-        tensors are contiguous fp32 (``positions`` int64), sized by the caller."""
-        status = self._layer_in(
-            x.data_ptr(), x.shape[0], x.shape[1], norm.data_ptr(), eps,
-            ctypes.byref(qkv_weights), qkv.data_ptr(), rotated_heads, head_dim,
-            cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), ctypes.byref(scratch),
-            self.threads,
-        )  # fmt: skip
-        if status != 0:
-            raise ValueError(f"layer_in refused its arguments (x {tuple(x.shape)})")
-
-    def layer_out(
-        self,
-        x: torch.Tensor,
-        attn: torch.Tensor,
-        o_weights: ctypes.Structure,
-        norm: torch.Tensor,
-        eps: float,
-        gate_up_weights: ctypes.Structure,
-        gate_up: torch.Tensor,
-        down_weights: ctypes.Structure,
-        scratch: ctypes.Structure,
-    ) -> None:
-        """``x += attn W_o^T``, then ``x += mlp(rms_norm(x))``, in place: see ``layer_out``
-        in the C source."""
-        status = self._layer_out(
-            x.data_ptr(), x.shape[0], x.shape[1], attn.data_ptr(), attn.shape[1],
-            ctypes.byref(o_weights), norm.data_ptr(), eps, ctypes.byref(gate_up_weights),
-            gate_up.data_ptr(), ctypes.byref(down_weights), ctypes.byref(scratch),
-            self.threads,
-        )  # fmt: skip
-        if status != 0:
-            raise ValueError(f"layer_out refused its arguments (x {tuple(x.shape)})")
-
-    def matmul(
-        self, x: torch.Tensor, kind: str, packed: torch.Tensor, in_features: int
-    ) -> torch.Tensor:
-        """``x[m, k] @ W.T`` as ``[m, n]`` fp32, for ``W[n, k]`` of GGUF type ``kind`` in
-        packed rows (`pack`)."""
-        m, k = x.shape
-        n = packed.shape[0]
-        if k != in_features or packed.shape[1] != row_bytes(kind, k):
-            raise ValueError(
-                f"packed {kind} rows of shape {tuple(packed.shape)} and {in_features} "
-                f"weights do not fit inputs of width {k}"
-            )
-        if x.dtype != torch.float32 or x.stride(1) != 1:
-            x = x.float().contiguous()
-        blocks = padded_blocks(k)
-        q = torch.empty(m, blocks * BLOCK, dtype=torch.int8)
-        scales = torch.empty(2, m, blocks)
-        d, s = scales[0], scales[1]
-        self._quantize(x.data_ptr(), m, k, x.stride(0), q.data_ptr(), d.data_ptr(), s.data_ptr())
-        y = torch.empty(m, n)
-        status = self._gemm(
-            KIND_CODES[kind],
-            packed.data_ptr(),
-            n,
-            k,
-            q.data_ptr(),
-            d.data_ptr(),
-            s.data_ptr(),
-            m,
-            y.data_ptr(),
-            n,
-            self.threads,
-        )
-        if status != 0:
-            raise ValueError(f"gemm refused {kind} [{n}, {k}] x [{m}, {k}]")
-        return y
-
-
-@functools.cache
-def gguf_kernel() -> GGUFKernel | None:
-    """The kernel for this machine, built on first use; None where it cannot be built."""
-    try:
-        library = load_library(SOURCE, FLAGS)
-    except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", "") or error
-        _log.warning("GGUF block kernel unavailable (%s); weights load dequantised", detail)
-        return None
-    return GGUFKernel(library)
-
-
-def dedicate_cores_to_kernels() -> None:
-    """For a process that serves block weights: torch's own ops run on one thread (call
-    it before any torch work, which starts torch's threads).
-
-    A block-weight step's torch ops are tiny, and the kernels make ~150 OpenMP parallel
-    regions a step. With torch's threads as well, libgomp manages more threads than there
-    are cores and stops spinning between regions, so every region waits for a sleeping
-    thread to wake: the bundled model served 53 tok/s instead of 102 (Intel Xeon, 2 cores).
-    """
-    torch.set_num_threads(1)
-
-
-def require_kernel() -> GGUFKernel:
-    kernel = gguf_kernel()
-    if kernel is None:
-        raise RuntimeError(
-            "GGUF block weights need the compiled kernel, which could not be built (see "
-            "the warning above); install a C compiler (cc) or load with weights='fp32'"
-        )
-    return kernel
-
-
-def padded_blocks(in_features: int) -> int:
-    """Blocks of a packed row: ``in_features / 32`` rounded up to pairs."""
-    return (in_features // BLOCK + 1) // 2 * 2
-
-
-def row_bytes(kind: str, in_features: int) -> int:
-    return padded_blocks(in_features) * BLOCK_BYTES[kind]
+__all__ = ["BLOCK", "BLOCK_BYTES", "BlockEmbedding", "BlockLinear", "pack", "to_q4_1", "unpack"]
 
 
 def pack(gguf_rows: torch.Tensor, kind: str) -> torch.Tensor:
@@ -281,7 +102,7 @@ class BlockLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out_features, in_features = self.shape
         flat = x.reshape(-1, in_features)
-        y = require_kernel().matmul(flat, self.kind, self.packed, in_features)
+        y = require_block_kernel().linear(flat, self.kind, self.packed, in_features)
         if self.bias is not None:
             y += self.bias
         return y.reshape(*x.shape[:-1], out_features)

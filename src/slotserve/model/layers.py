@@ -106,11 +106,14 @@ class RopeTables:
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x[T, heads, head_dim]`` by the angles of ``positions[T]``."""
-        cos = self.cos[positions].unsqueeze(1).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(1).to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        return rotate(x, self.cos[positions], self.sin[positions])
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x[T, heads, head_dim]`` by rows ``cos, sin[T, head_dim]`` (rotate-half)."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos.unsqueeze(1).to(x.dtype) + rotated * sin.unsqueeze(1).to(x.dtype)
 
 
 def fused_rope_rows(

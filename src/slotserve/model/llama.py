@@ -1,8 +1,10 @@
-"""The Llama-family forward pass as a pure function of (weights, tokens, batch, kv).
+"""The Llama family's eager halves: torch ops, a pure function of (weights, inputs).
 
 Covers Llama/SmolLM (GQA, SwiGLU, RMSNorm, RoPE incl. llama3 scaling), Qwen2 (QKV bias),
-Qwen3 (per-head q/k RMSNorm) and per-layer sliding windows. No state lives here: the KV
-cache is an argument and is touched only through ``update_and_attend``.
+Qwen3 (per-head q/k RMSNorm) and per-layer sliding windows (the pool applies them). Every
+projection goes through the `Linear` seam, so the same halves run dense, int8 or GGUF
+block weights. This is where a family is written; the fused halves and a bundle's program
+compute the same.
 """
 
 from __future__ import annotations
@@ -11,52 +13,60 @@ import torch
 import torch.nn.functional as F
 
 from slotserve.info import ModelInfo
-from slotserve.kv.batch import StepBatch
-from slotserve.kv.store import KVStore
-from slotserve.model.layers import RopeTables, rms_norm
-from slotserve.model.weights import LayerWeights, LlamaWeights
+from slotserve.model.halves import HalvesKind, StepContext
+from slotserve.model.layers import rms_norm, rotate
+from slotserve.model.weights import LlamaWeights
 
 
-def forward_hidden(
-    weights: LlamaWeights,
-    info: ModelInfo,
-    rope: RopeTables,
-    tokens: torch.Tensor,
-    batch: StepBatch,
-    kv: KVStore,
-) -> torch.Tensor:
-    """Final-norm hidden states ``[T, dim]`` for the step's flattened tokens."""
-    x = weights.embed[tokens]
-    for index, layer in enumerate(weights.layers):
-        x = x + _attention(layer, info, rope, x, batch, kv, index)
-        x = x + _mlp(layer, info, x)
-    return rms_norm(x, weights.norm, info.norm_eps)
+class EagerHalves:
+    """`slotserve.model.halves.LayerHalves` in torch ops."""
 
+    def __init__(self, weights: LlamaWeights, info: ModelInfo) -> None:
+        self._weights = weights
+        self.info = info
 
-def _attention(
-    layer: LayerWeights,
-    info: ModelInfo,
-    rope: RopeTables,
-    x: torch.Tensor,
-    batch: StepBatch,
-    kv: KVStore,
-    index: int,
-) -> torch.Tensor:
-    h = rms_norm(x, layer.attn_norm, info.norm_eps)
-    q_width = info.n_heads * info.head_dim
-    q, k, v = torch.split(layer.qkv(h), [q_width, info.kv_dim, info.kv_dim], dim=-1)
-    q = q.view(-1, info.n_heads, info.head_dim)
-    k = k.view(-1, info.n_kv_heads, info.head_dim)
-    v = v.view(-1, info.n_kv_heads, info.head_dim)
-    if layer.q_norm is not None and layer.k_norm is not None:
-        q = rms_norm(q, layer.q_norm, info.norm_eps)
-        k = rms_norm(k, layer.k_norm, info.norm_eps)
-    q = rope.apply(q, batch.positions)
-    k = rope.apply(k, batch.positions)
-    return layer.o(kv.update_and_attend(index, q, k, v, batch))
+    @property
+    def kind(self) -> HalvesKind:
+        return "eager"
 
+    @property
+    def weights(self) -> LlamaWeights:
+        return self._weights
 
-def _mlp(layer: LayerWeights, info: ModelInfo, x: torch.Tensor) -> torch.Tensor:
-    h = rms_norm(x, layer.mlp_norm, info.norm_eps)
-    gate, up = layer.gate_up(h).chunk(2, dim=-1)
-    return layer.down(F.silu(gate) * up)
+    @property
+    def weight_bytes(self) -> int:
+        return self._weights.nbytes
+
+    @property
+    def max_step_tokens(self) -> int | None:
+        return None
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._weights.embed[tokens]
+
+    def qkv(self, layer: int, x: torch.Tensor, step: StepContext) -> torch.Tensor:
+        """The attention norm, the fused Q/K/V projection, q/k norms and RoPE."""
+        info, weights = self.info, self._weights.layers[layer]
+        rows = weights.qkv(rms_norm(x, weights.attn_norm, info.norm_eps))
+        q_width = info.n_heads * info.head_dim
+        q, k, v = torch.split(rows, [q_width, info.kv_dim, info.kv_dim], dim=-1)
+        q = q.view(-1, info.n_heads, info.head_dim)
+        k = k.view(-1, info.n_kv_heads, info.head_dim)
+        if weights.q_norm is not None and weights.k_norm is not None:
+            q = rms_norm(q, weights.q_norm, info.norm_eps)
+            k = rms_norm(k, weights.k_norm, info.norm_eps)
+        q, k = rotate(q, step.cos, step.sin), rotate(k, step.cos, step.sin)
+        return torch.cat([q.flatten(1), k.flatten(1), v], dim=1)
+
+    def out(
+        self, layer: int, x: torch.Tensor, attn: torch.Tensor, step: StepContext
+    ) -> torch.Tensor:
+        """The output projection and residual, then the MLP and its residual."""
+        info, weights = self.info, self._weights.layers[layer]
+        x = x + weights.o(attn)
+        gate, up = weights.gate_up(rms_norm(x, weights.mlp_norm, info.norm_eps)).chunk(2, -1)
+        return x + weights.down(F.silu(gate) * up)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm and the head."""
+        return self._weights.lm_head(rms_norm(x, self._weights.norm, self.info.norm_eps))

@@ -1,8 +1,9 @@
-"""`Model`: weights + `ModelInfo` + tokenizer, with the pure ``prefill``/``decode`` methods."""
+"""`Model`: what every executor shares about a loaded model (info, tokenizer, RoPE, source,
+the kernels it was loaded with) and the layer halves that hold its weights."""
 
 from __future__ import annotations
 
-import functools
+import logging
 
 import torch
 
@@ -11,56 +12,61 @@ from slotserve.kv.batch import StepBatch
 from slotserve.kv.config import KVConfig
 from slotserve.kv.pool import KVPool
 from slotserve.kv.store import KVStore
-from slotserve.model.block_forward import BlockLayers
+from slotserve.model.block_forward import BlockHalves
+from slotserve.model.halves import LayerHalves, run_layers
 from slotserve.model.layers import RopeTables
-from slotserve.model.llama import forward_hidden
+from slotserve.model.llama import EagerHalves
 from slotserve.model.weights import LlamaWeights
+from slotserve.native import NO_KERNELS, Kernels
 from slotserve.tokenizer import Tokenizer
+
+_log = logging.getLogger("slotserve")
 
 
 class Model:
-    """A loaded model. Holds weights only; generation state lives in a KV store that the
-    caller passes to every call, so one model can serve any number of sessions.
-
-    ``weights`` is None for a model whose weights all live in a lowered program (a bundle,
-    `slotserve.artifact.bundle`): it describes the model (info, tokenizer, RoPE) for the
-    engine, its executor runs the steps, and ``program_bytes`` is what the program keeps
-    resident (its files' size)."""
+    """A loaded model. Generation state lives in a KV store that the caller passes to every
+    call, so one model can serve any number of sessions. ``halves`` run its layers
+    (`slotserve.model.halves`); ``kernels`` are the compiled kernels it was loaded with
+    (the engine's pool takes its attention kernel from them)."""
 
     def __init__(
         self,
         info: ModelInfo,
         tokenizer: Tokenizer,
-        weights: LlamaWeights | None,
+        halves: LayerHalves,
         source: str = "",
-        *,
-        program_bytes: int = 0,
+        kernels: Kernels = NO_KERNELS,
     ) -> None:
         self.info = info
         self.tokenizer = tokenizer
-        self.weights = weights
+        self.halves = halves
         self.source = source
-        self.program_bytes = program_bytes
+        self.kernels = kernels
         self.rope = RopeTables.build(info.rope, info.head_dim, info.max_context)
 
-    @functools.cached_property
-    def _block_layers(self) -> BlockLayers | None:
-        """The fused forward's view of the weights, where it covers them."""
-        return BlockLayers.of(self.weights, self.info) if self.weights is not None else None
+    @classmethod
+    def from_weights(
+        cls,
+        info: ModelInfo,
+        tokenizer: Tokenizer,
+        weights: LlamaWeights,
+        source: str = "",
+        kernels: Kernels = NO_KERNELS,
+    ) -> Model:
+        """The model on ``weights`` with the halves that run them fastest: the fused block
+        halves where the block kernel is built and covers the model, else the eager ones
+        (logged, with the reason)."""
+        return cls(info, tokenizer, pick_halves(weights, info, kernels, source), source, kernels)
+
+    @property
+    def weights(self) -> LlamaWeights | None:
+        """The loaded tensors (None for a bundle, whose weights live in its program)."""
+        return self.halves.weights
 
     @property
     def weight_bytes(self) -> int:
-        """Resident bytes of the weights: loaded tensors, or the lowered program's."""
-        return self.weights.nbytes if self.weights is not None else self.program_bytes
-
-    def require_weights(self) -> LlamaWeights:
-        """The weights; a `ValueError` for a model whose weights live in a lowered program."""
-        if self.weights is None:
-            raise ValueError(
-                f"{self.source or 'this model'}: its weights live in a lowered program (a "
-                "bundle); run it with that program's executor (slotserve.executor.executor_for)"
-            )
-        return self.weights
+        """Resident bytes of the weights."""
+        return self.halves.weight_bytes
 
     @torch.inference_mode()
     def forward(
@@ -71,20 +77,16 @@ class Model:
 
         The caller has committed ``batch`` in the KV store (`KVPool.begin_step`); the model
         only writes and attends through ``update_and_attend``."""
-        weights = self.require_weights()
         if tokens.shape != (batch.n_tokens,):
             raise ValueError(f"tokens shape {tuple(tokens.shape)} != ({batch.n_tokens},)")
         if max(batch.ends) > self.info.max_context:
             raise ValueError(
                 f"position {max(batch.ends)} exceeds the model's context {self.info.max_context}"
             )
-        if self._block_layers is not None:
-            hidden = self._block_layers.forward_hidden(weights, self.rope, tokens, batch, kv)
-        else:
-            hidden = forward_hidden(weights, self.info, self.rope, tokens, batch, kv)
+        x = run_layers(self.halves, self.info.n_layers, self.rope, tokens, batch, kv)
         if not all_logits:
-            hidden = hidden[batch.last_token_rows()]
-        return weights.lm_head(hidden).float()
+            x = x[batch.last_token_rows()]
+        return self.halves.head(x).float()
 
     def prefill(self, tokens: torch.Tensor, batch: StepBatch, kv: KVStore) -> torch.Tensor:
         """Append each sequence's prompt chunk; logits ``[B, vocab]`` of its last token."""
@@ -102,8 +104,22 @@ class Model:
         if not token_ids:
             raise ValueError("logits() needs at least one token")
         # A scratch pool this call owns and drives, as the engine drives its own.
-        kv = KVPool(self.info, KVConfig(layout="flat", max_seqs=1, max_context=len(token_ids)))
+        config = KVConfig(layout="flat", max_seqs=1, max_context=len(token_ids))
+        kv = KVPool(self.info, config, attention=self.kernels.attention)
         kv.reserve(0, len(token_ids))
         batch = StepBatch.single(0, len(token_ids))
         kv.begin_step(batch)
         return self.forward(torch.tensor(token_ids), batch, kv, all_logits=True)
+
+
+def pick_halves(
+    weights: LlamaWeights, info: ModelInfo, kernels: Kernels, source: str = ""
+) -> LayerHalves:
+    """Block halves where they can run ``weights``, else eager (see `Model.from_weights`)."""
+    reason = BlockHalves.refusal(weights, info)
+    if kernels.blocks is not None and reason is None:
+        _log.info("%s: layer halves 'block' (fused C kernel calls)", source or info.arch)
+        return BlockHalves(weights, info, kernels.blocks)
+    if kernels.blocks is not None:
+        _log.info("%s: layer halves 'eager' (block halves do not cover %s)", source, reason)
+    return EagerHalves(weights, info)

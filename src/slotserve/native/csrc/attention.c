@@ -6,19 +6,16 @@
  * at cells[seq[t] * key_len + j]. No gather, no padding, no mask: each query reads exactly
  * the cells it attends to, once per KV head for all the query heads that share it (GQA).
  * Scores, softmax and the weighted sum are in fp32, whatever the storage dtype. Built by
- * slotserve.kv.kernel with -O3 -march=native -fopenmp.
+ * slotserve.native (build.py) with -O3 -march=native -fopenmp; bound by native/attention.py.
  */
-#include <math.h>
 #include <omp.h>
-#include <stdint.h>
-#include <string.h>
+
+#include "common.h"
 #ifdef __F16C__
 #include <immintrin.h>
 #endif
 
 enum { KV_FP32 = 0, KV_FP16 = 1, KV_BF16 = 2, KV_INT8 = 3 };
-
-#define INLINE static inline __attribute__((always_inline))
 
 /* Row `cell`, head `g` of a [n_cells, kv_heads, dim] storage, as fp32: in place for fp32,
  * else converted into `row`. */
@@ -41,12 +38,7 @@ INLINE const float *load_row(const void *data, const float *scales, int dtype, i
     case KV_BF16: {
         const uint16_t *src = (const uint16_t *)data + offset;
 #pragma omp simd
-        for (int64_t d = 0; d < dim; d++) {
-            uint32_t bits = (uint32_t)src[d] << 16;
-            float value;
-            memcpy(&value, &bits, sizeof value);
-            row[d] = value;
-        }
+        for (int64_t d = 0; d < dim; d++) row[d] = bf16_to_float(src[d]);
         break;
     }
     default: { /* KV_INT8: one fp32 scale per (cell, head) */
@@ -141,26 +133,6 @@ INLINE float dot(const float *a, const float *b, int64_t dim) {
     return sum;
 }
 
-/* e^x for x <= 0, to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6
- * Taylor polynomial, 2^n through the exponent bits. Unlike libm's expf it vectorises. */
-INLINE float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float round = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    float n = (x * 1.44269504089f + round) - round;
-    float r = x - n * 0.693145751953f - n * 1.42860682e-6f; /* ln2 split in two parts */
-    float p = 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
-
 /* One query row's heads that share KV head g (`group` of them, at qg) over the keys at
  * cells[lo..hi]: scores, softmax, weighted values into og. `scores` holds group * span. */
 INLINE void attend_group(const float *qg, float *og, const void *keys, const void *values,
@@ -204,22 +176,55 @@ INLINE void attend_group(const float *qg, float *og, const void *keys, const voi
     }
 }
 
-/* q: [n_queries, heads, dim] and k_new, v_new: [n_queries, kv_heads, dim], fp32, each row
+/* One call's arguments (mirrored by slotserve.native.attention.AttendArgs).
+ * q: [n_queries, heads, dim] and k_new, v_new: [n_queries, kv_heads, dim], fp32, each row
  * `q_stride` / `kv_stride` floats after the last (views into one fused projection need no
  * copy). write: [n_queries] cells for the new rows. out: [n_queries, heads, dim].
  * keys, values: [n_cells, kv_heads, dim] of `dtype` (key_scales, value_scales:
  * [n_cells, kv_heads] for KV_INT8, else unused). cells: [n_seqs, key_len]. scratch:
- * heads / kv_heads * key_len floats for each of `threads`. Returns 0, or -1 when an
- * argument is out of range (then nothing is written).
+ * heads / kv_heads * key_len floats for each of `threads`. */
+typedef struct {
+    const float *q;
+    int64_t q_stride;
+    const float *k_new, *v_new;
+    int64_t kv_stride;
+    const int64_t *write;
+    float *out;
+    void *keys, *values;
+    float *key_scales, *value_scales;
+    int64_t dtype;
+    const int64_t *cells;
+    int64_t key_len;
+    const int64_t *seq, *pos;
+    int64_t n_queries, heads, kv_heads, dim, window;
+    float scale;
+    float *scratch;
+    int64_t threads;
+} attend_args;
+
+LAYOUT(attend_args, attend_args,
+       LAYOUT_FIELD(q) LAYOUT_FIELD(q_stride) LAYOUT_FIELD(k_new) LAYOUT_FIELD(v_new)
+       LAYOUT_FIELD(kv_stride) LAYOUT_FIELD(write) LAYOUT_FIELD(out) LAYOUT_FIELD(keys)
+       LAYOUT_FIELD(values) LAYOUT_FIELD(key_scales) LAYOUT_FIELD(value_scales)
+       LAYOUT_FIELD(dtype) LAYOUT_FIELD(cells) LAYOUT_FIELD(key_len) LAYOUT_FIELD(seq)
+       LAYOUT_FIELD(pos) LAYOUT_FIELD(n_queries) LAYOUT_FIELD(heads) LAYOUT_FIELD(kv_heads)
+       LAYOUT_FIELD(dim) LAYOUT_FIELD(window) LAYOUT_FIELD(scale) LAYOUT_FIELD(scratch)
+       LAYOUT_FIELD(threads))
+
+/* Returns 0, or -1 when an argument is out of range (then nothing is written).
  *
  * The (query, KV head) pairs are shared out over `threads` OpenMP threads when there is
- * enough to share (torch's own threads: see slotserve.model.kernels/gguf_linear.c). */
-int update_and_attend(const float *q, int64_t q_stride, const float *k_new,
-                      const float *v_new, int64_t kv_stride, const int64_t *write, float *out,
-                      void *keys, void *values, float *key_scales, float *value_scales,
-                      int dtype, const int64_t *cells, int64_t key_len, const int64_t *seq,
-                      const int64_t *pos, int64_t n_queries, int64_t heads, int64_t kv_heads,
-                      int64_t dim, int64_t window, float scale, float *scratch, int threads) {
+ * enough to share (torch's own threads: see blocks.c). */
+int update_and_attend(const attend_args *a) {
+    const float *q = a->q, *k_new = a->k_new, *v_new = a->v_new, scale = a->scale;
+    const int64_t q_stride = a->q_stride, kv_stride = a->kv_stride, key_len = a->key_len;
+    const int64_t *write = a->write, *cells = a->cells, *seq = a->seq, *pos = a->pos;
+    const int64_t n_queries = a->n_queries, heads = a->heads, kv_heads = a->kv_heads;
+    const int64_t dim = a->dim, window = a->window, threads = a->threads;
+    const int dtype = (int)a->dtype;
+    float *out = a->out, *scratch = a->scratch, *key_scales = a->key_scales;
+    float *value_scales = a->value_scales;
+    void *keys = a->keys, *values = a->values;
     if (kv_heads < 1 || heads % kv_heads || dim < 1 || dim > 1024 || dtype < 0 || dtype > 3)
         return -1;
     int64_t keys_read = 0;
@@ -235,7 +240,7 @@ int update_and_attend(const float *q, int64_t q_stride, const float *k_new,
         }
     const int64_t group = heads / kv_heads;
     /* A handoff costs about a microsecond: share from ~50k multiply-adds. */
-    int parts = keys_read * heads * dim < (1 << 16) || threads < 1 ? 1 : threads;
+    int parts = keys_read * heads * dim < (1 << 16) || threads < 1 ? 1 : (int)threads;
 #pragma omp parallel num_threads(parts)
     {
         float row[dim];

@@ -24,18 +24,17 @@
  * (libgomp.so.1 is loaded already), so the two share one set of worker threads instead of
  * spinning against each other on the same cores.
  *
- * Built by slotserve.model.gguf_linear with -O3 -march=native -fopenmp: AVX-512 VNNI or AVX-VNNI
+ * Built by slotserve.native (build.py) with -O3 -march=native -fopenmp, bound by
+ * slotserve.native.blocks: AVX-512 VNNI or AVX-VNNI
  * dot products where the CPU has them, AVX2 otherwise, plain C elsewhere.
  */
-#include <math.h>
 #include <omp.h>
-#include <stdint.h>
-#include <string.h>
+
+#include "common.h"
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
-#define INLINE static inline __attribute__((always_inline))
 #define BLOCK 32
 #define ROWS 4 /* activation rows that share one load of the weights */
 
@@ -46,12 +45,6 @@ INLINE int64_t padded_blocks(int64_t k) { return (k / BLOCK + 1) / 2 * 2; }
 /* Offset of weight e of block b in pair order. */
 INLINE int64_t pair_offset(int64_t b, int e) {
     return (b / 2) * 64 + (e < 16 ? 0 : 32) + (b % 2) * 16 + (e % 16);
-}
-
-INLINE float half_at(const uint16_t *p) {
-    _Float16 h;
-    memcpy(&h, p, sizeof h);
-    return (float)h;
 }
 
 /* ---- activations -------------------------------------------------------------------- */
@@ -87,7 +80,7 @@ INLINE int quantize_block(const float *src, float inverse, int8_t *low, int8_t *
 }
 
 /* x[m, k] (row stride ldx floats) -> q[m, P * 32] int8 in pair order, d and s [m, P]. */
-void quantize_q8(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *d,
+static void quantize_q8(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *d,
                  float *s) {
     int64_t nb = k / BLOCK, np = padded_blocks(k);
     for (int64_t i = 0; i < m; i++) {
@@ -291,16 +284,10 @@ static int multiply(int kind, const uint8_t *w, int64_t n, int64_t k, const int8
     return 0;
 }
 
-/* y[m, n] (row stride ldy) = activations (quantize_q8 of x[m, k]) times W[n, k]^T, W in
- * `kind` blocks. Returns 0, or -1 for arguments it cannot take (k not a multiple of 32). */
-int gemm(int kind, const uint8_t *w, int64_t n, int64_t k, const int8_t *q, const float *d,
-         const float *s, int64_t m, float *y, int64_t ldy, int threads) {
-    return multiply(kind, w, n, k, q, d, s, m, y, ldy, 0, threads);
-}
-
 /* ---- a transformer layer's work around its attention ------------------------------------ */
 
-/* One matrix of a layer: its blocks, type and output width (its input width is implied). */
+/* One matrix: its packed blocks, GGUF type (KIND_*) and output width (rows; its input
+ * width is implied by the call). */
 typedef struct {
     const uint8_t *blocks;
     int64_t kind, rows;
@@ -313,26 +300,64 @@ typedef struct {
     float *d, *s;
 } scratch;
 
-/* e^x for x <= 0 (to ~1e-7 relative): round x / ln 2 to n, a degree-6 Taylor polynomial of
- * the rest, 2^n through the exponent bits. Unlike libm's expf it vectorises. (The KV
- * kernel's softmax uses the same one.) */
-INLINE float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float round = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    float n = (x * 1.44269504089f + round) - round;
-    float r = x - n * 0.693145751953f - n * 1.42860682e-6f; /* ln2 split in two parts */
-    float p = 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
-}
+/* linear: y[m, w.rows] (row stride ldy) = x[m, k] (row stride ldx) . W^T. */
+typedef struct {
+    const float *x;
+    int64_t m, k, ldx;
+    matrix w;
+    float *y;
+    int64_t ldy;
+    scratch tmp;
+    int64_t threads;
+} linear_args;
+
+/* layer_in: qkv[m, qkv_w.rows] = rope(rms_norm(x[m, dim]) W_qkv^T); RoPE (rotate-half, as
+ * slotserve.model.layers.RopeTables) on the first `rotated` heads of `head_dim`, row t by
+ * the step's rows cos[t], sin[t] ([m, head_dim]). */
+typedef struct {
+    const float *x;
+    int64_t m, dim;
+    const float *norm;
+    float eps;
+    matrix qkv_w;
+    float *qkv;
+    int64_t rotated, head_dim;
+    const float *cos, *sin;
+    scratch tmp;
+    int64_t threads;
+} layer_in_args;
+
+/* layer_out: x += attn W_o^T; x += down(silu(gate) * up) of rms_norm(x), in place, where
+ * gate_up[m, 2 ffn] = rms_norm(x) W_gate_up^T (the gate rows first). */
+typedef struct {
+    float *x;
+    int64_t m, dim;
+    const float *attn;
+    int64_t attn_width;
+    matrix o_w;
+    const float *norm;
+    float eps;
+    matrix gate_up_w;
+    float *gate_up;
+    matrix down_w;
+    scratch tmp;
+    int64_t threads;
+} layer_out_args;
+
+LAYOUT(matrix, matrix, LAYOUT_FIELD(blocks) LAYOUT_FIELD(kind) LAYOUT_FIELD(rows))
+LAYOUT(scratch, scratch, LAYOUT_FIELD(h) LAYOUT_FIELD(q) LAYOUT_FIELD(d) LAYOUT_FIELD(s))
+LAYOUT(linear_args, linear_args,
+       LAYOUT_FIELD(x) LAYOUT_FIELD(m) LAYOUT_FIELD(k) LAYOUT_FIELD(ldx) LAYOUT_FIELD(w)
+       LAYOUT_FIELD(y) LAYOUT_FIELD(ldy) LAYOUT_FIELD(tmp) LAYOUT_FIELD(threads))
+LAYOUT(layer_in_args, layer_in_args,
+       LAYOUT_FIELD(x) LAYOUT_FIELD(m) LAYOUT_FIELD(dim) LAYOUT_FIELD(norm) LAYOUT_FIELD(eps)
+       LAYOUT_FIELD(qkv_w) LAYOUT_FIELD(qkv) LAYOUT_FIELD(rotated) LAYOUT_FIELD(head_dim)
+       LAYOUT_FIELD(cos) LAYOUT_FIELD(sin) LAYOUT_FIELD(tmp) LAYOUT_FIELD(threads))
+LAYOUT(layer_out_args, layer_out_args,
+       LAYOUT_FIELD(x) LAYOUT_FIELD(m) LAYOUT_FIELD(dim) LAYOUT_FIELD(attn)
+       LAYOUT_FIELD(attn_width) LAYOUT_FIELD(o_w) LAYOUT_FIELD(norm) LAYOUT_FIELD(eps)
+       LAYOUT_FIELD(gate_up_w) LAYOUT_FIELD(gate_up) LAYOUT_FIELD(down_w) LAYOUT_FIELD(tmp)
+       LAYOUT_FIELD(threads))
 
 /* x * sigmoid(x), with the exponential of -|x| only (no overflow either way). */
 INLINE float silu(float x) {
@@ -353,52 +378,55 @@ static void rms_norm_rows(const float *x, int64_t m, int64_t dim, const float *w
     }
 }
 
-/* x[m, k] times W into y (accumulating or not), through the activations' int8 blocks. */
-static int project(const float *x, int64_t m, int64_t k, const matrix *w, float *y,
-                   int accumulate, const scratch *tmp, int threads) {
-    quantize_q8(x, m, k, k, tmp->q, tmp->d, tmp->s);
-    return multiply((int)w->kind, w->blocks, w->rows, k, tmp->q, tmp->d, tmp->s, m, y, w->rows,
-                    accumulate, threads);
+/* x[m, k] (row stride ldx) times W into y (row stride ldy; accumulating or not), through
+ * the activations' int8 blocks. */
+static int project(const float *x, int64_t m, int64_t k, int64_t ldx, const matrix *w,
+                   float *y, int64_t ldy, int accumulate, const scratch *tmp, int64_t threads) {
+    quantize_q8(x, m, k, ldx, tmp->q, tmp->d, tmp->s);
+    return multiply((int)w->kind, w->blocks, w->rows, k, tmp->q, tmp->d, tmp->s, m, y, ldy,
+                    accumulate, (int)threads);
 }
 
-/* Before the attention: qkv[m, qkv.rows] = rms_norm(x) W_qkv^T, then RoPE (rotate-half,
- * as slotserve.model.layers.RopeTables) on its first `rotated` heads of `head_dim`, row t
- * at position pos[t] of the cos/sin tables [positions, head_dim]. */
-int layer_in(const float *x, int64_t m, int64_t dim, const float *norm, float eps,
-             const matrix *qkv_w, float *qkv, int64_t rotated, int64_t head_dim,
-             const float *cos, const float *sin, const int64_t *pos, const scratch *tmp,
-             int threads) {
-    rms_norm_rows(x, m, dim, norm, eps, tmp->h);
-    if (project(tmp->h, m, dim, qkv_w, qkv, 0, tmp, threads) != 0) return -1;
+/* Returns 0, or -1 for arguments it cannot take (k not a multiple of 32, an unknown type):
+ * then y is unwritten. */
+int linear(const linear_args *a) {
+    return project(a->x, a->m, a->k, a->ldx, &a->w, a->y, a->ldy, 0, &a->tmp, a->threads);
+}
+
+int layer_in(const layer_in_args *a) {
+    const int64_t m = a->m, dim = a->dim, head_dim = a->head_dim, width = a->qkv_w.rows;
+    rms_norm_rows(a->x, m, dim, a->norm, a->eps, a->tmp.h);
+    if (project(a->tmp.h, m, dim, dim, &a->qkv_w, a->qkv, width, 0, &a->tmp, a->threads))
+        return -1;
     int64_t half = head_dim / 2;
     for (int64_t t = 0; t < m; t++) {
-        const float *c = cos + pos[t] * head_dim, *sn = sin + pos[t] * head_dim;
-        for (int64_t head = 0; head < rotated; head++) {
-            float *v = qkv + t * qkv_w->rows + head * head_dim;
+        const float *c = a->cos + t * head_dim, *sn = a->sin + t * head_dim;
+        for (int64_t head = 0; head < a->rotated; head++) {
+            float *v = a->qkv + t * width + head * head_dim;
             for (int64_t i = 0; i < half; i++) {
-                float a = v[i], b = v[i + half];
-                v[i] = a * c[i] - b * sn[i];
-                v[i + half] = b * c[i + half] + a * sn[i + half];
+                float x = v[i], y = v[i + half];
+                v[i] = x * c[i] - y * sn[i];
+                v[i + half] = y * c[i + half] + x * sn[i + half];
             }
         }
     }
     return 0;
 }
 
-/* After the attention: x += attn W_o^T; x += down(silu(gate) * up) of rms_norm(x), where
- * gate_up[m, 2 ffn] = rms_norm(x) W_gate_up^T (the gate rows first). */
-int layer_out(float *x, int64_t m, int64_t dim, const float *attn, int64_t attn_width,
-              const matrix *o_w, const float *norm, float eps, const matrix *gate_up_w,
-              float *gate_up, const matrix *down_w, const scratch *tmp, int threads) {
-    if (project(attn, m, attn_width, o_w, x, 1, tmp, threads) != 0) return -1;
-    rms_norm_rows(x, m, dim, norm, eps, tmp->h);
-    if (project(tmp->h, m, dim, gate_up_w, gate_up, 0, tmp, threads) != 0) return -1;
-    int64_t ffn = gate_up_w->rows / 2;
+int layer_out(const layer_out_args *a) {
+    const int64_t m = a->m, dim = a->dim, ffn = a->gate_up_w.rows / 2;
+    const scratch *tmp = &a->tmp;
+    if (project(a->attn, m, a->attn_width, a->attn_width, &a->o_w, a->x, dim, 1, tmp,
+                a->threads))
+        return -1;
+    rms_norm_rows(a->x, m, dim, a->norm, a->eps, tmp->h);
+    if (project(tmp->h, m, dim, dim, &a->gate_up_w, a->gate_up, 2 * ffn, 0, tmp, a->threads))
+        return -1;
     for (int64_t t = 0; t < m; t++) {
-        const float *gate = gate_up + t * 2 * ffn, *up = gate + ffn;
+        const float *gate = a->gate_up + t * 2 * ffn, *up = gate + ffn;
         float *out = tmp->h + t * ffn;
 #pragma omp simd
         for (int64_t j = 0; j < ffn; j++) out[j] = silu(gate[j]) * up[j];
     }
-    return project(tmp->h, m, ffn, down_w, x, 1, tmp, threads);
+    return project(tmp->h, m, ffn, ffn, &a->down_w, a->x, dim, 1, tmp, a->threads);
 }

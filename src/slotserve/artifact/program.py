@@ -1,0 +1,220 @@
+"""A bundle's program as layer halves: its methods run by the ExecuTorch runtime.
+
+Opening a bundle checks it before anything is allocated: the manifest's schema and every
+file's SHA-256 (`slotserve.artifact.bundle.read_bundle`), then, in the runtime, that the
+program has every method the manifest lists, that each delegate it was lowered for is
+registered in this runtime, and that the program and the weights file carry the same pairing
+id. Only then are the methods loaded (this is when XNNPACK packs the weights).
+
+The methods are the eager halves lowered (`slotserve.export`): ``embed``, per layer
+``layer{i}_qkv`` (before the pool's ``update_and_attend``) and ``layer{i}_out``, and
+``head``. The KV stays in slotserve's pool; the methods get the step's activations and return
+new rows (the program was lowered with ``alloc_graph_input=False``, so the runtime reads
+inputs in place, without a copy). Needs the optional ``executorch`` package.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from slotserve.artifact.bundle import MANIFEST, Bundle
+from slotserve.errors import ArtifactError
+from slotserve.model import Model
+from slotserve.model.halves import HalvesKind, StepContext
+from slotserve.model.layers import fused_rope_rows
+from slotserve.model.weights import LlamaWeights
+from slotserve.native import Kernels
+
+
+@dataclass(frozen=True)
+class LoadOptions:
+    """How the runtime loads a bundle: ``threads`` for ExecuTorch's pool (0: every core),
+    ``load_order`` the order methods are loaded in. Defaults come from the manifest's
+    ``load_options``; `from_manifest` applies overrides."""
+
+    threads: int = 0
+    load_order: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.threads < 0:
+            raise ValueError(f"threads={self.threads} must be >= 0 (0: every core)")
+
+    @classmethod
+    def from_manifest(cls, recorded: Mapping[str, Any], **overrides: Any) -> LoadOptions:
+        known = {"threads", "load_order"}
+        unknown = set(overrides) - known
+        if unknown:
+            raise ValueError(f"unknown load options {sorted(unknown)}; known: {sorted(known)}")
+        merged = {k: v for k, v in recorded.items() if k in known}
+        merged.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(int(merged.get("threads", 0)), tuple(merged.get("load_order", ())))
+
+
+class ProgramHalves:
+    """`slotserve.model.halves.LayerHalves` as a bundle's program methods; ``max_step_tokens``
+    is the largest step the program was lowered for."""
+
+    def __init__(self, bundle: Bundle, **load_options: Any) -> None:
+        from executorch.runtime import Runtime
+
+        self.bundle = bundle
+        manifest = bundle.manifest
+        self.options = LoadOptions.from_manifest(manifest.load_options, **load_options)
+        _check_delegates(bundle)
+        runtime = Runtime.get()
+        program = runtime.load_program(bundle.program, data_path=bundle.weights)
+        _check_methods(bundle, set(program.method_names))
+        _check_pairing(bundle, program)
+        _set_threads(self.options.threads)
+        order = self.options.load_order or manifest.method_names
+        methods = {name: _load_method(bundle, program, name) for name in order}
+        for name in manifest.method_names:
+            if name not in methods:
+                methods[name] = _load_method(bundle, program, name)
+        self.info = bundle.info
+        self._max_step_tokens = manifest.max_tokens
+        layers = range(manifest.info.n_layers)
+        self._embed = methods["embed"]
+        self._qkv = [methods[f"layer{i}_qkv"] for i in layers]
+        self._out = [methods[f"layer{i}_out"] for i in layers]
+        self._head = methods["head"]
+        self._head_rows = int(self._head.metadata.input_tensor_meta(0).sizes()[0])
+        self._program = program  # methods borrow from it
+
+    @property
+    def kind(self) -> HalvesKind:
+        return "program"
+
+    @property
+    def weights(self) -> LlamaWeights | None:
+        return None  # they live in the program's weights file
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.bundle.resident_bytes
+
+    @property
+    def max_step_tokens(self) -> int | None:
+        return self._max_step_tokens
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.numel() > self._max_step_tokens:
+            raise ValueError(
+                f"a step of {tokens.numel()} tokens exceeds the {self._max_step_tokens} the "
+                f"program was lowered for; serve with --max-batch-tokens "
+                f"{self._max_step_tokens} or export again with a larger --max-batch-tokens"
+            )
+        (x,) = self._embed.execute([tokens.to(torch.long).contiguous()])
+        return x  # type: ignore[no-any-return]
+
+    def qkv(self, layer: int, x: torch.Tensor, step: StepContext) -> torch.Tensor:
+        cos, sin = step.memo("program-rope", lambda: fused_rope_rows(self.info, step.cos, step.sin))
+        (rows,) = self._qkv[layer].execute([x, cos, sin])
+        return rows  # type: ignore[no-any-return]
+
+    def out(
+        self, layer: int, x: torch.Tensor, attn: torch.Tensor, step: StepContext
+    ) -> torch.Tensor:
+        (y,) = self._out[layer].execute([x, attn.contiguous()])
+        return y  # type: ignore[no-any-return]
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The head in calls of at most the rows it was lowered for (a bundle's head takes
+        fewer rows than a step: its logits are memory planned at load)."""
+        chunks = [
+            self._head.execute([rows.contiguous()])[0] for rows in torch.split(x, self._head_rows)
+        ]
+        return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+
+def open_bundle(bundle: Bundle, kernels: Kernels, **load_options: Any) -> Model:
+    """The bundle's `Model`: its program's halves (checked, loaded), its tokenizer, and the
+    attention kernel of ``kernels`` for the pool (the KV stays in slotserve's pool)."""
+    halves = ProgramHalves(bundle, **load_options)
+    return Model(bundle.info, bundle.tokenizer, halves, str(bundle.directory), kernels)
+
+
+def _both(bundle: Bundle) -> str:
+    return f"program {bundle.program} with weights {bundle.weights}"
+
+
+def _check_delegates(bundle: Bundle) -> None:
+    """Every backend the program was lowered for is registered in this runtime. Read from the
+    program itself, not only the manifest: a delegate with no runtime fails much later and
+    much less clearly ("missing delegate data")."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+    from executorch.extension.pybindings.portable_lib import _get_registered_backend_names
+
+    pte = deserialize_pte_binary(bundle.program.read_bytes())
+    lowered_for = {d.id for plan in pte.program.execution_plan for d in plan.delegates}
+    lowered_for |= set(bundle.manifest.delegates)
+    available = set(_get_registered_backend_names())
+    missing = sorted(lowered_for - available)
+    if missing:
+        raise ArtifactError(
+            bundle.program,
+            f"lowered for {', '.join(missing)}, which this runtime does not have (it has "
+            f"{', '.join(sorted(available)) or 'no delegates'}); export the model again with "
+            "--backend xnnpack or --backend portable",
+            "delegates",
+        )
+
+
+def _check_methods(bundle: Bundle, present: set[str]) -> None:
+    info = bundle.manifest.info
+    needed = {"embed", "head", "weights_id", "get_pair_id"}
+    needed |= {f"layer{i}_{half}" for i in range(info.n_layers) for half in ("qkv", "out")}
+    missing = sorted((needed | set(bundle.manifest.method_names)) - present)
+    if missing:
+        raise ArtifactError(
+            bundle.program,
+            f"missing method(s) {', '.join(missing[:6])}{' …' if len(missing) > 6 else ''} "
+            f"that {bundle.directory / MANIFEST} and this runtime need; export the model again",
+            "methods",
+        )
+
+
+def _check_pairing(bundle: Bundle, program: Any) -> None:
+    """The program's pairing id (a constant method, in the program) equals the weights' (a
+    tensor, in the weights file) and the manifest's."""
+    expected = bytes.fromhex(bundle.manifest.pair_id)
+    try:
+        in_program = bytes(program.load_method("get_pair_id").execute([]))
+        (stored,) = program.load_method("weights_id").execute([])
+        in_weights = bytes(stored.tolist())
+    except (RuntimeError, ValueError) as error:
+        raise ArtifactError(
+            bundle.weights,
+            f"the {_both(bundle)} cannot be read together ({error}); they are not from the same "
+            "export: copy the bundle again or export it again",
+            "pair_id",
+        ) from error
+    if not expected == in_program == in_weights:
+        raise ArtifactError(
+            bundle.weights,
+            f"the {_both(bundle)} are from different exports (pairing ids {in_program.hex()[:8]}"
+            f" and {in_weights.hex()[:8]}, manifest {expected.hex()[:8]}); use the weights "
+            "file exported with this program",
+            "pair_id",
+        )
+
+
+def _load_method(bundle: Bundle, program: Any, name: str) -> Any:
+    try:
+        return program.load_method(name)
+    except RuntimeError as error:
+        raise ArtifactError(
+            bundle.program, f"method {name} failed to load with {bundle.weights}: {error}"
+        ) from error
+
+
+def _set_threads(threads: int) -> None:
+    """Size ExecuTorch's (process-wide) thread pool; 0 keeps its default (every core)."""
+    from executorch.extension.pybindings import portable_lib
+
+    if threads and portable_lib._threadpool_get_thread_count() != threads:
+        portable_lib._unsafe_reset_threadpool(threads)

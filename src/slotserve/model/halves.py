@@ -1,0 +1,100 @@
+"""The seam every executor shares: a model family as layer halves, and the one loop that
+drives them.
+
+A step is ``x = embed(tokens)``, then for each layer
+``x = out(i, x, kv.update_and_attend(i, qkv(i, x, step), batch), step)``, then ``head(x)`` on the
+rows whose logits are wanted. ``qkv`` returns one fused projection's rows
+``[T, (heads + 2·kv_heads)·head_dim]`` (query heads, then key heads, then value heads, RoPE
+applied), which the pool reads in place. The KV cache is an argument, never a buffer of a
+half.
+
+Implementations: `slotserve.model.llama.EagerHalves` (torch ops; every family),
+`slotserve.model.block_forward.BlockHalves` (two fused C calls a layer, for the families
+the block kernel covers) and a bundle's program methods (`slotserve.artifact.program`),
+lowered from the eager halves. `slotserve.model.Model` holds one of them, picked once at
+load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, TypeVar
+
+import torch
+
+from slotserve.kv.batch import StepBatch
+from slotserve.kv.store import KVStore
+from slotserve.model.layers import RopeTables
+from slotserve.model.weights import LlamaWeights
+
+HalvesKind = Literal["eager", "block", "program"]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """What every layer of one step shares: the rotation rows of the step's positions
+    (``cos``, ``sin``: ``[T, head_dim]``, rotate-half layout), and work space that halves
+    make once a step (`memo`)."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    _memo: dict[Hashable, object] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, rope: RopeTables, positions: torch.Tensor) -> StepContext:
+        return cls(positions, rope.cos[positions], rope.sin[positions])
+
+    def memo(self, key: Hashable, make: Callable[[], T]) -> T:
+        """``make()``, once per step and ``key``."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]  # type: ignore[return-value]
+
+
+class LayerHalves(Protocol):
+    """A model family's layers cut at attention (see the module doc). ``weights`` are the
+    loaded tensors (None for a program whose weights live in its own files);
+    ``weight_bytes`` what the halves keep resident; ``max_step_tokens`` the largest step
+    they take (None: any)."""
+
+    @property
+    def kind(self) -> HalvesKind: ...
+
+    @property
+    def weights(self) -> LlamaWeights | None: ...
+
+    @property
+    def weight_bytes(self) -> int: ...
+
+    @property
+    def max_step_tokens(self) -> int | None: ...
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor: ...
+
+    def qkv(self, layer: int, x: torch.Tensor, step: StepContext) -> torch.Tensor: ...
+
+    def out(
+        self, layer: int, x: torch.Tensor, attn: torch.Tensor, step: StepContext
+    ) -> torch.Tensor: ...
+
+    def head(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+def run_layers(
+    halves: LayerHalves,
+    n_layers: int,
+    rope: RopeTables,
+    tokens: torch.Tensor,
+    batch: StepBatch,
+    kv: KVStore,
+) -> torch.Tensor:
+    """The one loop: hidden states ``[T, dim]`` after the last layer (before the head)."""
+    step = StepContext.of(rope, batch.positions)
+    x = halves.embed(tokens)
+    for layer in range(n_layers):
+        attn = kv.update_and_attend(layer, halves.qkv(layer, x, step), batch)
+        x = halves.out(layer, x, attn, step)
+    return x

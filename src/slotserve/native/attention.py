@@ -1,0 +1,127 @@
+"""Binding of ``csrc/attention.c``: a layer's KV write and attention for one step, in the
+pool's cells, in place (no gather, padding or mask; see the C source for the contract).
+
+`AttendArgs` mirrors the C ``attend_args`` struct field for field (a test compares their
+layouts); `StepCells` is one step's cell indices, made once and shared by every layer.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from slotserve.native.abi import layout_mismatch
+
+DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.int8: 3}
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+Storage = tuple[torch.Tensor, torch.Tensor | None]  # (data, int8 scales)
+
+
+class AttendArgs(ctypes.Structure):
+    """``attend_args`` of the C source."""
+
+    _fields_ = [
+        ("q", _P), ("q_stride", _I64), ("k_new", _P), ("v_new", _P), ("kv_stride", _I64),
+        ("write", _P), ("out", _P), ("keys", _P), ("values", _P), ("key_scales", _P),
+        ("value_scales", _P), ("dtype", _I64), ("cells", _P), ("key_len", _I64), ("seq", _P),
+        ("pos", _P), ("n_queries", _I64), ("heads", _I64), ("kv_heads", _I64), ("dim", _I64),
+        ("window", _I64), ("scale", ctypes.c_float), ("scratch", _P), ("threads", _I64),
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class StepCells:
+    """One step's indices for the kernel, made once and shared by every layer of a group:
+    ``write[T]`` the cells of the new rows, ``cells[B, key_len]`` the cell of each
+    sequence's positions, ``seq[T]`` and ``pos[T]`` each query's sequence and position, and
+    the ``scratch`` the softmax needs (``heads / kv_heads * key_len`` floats for each of
+    ``threads``: the kernel shares a large step's work out over OpenMP threads);
+    ``pointers`` are their addresses, read once (each torch call in a step costs
+    microseconds, and a step has one kernel call a layer)."""
+
+    write: torch.Tensor
+    cells: torch.Tensor
+    seq: torch.Tensor
+    pos: torch.Tensor
+    scratch: torch.Tensor
+    threads: int
+    pointers: tuple[int, int, int, int, int]
+
+    @classmethod
+    def of(
+        cls,
+        write: torch.Tensor,
+        cells: torch.Tensor,
+        seq: torch.Tensor,
+        pos: torch.Tensor,
+        queries_per_kv_head: int,
+        threads: int,
+    ) -> StepCells:
+        write, cells, seq, pos = (t.to(torch.int64).contiguous() for t in (write, cells, seq, pos))
+        if write.shape != seq.shape or seq.shape != pos.shape:
+            raise ValueError(
+                f"write {tuple(write.shape)}, seq {tuple(seq.shape)} and pos "
+                f"{tuple(pos.shape)} must have one entry per query row"
+            )
+        scratch = torch.empty(threads, queries_per_kv_head * cells.shape[1])
+        pointers = (
+            write.data_ptr(), cells.data_ptr(), seq.data_ptr(), pos.data_ptr(),
+            scratch.data_ptr(),
+        )  # fmt: skip
+        return cls(write, cells, seq, pos, scratch, threads, pointers)
+
+
+class AttentionKernel:
+    """``update_and_attend`` of the loaded library, on ``threads`` OpenMP threads."""
+
+    def __init__(self, library: ctypes.CDLL, threads: int) -> None:
+        if mismatch := layout_mismatch(library, "attend_args", AttendArgs):
+            raise OSError(f"attention kernel ABI differs from its binding: {mismatch}")
+        self._function = library.update_and_attend
+        self._function.restype, self._function.argtypes = ctypes.c_int, [ctypes.c_void_p]
+        self.threads = threads
+
+    def update_and_attend(
+        self,
+        qkv: torch.Tensor,
+        heads: int,
+        step: StepCells,
+        keys: Storage,
+        values: Storage,
+        window: int | None,
+    ) -> torch.Tensor:
+        """Store the step's K/V rows at cells ``step.write`` of the ``keys`` and ``values``
+        storages, then return the attention of the queries (query ``t`` of sequence
+        ``step.seq[t]`` at position ``step.pos[t]``) over the keys at positions
+        ``0..pos[t]`` (the last ``window`` of them), which live at
+        ``step.cells[seq[t], p]``: ``[T, heads * dim]`` fp32.
+
+        ``qkv[T, (heads + 2·kv_heads)·dim]`` are one fused projection's rows (the query
+        heads, then the key heads, then the value heads), read in place."""
+        if qkv.dtype != torch.float32 or qkv.stride(1) != 1:
+            qkv = qkv.float().contiguous()
+        (data, key_scales), (value_data, value_scales) = keys, values
+        n_queries, kv_heads, dim = step.write.shape[0], data.shape[1], data.shape[2]
+        start, stride = qkv.data_ptr(), qkv.stride(0)
+        q_bytes, kv_bytes = heads * dim * 4, kv_heads * dim * 4
+        out = torch.empty(n_queries, heads * dim)
+        write, cells, seq, pos, scratch = step.pointers
+        args = AttendArgs(
+            start, stride, start + q_bytes, start + q_bytes + kv_bytes, stride, write,
+            out.data_ptr(), data.data_ptr(), value_data.data_ptr(),
+            key_scales.data_ptr() if key_scales is not None else None,
+            value_scales.data_ptr() if value_scales is not None else None,
+            DTYPE_CODES[data.dtype], cells, step.cells.shape[1], seq, pos, n_queries, heads,
+            kv_heads, dim, window or 0, dim**-0.5, scratch, step.threads,
+        )  # fmt: skip
+        if self._function(ctypes.byref(args)) != 0:
+            raise ValueError(
+                f"update_and_attend refused its arguments ({n_queries} queries of {heads} "
+                f"heads, cells {tuple(step.cells.shape)}, positions {step.pos.tolist()}): a "
+                "query position is past the cells given, or the head counts do not divide"
+            )
+        return out

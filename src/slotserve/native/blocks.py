@@ -1,0 +1,147 @@
+"""Binding of ``csrc/blocks.c``: products with a GGUF file's Q4_1 and Q8_0 blocks (packed
+in pairs; see the C source), and a Llama-family layer's work around its attention in two
+calls (`BlockKernel.layer_in`, `BlockKernel.layer_out`).
+
+Every call takes one struct (`LinearArgs`, `LayerInArgs`, `LayerOutArgs`, built of
+`Matrix` and `Scratch`), mirrored field for field by the C source; a test compares their
+layouts.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from slotserve.native.abi import layout_mismatch
+
+BLOCK = 32
+BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
+KIND_CODES = {"Q4_1": 0, "Q8_0": 1}  # the kernel's names for them
+
+_P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+def padded_blocks(in_features: int) -> int:
+    """Blocks of a packed row: ``in_features / 32`` rounded up to pairs."""
+    return (in_features // BLOCK + 1) // 2 * 2
+
+
+def row_bytes(kind: str, in_features: int) -> int:
+    return padded_blocks(in_features) * BLOCK_BYTES[kind]
+
+
+class Matrix(ctypes.Structure):
+    """A matrix as the kernel takes it: its packed rows, GGUF type code, row count."""
+
+    _fields_ = [("blocks", _P), ("kind", _I64), ("rows", _I64)]
+
+    @classmethod
+    def of(cls, packed: torch.Tensor, kind: str) -> Matrix:
+        return cls(packed.data_ptr(), KIND_CODES[kind], packed.shape[0])
+
+
+class Scratch(ctypes.Structure):
+    """A step's work space: ``h[m, widest]`` fp32, ``q[m, widest]`` int8, ``d, s``."""
+
+    _fields_ = [(name, _P) for name in ("h", "q", "d", "s")]
+
+
+class LinearArgs(ctypes.Structure):
+    _fields_ = [
+        ("x", _P), ("m", _I64), ("k", _I64), ("ldx", _I64), ("w", Matrix), ("y", _P),
+        ("ldy", _I64), ("tmp", Scratch), ("threads", _I64),
+    ]  # fmt: skip
+
+
+class LayerInArgs(ctypes.Structure):
+    _fields_ = [
+        ("x", _P), ("m", _I64), ("dim", _I64), ("norm", _P), ("eps", _F32), ("qkv_w", Matrix),
+        ("qkv", _P), ("rotated", _I64), ("head_dim", _I64), ("cos", _P), ("sin", _P),
+        ("tmp", Scratch), ("threads", _I64),
+    ]  # fmt: skip
+
+
+class LayerOutArgs(ctypes.Structure):
+    _fields_ = [
+        ("x", _P), ("m", _I64), ("dim", _I64), ("attn", _P), ("attn_width", _I64),
+        ("o_w", Matrix), ("norm", _P), ("eps", _F32), ("gate_up_w", Matrix), ("gate_up", _P),
+        ("down_w", Matrix), ("tmp", Scratch), ("threads", _I64),
+    ]  # fmt: skip
+
+
+STRUCTS: dict[str, type[ctypes.Structure]] = {
+    "matrix": Matrix,
+    "scratch": Scratch,
+    "linear_args": LinearArgs,
+    "layer_in_args": LayerInArgs,
+    "layer_out_args": LayerOutArgs,
+}
+
+
+class ScratchSpace:
+    """The tensors behind a `Scratch` for steps of ``m`` rows of width up to ``widest``."""
+
+    def __init__(self, m: int, widest: int) -> None:
+        blocks = padded_blocks(widest)
+        self.h = torch.empty(m, widest)
+        self.q = torch.empty(m, blocks * BLOCK, dtype=torch.int8)
+        self.scales = torch.empty(2, m, blocks)
+        self.struct = Scratch(
+            self.h.data_ptr(),
+            self.q.data_ptr(),
+            self.scales[0].data_ptr(),
+            self.scales[1].data_ptr(),
+        )
+
+
+class BlockKernel:
+    """The loaded block kernel; its calls run on ``threads`` OpenMP threads."""
+
+    def __init__(self, library: ctypes.CDLL, threads: int) -> None:
+        for name, mirror in STRUCTS.items():
+            if mismatch := layout_mismatch(library, name, mirror):
+                raise OSError(f"block kernel ABI differs from its binding: {mismatch}")
+        self._linear, self._layer_in, self._layer_out = (
+            library.linear,
+            library.layer_in,
+            library.layer_out,
+        )
+        for function in (self._linear, self._layer_in, self._layer_out):
+            function.restype, function.argtypes = ctypes.c_int, [ctypes.c_void_p]
+        self.threads = threads
+
+    def linear(
+        self, x: torch.Tensor, kind: str, packed: torch.Tensor, in_features: int
+    ) -> torch.Tensor:
+        """``x[m, k] @ W.T`` as ``[m, n]`` fp32, for ``W[n, k]`` of GGUF type ``kind`` in
+        packed rows (`slotserve.model.gguf_linear.pack`)."""
+        m, k = x.shape
+        n = packed.shape[0]
+        if k != in_features or packed.shape[1] != row_bytes(kind, k):
+            raise ValueError(
+                f"packed {kind} rows of shape {tuple(packed.shape)} and {in_features} "
+                f"weights do not fit inputs of width {k}"
+            )
+        if x.dtype != torch.float32 or x.stride(1) != 1:
+            x = x.float().contiguous()
+        scratch = ScratchSpace(m, k)
+        y = torch.empty(m, n)
+        args = LinearArgs(
+            x.data_ptr(), m, k, x.stride(0), Matrix(packed.data_ptr(), KIND_CODES[kind], n),
+            y.data_ptr(), n, scratch.struct, self.threads,
+        )  # fmt: skip
+        if self._linear(ctypes.byref(args)) != 0:
+            raise ValueError(f"linear refused {kind} [{n}, {k}] x [{m}, {k}]")
+        return y
+
+    def layer_in(self, args: LayerInArgs) -> None:
+        """``qkv = rope(rms_norm(x) W_qkv^T)``: see ``layer_in_args`` in the C source."""
+        if self._layer_in(ctypes.byref(args)) != 0:
+            raise ValueError(f"layer_in refused its arguments ({args.m} rows of {args.dim})")
+
+    def layer_out(self, args: LayerOutArgs) -> None:
+        """``x += attn W_o^T``, then ``x += mlp(rms_norm(x))``, in place: see
+        ``layer_out_args`` in the C source."""
+        if self._layer_out(ctypes.byref(args)) != 0:
+            raise ValueError(f"layer_out refused its arguments ({args.m} rows of {args.dim})")

@@ -1,0 +1,40 @@
+"""The one thread policy of the kernels.
+
+The kernels run on OpenMP threads, one per core this process may use. Loaded into a
+process that has imported torch, their library binds to torch's own libgomp, so kernels and
+torch share one set of worker threads. A block-weight step's own torch ops are tiny while
+the kernels make ~150 parallel regions a step; with torch's threads as well, libgomp manages
+more threads than there are cores and stops spinning between regions, so every region waits
+for a sleeping thread to wake (the bundled model served 53 tok/s instead of 115 on 2 cores).
+So `dedicate_cores_to_kernels` gives torch's own ops one thread; `slotserve.load` calls it
+whenever it returns kernel-backed weights, for the CLI, the benches and library users alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+_log = logging.getLogger("slotserve")
+
+
+def process_cores() -> int:
+    """The cores this process may run on: the kernels' thread count."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def dedicate_cores_to_kernels() -> None:
+    """Torch's own ops on one thread, so the kernels' OpenMP threads keep spinning between
+    their parallel regions (see the module doc). Idempotent."""
+    if torch.get_num_threads() != 1:
+        _log.info(
+            "block kernels: torch ops on 1 thread, kernels on %d (was torch %d)",
+            process_cores(),
+            torch.get_num_threads(),
+        )
+        torch.set_num_threads(1)
