@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 import slotserve as ss
+from slotserve.engine import PrefixStats
 
 GREEDY = ss.SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
 CELL: dict[str, Any] = {"kv_layout": "cell", "block_size": 8, "max_seqs": 2, "max_context": 160}
@@ -21,6 +22,13 @@ def family(system: list[int], n: int = 4) -> list[list[int]]:
     and one that stops inside it."""
     questions = [[*system, 40 + i, 90 + 3 * i, 7] for i in range(n)]
     return [*questions, questions[0], system, system[: len(system) // 2 + 1]]
+
+
+def prefix_stats(engine: ss.Engine) -> PrefixStats:
+    """The engine's prefix-cache figures (the cache must be on)."""
+    stats = engine.stats().prefix
+    assert stats is not None, "the prefix cache is off"
+    return stats
 
 
 def run_all(engine: ss.Engine, prompts: list[list[int]]) -> list[ss.Finished]:
@@ -50,9 +58,9 @@ def test_cache_on_equals_cache_off_on_tiny_models(
             timings.prompt_tokens_computed
             == final.usage.prompt_tokens - timings.prompt_tokens_restored
         )
-    stats = engine.stats()
-    assert (stats.prefix_hits, stats.prefix_misses) == (6, 1)
-    assert stats.prefix_tokens_restored == sum(restored) and stats.prefix_bytes_pinned > 0
+    stats = prefix_stats(engine)
+    assert (stats.hits, stats.misses) == (6, 1)
+    assert stats.tokens_restored == sum(restored) and stats.bytes_pinned > 0
 
 
 def test_cache_on_equals_cache_off_on_the_bundled_model(
@@ -79,11 +87,10 @@ def test_the_cache_yields_before_a_request_is_refused_kv_exhausted(
     engine = make_engine(**CELL, num_blocks=12, prefix_cache_bytes="1MiB")
     for first in (10, 20, 30):
         engine.submit([first] * 24, GREEDY).result()  # each snapshot pins 3 blocks
-    assert engine.stats().prefix_snapshots == 3 and engine.stats().kv_blocks_used == 9
+    assert prefix_stats(engine).snapshots == 3 and engine.stats().kv_blocks_used == 9
     big = engine.submit([50] * 60, GREEDY).result()  # 66 positions: 9 blocks
     assert big.reason == "length"
-    stats = engine.stats()
-    assert stats.refusals == {} and stats.prefix_evictions >= 2
+    assert engine.stats().refusals == {} and prefix_stats(engine).evictions >= 2
 
 
 def test_cancelling_a_restored_request_leaves_nothing_pinned_or_leaked(
@@ -99,11 +106,11 @@ def test_cancelling_a_restored_request_leaves_nothing_pinned_or_leaked(
         engine.check_integrity()
         assert engine.prefix is not None and engine.prefix.pins == 0
     stats = engine.stats()
-    assert stats.prefix_hits == 5 and stats.cancellations == 5
+    assert prefix_stats(engine).hits == 5 and stats.cancellations == 5
     assert stats.slots_in_use == 0 and stats.kv_blocks_used >= used
     engine.close()
     engine.check_integrity()
-    assert engine.stats().kv_blocks_used == 0 and engine.stats().prefix_snapshots == 0
+    assert engine.stats().kv_blocks_used == 0 and prefix_stats(engine).snapshots == 0
 
 
 def test_close_empties_the_cache_and_returns_the_pool_to_baseline(
@@ -111,11 +118,11 @@ def test_close_empties_the_cache_and_returns_the_pool_to_baseline(
 ) -> None:
     engine = make_engine(**CELL, prefix_cache_bytes="1MiB")
     run_all(engine, family(list(range(3, 30))))
-    assert engine.stats().prefix_snapshots > 0
+    assert prefix_stats(engine).snapshots > 0
     engine.close()
     engine.check_integrity()
-    stats = engine.stats()
-    assert (stats.kv_blocks_used, stats.prefix_snapshots, stats.prefix_bytes_pinned) == (0, 0, 0)
+    cache = prefix_stats(engine)
+    assert (engine.stats().kv_blocks_used, cache.snapshots, cache.bytes_pinned) == (0, 0, 0)
 
 
 def test_configurations_that_could_serve_a_stale_prefix_are_refused(
@@ -153,8 +160,8 @@ def test_sliding_window_layers_reject_a_token_equal_prefix_they_no_longer_hold(
     # repeat of question 1 restores all but its last token (its rings end there).
     restored = [f.usage.cached_tokens for f in on]
     assert restored == [0, 0, 0, 22, 0, 0]
-    stats = engine.stats()
-    assert stats.prefix_rejections == 4 and stats.prefix_rejections_by_rule == {"ring_wrapped": 4}
+    stats = prefix_stats(engine)
+    assert stats.rejections == 4 and stats.rejections_by_rule == {"ring_wrapped": 4}
     # A conversation's next turn extends the snapshot: restored although it is far
     # longer than the window.
     first = on[0]
@@ -204,7 +211,7 @@ def test_the_ring_layout_after_it_has_wrapped(make_engine: Callable[..., ss.Engi
     on = run_all(engine, prompts)
     assert [f.tokens for f in on] == [f.tokens for f in off]
     assert [f.usage.cached_tokens for f in on] == [0, 0, 0, 42, 0, 0]
-    assert engine.stats().prefix_rejections_by_rule == {"ring_wrapped": 4}
+    assert prefix_stats(engine).rejections_by_rule == {"ring_wrapped": 4}
     # A conversation's next turn continues where the rings end: restored.
     first = engine.submit(prompts[0], GREEDY, publish_completion=True).result()
     turn = [*prompts[0], *first.tokens[:-1], 60, 61]

@@ -78,7 +78,8 @@ class PrefixEngineMachine(RuleBasedStateMachine):
         self.engine.close()
         self.engine.check_integrity()
         stats = self.engine.stats()
-        assert (stats.kv_blocks_used, stats.prefix_snapshots, stats.slots_in_use) == (0, 0, 0)
+        assert stats.prefix is not None
+        assert (stats.kv_blocks_used, stats.prefix.snapshots, stats.slots_in_use) == (0, 0, 0)
 
 
 def test_prefix_engine_state_machine(model: ss.Model) -> None:

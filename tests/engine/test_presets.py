@@ -263,12 +263,14 @@ def test_shared_prompt_restores_the_shared_prefix_from_its_cache(tiny: ss.Model)
     params = ss.SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
     with ss.Engine(tiny, config) as engine:
         assert engine.prefix is not None
-        assert engine.stats().prefix_budget_bytes == config.prefix_cache_budget
+        cache = engine.stats().prefix
+        assert cache is not None and cache.budget_bytes == config.prefix_cache_budget
         finals = [engine.submit([*shared, 40 + i], params).result() for i in range(4)]
         assert [f.usage.cached_tokens >= len(shared) for f in finals] == [False, True, True, True]
-        stats = engine.stats()
-        assert stats.prefix_hits == 3 and stats.prefix_tokens_restored >= 3 * len(shared)
-        assert stats.prefix_bytes_pinned <= config.prefix_cache_budget
+        stats = engine.stats().prefix
+        assert stats is not None
+        assert stats.hits == 3 and stats.tokens_restored >= 3 * len(shared)
+        assert stats.bytes_pinned <= config.prefix_cache_budget
         engine.check_integrity()
 
 

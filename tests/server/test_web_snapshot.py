@@ -1,29 +1,30 @@
 """The dashboard's snapshot and feed, without a browser: what a snapshot says about a real
-(tiny) engine, the per-class latency samples, the page routes, `--no-web`, the API key,
-and the cost of one snapshot."""
+(tiny) engine, its KV map against the pool's own block tables and rows (flat, ring, cell
+with shared prefix blocks, and a sliding-window model), the per-class latency samples, the
+page routes, `--no-web`, the API key, and the cost of one snapshot."""
 
 from __future__ import annotations
 
+import ast
 import json
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from fastapi.testclient import TestClient
 
 import slotserve as ss
+from slotserve.engine import SlotView
+from slotserve.engine.events import Priority
 from slotserve.kv import KVStore, StepBatch
-from slotserve.server import create_app
-from slotserve.server.dashboard import (
-    ASSETS,
-    ClassLatency,
-    SnapshotFeed,
-    histogram_view,
-    kv_view,
-)
+from slotserve.server import create_app, dashboard
+from slotserve.server.dashboard import ClassLatency, SnapshotFeed, histogram_view
 from slotserve.server.metrics import PrometheusMetrics
+from slotserve.server.page import ASSETS
 
 
 class GatedExecutor:
@@ -89,9 +90,11 @@ def test_snapshot_shows_busy_slots_owners_and_freed_blocks(
     # Each reserved its whole worst case: ceil((prompt + 40) / 16) blocks.
     assert kv["unit"] == "blocks" and kv["used"] == 4 + 3 and kv["total"] == 4 * 128 // 16
     owners = {owner["class"]: owner for owner in kv["owners"]}
+    assert [len(owners[c]["blocks"]) for c in ("interactive", "background")] == [4, 3]
     for owner in owners.values():
-        assert owner["units"] == -(-owner["tokens"] // 16)  # blocks its written tokens fill
-    assert kv["reserved"] == kv["used"] - sum(o["units"] for o in kv["owners"])
+        assert owner["tokens"] == engine.pool.length(owner["request_id"])
+        assert owner["written"] == -(-owner["tokens"] // 16)  # blocks its written tokens fill
+    assert kv["reserved"] == kv["used"] - sum(o["written"] for o in kv["owners"])
     assert snapshot["plan"]["arenas"]["kv"] == engine.pool.nbytes
     assert snapshot["stats"]["slots_in_use"] == 2
 
@@ -120,46 +123,117 @@ def test_pressure_level_from_stats(tiny: ss.Model) -> None:
         assert SnapshotFeed(engine, None, "tiny").snapshot()["pressure"]["level"] is None
 
 
-def test_rows_for_flat_layout(tiny: ss.Model) -> None:
-    config = ss.EngineConfig(max_seqs=2, max_context=64, kv_layout="flat")
-    with ss.Engine(tiny, config) as engine:
-        slots: list[dict[str, object]] = [
-            {"slot": 0, "state": "idle"},
-            {
-                "slot": 1,
-                "state": "decode",
-                "request_id": 3,
-                "class": "normal",
-                "prompt_tokens": 10,
-                "generated_tokens": 6,
-                "age_s": 0.5,
-            },
-        ]
-        kv = kv_view(engine, 1, 1, slots)
-    assert kv["unit"] == "rows" and kv["row_cells"] == 64 and kv["total"] == 2
-    assert kv["owners"] == [
-        {
-            "slot": 1,
-            "request_id": 3,
-            "class": "normal",
-            "tokens": 16,
-            "units": 1,
-            "fill": 16 / 64,
-            "wrapped": False,
-        }
+def cells_of(engine: ss.Engine, layers: list[int], request_id: int) -> set[int]:
+    """The cells the pool's own placement gives a session's live positions in the layer
+    group of ``layers``."""
+    pool = engine.pool
+    (group,) = [g for g in pool.groups if g.layers == layers]
+    bound = pool.sessions[request_id]
+    return set(group.cell_index(bound, torch.arange(bound.length)).tolist())
+
+
+def assert_map_is_the_pools(engine: ss.Engine, kv: dict[str, Any]) -> None:
+    """The feed's KV map is the pool's own tables: every session's block table and rows,
+    every snapshot's blocks, every refcount above 1, and nothing else in use."""
+    pool = engine.pool
+    owners = {owner["request_id"]: owner for owner in kv["owners"]}
+    assert set(owners) == set(pool.sessions)
+    for request_id, bound in pool.sessions.items():
+        owner = owners[request_id]
+        assert (owner["slot"], owner["tokens"]) == (bound.slot, bound.length)
+        assert owner["blocks"] == bound.table
+        for group, row in zip(kv["rows"], owner["rows"], strict=True):
+            cells = set(range(row["first"], row["first"] + row["live"]))
+            assert cells == cells_of(engine, group["layers"], request_id)
+    snapshots = {snapshot["key"]: snapshot["blocks"] for snapshot in kv["snapshots"]}
+    assert snapshots == {key: frozen.table for key, frozen in pool.snapshots.items()}
+    refcount = pool.blocks.refcount
+    assert kv["shared"] == [[b, n] for b, n in enumerate(refcount) if n > 1]
+    held = {b for o in kv["owners"] for b in o["blocks"]} | {
+        b for blocks in snapshots.values() for b in blocks
+    }
+    assert held == {b for b, n in enumerate(refcount) if n > 0}
+    assert kv["used"] == (len(held) if kv["unit"] == "blocks" else len(pool.sessions))
+    assert kv["used"] + kv["free"] == kv["total"]
+    assert [(g["kind"], g["layers"], g["size"]) for g in kv["rows"]] == [
+        (g.kind, g.layers, g.n_cells // engine.config.max_seqs)
+        for g in pool.groups
+        if g.kind != "cell"
     ]
 
 
-def slot(request_id: int, priority: str, generated: int, age: float) -> dict[str, object]:
-    return {
-        "slot": request_id,
-        "state": "decode" if generated else "prefill",
-        "request_id": request_id,
-        "class": priority,
-        "prompt_tokens": 4,
-        "generated_tokens": generated,
-        "age_s": age,
-    }
+SYSTEM = list(range(20, 41))  # 21 tokens: two blocks of 8 and part of a third
+
+
+@pytest.mark.parametrize(
+    ("kind", "layout"),
+    [("llama", "cell"), ("llama", "flat"), ("llama", "ring"), ("mixed", "cell")],
+)
+def test_the_kv_map_is_the_pools_own_tables(
+    kind: str, layout: str, tiny_dirs: dict[str, Path]
+) -> None:
+    """No module computes what the pool already knows: the map the page draws is the pool's
+    block tables (cell: the real ids, blocks shared copy-on-write with a prefix snapshot,
+    their refcounts) and rows (flat; ring, wrapped; a sliding-window model's rings)."""
+    model = ss.load(tiny_dirs[kind])
+    executor = GatedExecutor(model.info.vocab_size)
+    cached = layout != "flat"  # the prefix cache needs cells or rings
+    config = ss.EngineConfig(
+        max_seqs=3,
+        max_context=128,
+        kv_layout=layout,
+        block_size=8,
+        ring_window=12,
+        sinks=2,
+        policy="fifo",  # both requests in every step
+        prefix_cache_bytes="1MiB" if cached else 0,
+    )
+    engine = ss.Engine(model, config, executor=executor)
+    try:
+        feed = SnapshotFeed(engine, None, "tiny")
+        first = engine.submit([*SYSTEM, 1], PARAMS, priority="interactive")
+        # Its prefill (then published to the cache) and two decodes; the engine commits a
+        # step in the pool before running it, so the third decode is committed, waiting.
+        executor.tick(3)
+        wait_for(lambda: engine.pool.length(0) == len(SYSTEM) + 1 + 3)
+        second = engine.submit([*SYSTEM, 2], PARAMS, priority="background")
+        kv = json.loads(json.dumps(feed.snapshot()["kv"]))  # JSON as the page gets it
+        assert_map_is_the_pools(engine, kv)
+        owners = {owner["request_id"]: owner for owner in kv["owners"]}
+        assert [owners[i]["class"] for i in (0, 1)] == ["interactive", "background"]
+        if layout == "cell":  # the second restored the system prompt's blocks: shared
+            assert kv["snapshots"] and kv["cached"] == 0
+            assert {b for b, _ in kv["shared"]} >= set(engine.pool.sessions[1].table[:2])
+        if layout == "ring":  # 25 positions in a ring of 2 sinks + 12: wrapped
+            assert owners[0]["rows"][0]["wrapped"]
+        executor.tick(2)  # the second's first step copies the shared block it writes
+        wait_for(lambda: engine.pool.length(1) == len(SYSTEM) + 1 + 1)
+        assert_map_is_the_pools(engine, feed.snapshot()["kv"])
+        for handle in (first, second):
+            handle.cancel()
+        executor.tick(2)
+        for handle in (first, second):
+            handle.cancel(wait=True, timeout=10)
+        after = feed.snapshot()["kv"]
+        assert_map_is_the_pools(engine, after)
+        assert after["owners"] == [] and bool(after["snapshots"]) == cached
+    finally:
+        executor.tick(1000)
+        engine.close()
+        engine.check_integrity()
+
+
+def test_the_feed_imports_no_kv_internals() -> None:
+    """The feed reads the engine's views; it has no KV placement rules to compute with."""
+    tree = ast.parse(Path(dashboard.__file__).read_text())
+    modules = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    modules |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not [m for m in modules if m.startswith("slotserve.kv")]
+
+
+def slot(request_id: int, priority: Priority, generated: int, age: float) -> SlotView:
+    state = "decode" if generated else "prefill"
+    return SlotView(request_id, state, request_id, priority, 4, generated, age)
 
 
 def test_class_latency_samples() -> None:

@@ -30,8 +30,6 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 from slotserve.engine.admission import Admission, build_request
 from slotserve.engine.config import EngineConfig
@@ -42,6 +40,7 @@ from slotserve.engine.request import Request
 from slotserve.engine.scheduler import Scheduler
 from slotserve.engine.stepper import Stepper, Work
 from slotserve.engine.timings import EngineCounters
+from slotserve.engine.views import EngineStats, PoolView, PrefixStats, SlotView
 from slotserve.errors import AdmissionRefused
 from slotserve.executor import Executor, executor_for
 from slotserve.kv.batch import StepBatch
@@ -53,40 +52,6 @@ from slotserve.sampling import SamplingParams
 log = logging.getLogger("slotserve")
 IDLE_WAIT_S = 0.05
 EXIT_CLOSE_TIMEOUT_S = 5.0
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine. KV blocks are cell blocks (cell layout) or slot rows."""
-
-    slots_in_use: int
-    max_seqs: int
-    sessions_by_class: dict[str, int]
-    sessions_by_state: dict[str, int]
-    kv_blocks_free: int
-    kv_blocks_used: int
-    kv_pool_bytes: int
-    queue_len: int
-    admitted: int
-    finished: dict[str, int]
-    refusals: dict[str, int]
-    cancellations: int
-    steps: int
-    steps_by_batch_size: dict[int, int] = field(default_factory=dict)
-    steps_by_class: dict[str, int] = field(default_factory=dict)
-    pressure_level: float | None = None  # None: no pressure signal
-    # Prefix cache (all 0 when it is off): the bytes it may pin, restores that hit or
-    # missed, token-equal prefixes a retention rule refused (in all and by rule), tokens
-    # restored, bytes its snapshots pin, snapshots held and evicted.
-    prefix_budget_bytes: int = 0
-    prefix_hits: int = 0
-    prefix_misses: int = 0
-    prefix_rejections: int = 0
-    prefix_rejections_by_rule: dict[str, int] = field(default_factory=dict)
-    prefix_tokens_restored: int = 0
-    prefix_bytes_pinned: int = 0
-    prefix_snapshots: int = 0
-    prefix_evictions: int = 0
 
 
 class Engine:
@@ -251,31 +216,51 @@ class Engine:
                 steps_by_batch_size=dict(counters.steps_by_batch_size),
                 steps_by_class=dict(counters.steps_by_class),
                 pressure_level=None if self.pressure is None else self.pressure.reading(),
-                **self._prefix_stats(),
+                prefix=self._prefix_stats(),
             )
 
-    def _prefix_stats(self) -> dict[str, Any]:
+    def _prefix_stats(self) -> PrefixStats | None:
         if self.prefix is None:
-            return {}
-        stats = self.prefix.stats
-        return {
-            "prefix_budget_bytes": self.prefix.budget_bytes,
-            "prefix_hits": stats.hits,
-            "prefix_misses": stats.misses,
-            "prefix_rejections": stats.rejections,
-            "prefix_rejections_by_rule": dict(stats.rejections_by_rule),
-            "prefix_tokens_restored": stats.tokens_restored,
-            "prefix_bytes_pinned": self.prefix.bytes_pinned,
-            "prefix_snapshots": len(self.prefix),
-            "prefix_evictions": stats.evictions,
-        }
+            return None
+        counters = self.prefix.stats
+        return PrefixStats(
+            budget_bytes=self.prefix.budget_bytes,
+            hits=counters.hits,
+            misses=counters.misses,
+            rejections=counters.rejections,
+            rejections_by_rule=dict(counters.rejections_by_rule),
+            tokens_restored=counters.tokens_restored,
+            bytes_pinned=self.prefix.bytes_pinned,
+            snapshots=len(self.prefix),
+            evictions=counters.evictions,
+        )
 
-    def slots(self) -> list[dict[str, object]]:
+    def slots(self) -> list[SlotView]:
         """Each slot of the pool: idle, or the request it serves (state, class, tokens, age)."""
         now = self.clock()
         with self._lock:
             by_slot = {self.pool.slot_of(r.request_id): r for r in self._admission.running.values()}
             return [_slot_view(i, by_slot.get(i), now) for i in range(self.config.max_seqs)]
+
+    def pool_view(self) -> PoolView:
+        """The KV pool's occupancy and exactly which blocks and rows each running request
+        (by request id) and each prefix-cache snapshot holds, read from the pool's own
+        tables in one go under the engine lock."""
+        with self._lock:
+            usage = self.pool.usage()
+            held = self.pool.holdings()
+            return PoolView(
+                layout=self.config.kv_layout,
+                unit="blocks" if held.block_size is not None else "rows",
+                total=usage.free + usage.used,
+                used=usage.used,
+                free=usage.free,
+                nbytes=self.pool.nbytes,
+                block_size=held.block_size,
+                row_groups=held.row_groups,
+                sessions=held.sessions,
+                snapshots=held.snapshots,
+            )
 
     def check_integrity(self) -> None:
         """Pool and admission invariants (every running request bound in the pool)."""
@@ -432,18 +417,18 @@ def _exit_closer(engine_ref: weakref.ref[Engine]) -> Callable[[], None]:
     return close_at_exit
 
 
-def _slot_view(slot: int, request: Request | None, now: float) -> dict[str, object]:
+def _slot_view(slot: int, request: Request | None, now: float) -> SlotView:
     if request is None:
-        return {"slot": slot, "state": "idle"}
-    return {
-        "slot": slot,
-        "state": "prefill" if request.in_prefill else "decode",
-        "request_id": request.request_id,
-        "class": request.priority,
-        "prompt_tokens": len(request.prompt),
-        "generated_tokens": len(request.generated),
-        "age_s": round(now - request.timings.submitted, 3),
-    }
+        return SlotView(slot)
+    return SlotView(
+        slot,
+        "prefill" if request.in_prefill else "decode",
+        request.request_id,
+        request.priority,
+        len(request.prompt),
+        len(request.generated),
+        round(now - request.timings.submitted, 3),
+    )
 
 
 def _within_step_limit(config: EngineConfig, limit: int | None) -> EngineConfig:

@@ -2,7 +2,7 @@
 finished conversations (cell layout, blocks shared by refcount, sliding-window rings copied)
 and restores the longest one every layer still holds into new requests."""
 
-from slotserve.prefix.cache import PrefixCache, PrefixStats, Snapshot
+from slotserve.prefix.cache import PrefixCache, PrefixCounters, Snapshot
 from slotserve.prefix.trie import TokenTrie
 
-__all__ = ["PrefixCache", "PrefixStats", "Snapshot", "TokenTrie"]
+__all__ = ["PrefixCache", "PrefixCounters", "Snapshot", "TokenTrie"]

@@ -39,7 +39,7 @@ RING_WRAPPED_RULE = "ring_wrapped"
 
 
 @dataclass
-class PrefixStats:
+class PrefixCounters:
     """Monotone counters of one cache. ``rejections``: admissions whose token-equal
     prefixes a retention rule refused (``rejections_by_rule``: by rule; the one rule today
     is ``ring_wrapped``: a ring, of a sliding-window layer or the ring layout, that has
@@ -77,7 +77,7 @@ class PrefixCache:
                 "use kv_layout='cell' or set prefix_cache_bytes=0"
             )
         self.pool, self.budget_bytes = pool, budget_bytes
-        self.stats = PrefixStats()
+        self.stats = PrefixCounters()
         self._entries: OrderedDict[int, Snapshot] = OrderedDict()  # least recently used first
         self._trie = TokenTrie()
         self._block_holders: Counter[int] = Counter()  # block → snapshots holding it

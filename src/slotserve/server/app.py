@@ -12,7 +12,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slotserve.engine import Engine
-from slotserve.server import dashboard
+from slotserve.server import dashboard, page
 from slotserve.server.defaults import SamplingDefaults
 from slotserve.server.errors import (
     APIError,
@@ -38,7 +38,8 @@ def create_app(
     web: bool = True,
 ) -> FastAPI:
     """The app serving ``engine`` as ``model_name``; closing the app closes the engine.
-    ``web``: serve the page at ``/`` and its dashboard feed (`dashboard`)."""
+    ``web``: serve the page at ``/`` and its files (`page`) and its dashboard feed
+    (`dashboard`)."""
     state = ServerState(
         None,
         model_name,
@@ -71,6 +72,7 @@ def create_app(
     app.include_router(guarded)
     app.include_router(plain)
     if web:
+        app.include_router(page.router)
         app.include_router(dashboard.router)
     app.add_exception_handler(APIError, api_error_handler)
     app.add_exception_handler(RequestValidationError, validation_handler)

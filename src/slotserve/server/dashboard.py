@@ -1,17 +1,15 @@
-"""The web page at ``/`` and the one server-sent-events feed that keeps its dashboard live.
+"""The dashboard's feed: ``GET /dashboard/events``, server-sent events that push a snapshot
+of the engine a few times a second to the page (`server.page`, `server/web/dashboard.js`).
 
-The page is plain static files (`server/web/`: HTML, CSS, JS, no build step) served from the
-package. Its chat panel talks to the server's own OpenAI endpoints; its dashboard reads
-``GET /dashboard/events``, which pushes a snapshot of the engine a few times a second.
+A snapshot is built only from the engine's typed views and what the server already keeps:
+`Engine.stats()`, `Engine.slots()`, `Engine.pool_view()` (the pool's own block tables and
+rows, so the KV map is the pool as it is held, not an estimate), the memory plan, the
+pressure signal and the Prometheus histograms. The feed keeps no engine state of its own;
+per connection it remembers only the previous token counts and histogram sums, to turn two
+snapshots into rates. Nothing runs when no page is open.
 
-A snapshot is built only from what the engine and the server already keep: `Engine.stats()`,
-`Engine.slots()`, the memory plan, the pressure signal and the Prometheus histograms. The
-feed keeps no engine state of its own; per connection it remembers only the previous
-token counts and histogram sums, to turn two snapshots into rates. Nothing runs when no
-page is open.
-
-Owns: the page and asset routes, the snapshot and the feed. Must not touch: the engine's
-or the pool's internals (it reads the public API only), the OpenAI routes.
+Owns: the snapshot and the feed. Must not touch: the engine's or the pool's internals (it
+reads the engine's views only), the page's files, the OpenAI routes.
 """
 
 from __future__ import annotations
@@ -22,14 +20,13 @@ import json
 import math
 import time
 from collections.abc import AsyncIterator, Iterable
-from importlib import resources
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import Response, StreamingResponse
 
-from slotserve.engine import Engine
-from slotserve.kv.placement import cells_per_session, layer_rules
+from slotserve.engine import Engine, PoolView, SlotView
+from slotserve.engine.events import Priority
 from slotserve.server.errors import APIError
 from slotserve.server.metrics import PrometheusMetrics
 from slotserve.server.security import require_api_key
@@ -40,42 +37,7 @@ from slotserve.server.state import ServerState
 DEFAULT_INTERVAL_S = 0.25
 MIN_INTERVAL_S = 0.05
 
-# The page's files and their media types; nothing else under web/ is served.
-ASSETS = {
-    "index.html": "text/html; charset=utf-8",
-    "style.css": "text/css; charset=utf-8",
-    "app.js": "text/javascript; charset=utf-8",
-    "chat.js": "text/javascript; charset=utf-8",
-    "dashboard.js": "text/javascript; charset=utf-8",
-    "charts.js": "text/javascript; charset=utf-8",
-    "markdown.js": "text/javascript; charset=utf-8",
-    "sse.js": "text/javascript; charset=utf-8",
-}
-
 router = APIRouter(redirect_slashes=False)
-
-
-# -- the page ----------------------------------------------------------------------------
-
-
-def _asset(name: str) -> Response:
-    """One of the page's files, read from the installed package."""
-    if name not in ASSETS:
-        raise APIError(404, f"no such file: {name}", "invalid_request_error")
-    body = resources.files("slotserve.server").joinpath("web", name).read_bytes()
-    # no-cache: the page is small and a restarted server may serve a newer one.
-    return Response(body, media_type=ASSETS[name], headers={"Cache-Control": "no-cache"})
-
-
-@router.get("/", include_in_schema=False)
-async def page() -> Response:
-    """The page itself. Open without a key: it holds no data, and asks for the key."""
-    return _asset("index.html")
-
-
-@router.get("/web/{name}", include_in_schema=False)
-async def asset(name: str) -> Response:
-    return _asset(name)
 
 
 # -- the snapshot ------------------------------------------------------------------------
@@ -116,62 +78,60 @@ def _bucket_quantile(buckets: list[tuple[float, float]], count: float, q: float)
 def plan_view(engine: Engine) -> dict[str, Any]:
     """The memory plan: arenas, budget (or per-arena map) and the levers."""
     view = engine.plan.to_dict()
-    view["kv_pool_bytes"] = engine.pool.nbytes
+    view["kv_pool_bytes"] = engine.stats().kv_pool_bytes
     return view
 
 
-def row_cells(engine: Engine) -> int:
-    """Positions one session's row holds (flat: max_context; ring: its window + sinks),
-    the longest over the layers' placement rules."""
-    kv = engine.plan.kv
-    return max(cells_per_session(rule, kv) for rule in layer_rules(engine.plan.info, kv))
+def kv_view(pool: PoolView, slots: Iterable[SlotView]) -> dict[str, Any]:
+    """The KV pool as it is held, from the pool's own tables (`Engine.pool_view`).
 
-
-def kv_view(engine: Engine, used: int, free: int, slots: list[dict[str, object]]) -> dict[str, Any]:
-    """The KV pool as its owners hold it, from token counts and the pool's usage.
-
-    The engine does not publish block tables, so each owner's share is estimated as the
-    blocks (or row positions) its written tokens fill; cell blocks reserved ahead for tokens
-    not yet generated are counted, unattributed, as ``reserved``."""
-    kv = engine.plan.kv
-    cell = kv.layout == "cell"
-    size = kv.block_size if cell else row_cells(engine)
-    owners: list[dict[str, Any]] = []
-    for slot in slots:
-        if slot["state"] == "idle":
-            continue
-        tokens = _int(slot["prompt_tokens"]) + _int(slot["generated_tokens"])
-        owners.append(
-            {
-                "slot": slot["slot"],
-                "request_id": slot["request_id"],
-                "class": slot["class"],
-                "tokens": tokens,
-                "units": math.ceil(tokens / size) if cell else 1,
-                "fill": min(tokens, size) / size,
-                "wrapped": not cell and tokens > size,
-            }
-        )
-    written = sum(o["units"] for o in owners) if cell else 0
+    Each owner (a running request) lists its block table in position order (the real block
+    ids; the first ``written`` hold positions it has written, the rest are reserved ahead)
+    and its row in each flat or ring group (``rows``, in the order of the pool's ``rows``).
+    ``snapshots`` are the prefix cache's holders; ``shared`` lists ``[block, refcount]`` for
+    every block more than one table holds (copy-on-write); ``reserved`` counts the blocks
+    reserved ahead, ``cached`` those only snapshots hold. ``slots`` give each owner its
+    class (None for one admitted after they were read)."""
+    classes = {s.request_id: s.priority for s in slots if s.request_id is not None}
+    size = pool.block_size
+    written = {h.session: math.ceil(h.length / size) if size else 0 for h in pool.sessions}
+    owners = [
+        {
+            "slot": held.slot,
+            "request_id": held.session,
+            "class": classes.get(held.session),
+            "tokens": held.length,
+            "capacity": held.capacity,
+            "blocks": list(held.blocks),
+            "written": written[held.session],
+            "rows": [
+                {"first": row.first, "live": row.live, "wrapped": row.wrapped} for row in held.rows
+            ],
+        }
+        for held in pool.sessions
+    ]
+    holders = (*pool.sessions, *pool.snapshots)
+    refcounts = {b: n for h in holders for b, n in zip(h.blocks, h.refcounts, strict=True)}
+    in_sessions = {b for h in pool.sessions for b in h.blocks}
+    ahead = {b for h in pool.sessions for b in h.blocks[written[h.session] :]}
     return {
-        "unit": "blocks" if cell else "rows",
-        "layout": kv.layout,
-        "block_size": kv.block_size if cell else None,
-        "row_cells": None if cell else size,
-        "total": used + free,
-        "used": used,
-        "free": free,
-        "reserved": max(0, used - written) if cell else 0,
+        "unit": pool.unit,
+        "layout": pool.layout,
+        "block_size": size,
+        "rows": [
+            {"kind": g.kind, "layers": list(g.layers), "size": g.size} for g in pool.row_groups
+        ],
+        "total": pool.total,
+        "used": pool.used,
+        "free": pool.free,
+        "reserved": len(ahead),
+        "cached": len(refcounts.keys() - in_sessions),
+        "shared": sorted([b, n] for b, n in refcounts.items() if n > 1),
         "owners": owners,
+        "snapshots": [
+            {"key": h.session, "tokens": h.length, "blocks": list(h.blocks)} for h in pool.snapshots
+        ],
     }
-
-
-def _int(value: object) -> int:
-    return value if isinstance(value, int) else 0
-
-
-def _float(value: object) -> float:
-    return float(value) if isinstance(value, int | float) else 0.0
 
 
 def pressure_view(engine: Engine, level: float | None) -> dict[str, Any]:
@@ -188,7 +148,7 @@ class _Progress:
     """What the feed last saw of one request: its class, when its token count last
     changed, and that count."""
 
-    priority: str
+    priority: Priority
     changed_at: float
     generated: int
 
@@ -207,23 +167,19 @@ class ClassLatency:
         self._seen: dict[int, _Progress] = {}
         self._primed = False  # False until the first call
 
-    def observe(
-        self, now: float, slots: Iterable[dict[str, object]]
-    ) -> dict[str, dict[str, list[float]]]:
+    def observe(self, now: float, slots: Iterable[SlotView]) -> dict[str, dict[str, list[float]]]:
         """Samples since the previous call: ``{"itl": {class: [s]}, "ttft": {class: [s]}}``."""
         samples: dict[str, dict[str, list[float]]] = {"itl": {}, "ttft": {}}
         current: dict[int, _Progress] = {}
         for slot in slots:
-            if slot["state"] == "idle":
-                continue
-            request_id, generated = _int(slot["request_id"]), _int(slot["generated_tokens"])
-            priority = str(slot["class"])
+            if slot.request_id is None or slot.priority is None:
+                continue  # idle
+            request_id, generated, priority = slot.request_id, slot.generated_tokens, slot.priority
             before = self._seen.get(request_id)
             progress = before or _Progress(priority, now, 0)
             if generated > progress.generated:
                 if progress.generated == 0 and self._primed:
-                    age = _float(slot["age_s"])
-                    samples["ttft"].setdefault(priority, []).append(age)
+                    samples["ttft"].setdefault(priority, []).append(slot.age_s)
                 elif before is not None:
                     gap = (now - progress.changed_at) / (generated - progress.generated)
                     samples["itl"].setdefault(priority, []).append(gap)
@@ -244,10 +200,13 @@ class SnapshotFeed:
         self._cancels = (0.0, 0.0)  # (count, sum) of the cancel→release histogram
 
     def snapshot(self) -> dict[str, Any]:
+        """The engine now, JSON-ready: stats, slots, the KV map, plan, pressure, the latency
+        samples since the previous snapshot and the histograms."""
         began = time.perf_counter()
         engine = self.engine
         stats = engine.stats()
         slots = engine.slots()
+        pool = engine.pool_view()
         now = engine.clock()
         snapshot: dict[str, Any] = {
             "type": "snapshot",
@@ -256,8 +215,8 @@ class SnapshotFeed:
             "closed": engine.closed,
             "policy": engine.config.policy,
             "stats": dataclasses.asdict(stats),
-            "slots": slots,
-            "kv": kv_view(engine, stats.kv_blocks_used, stats.kv_blocks_free, slots),
+            "slots": [slot.to_dict() for slot in slots],
+            "kv": kv_view(pool, slots),
             "plan": self._plan,
             "pressure": pressure_view(engine, stats.pressure_level),
             "samples": self.latency.observe(now, slots),

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from slotserve.engine import EngineStats, Finished
+from slotserve.engine import EngineStats, Finished, PrefixStats
 
 LATENCY_BUCKETS = (
     0.001,
@@ -113,23 +113,23 @@ class _EngineCollector:
         for reason, count in sorted(stats.finished.items()):
             finished.add_metric([reason], count)
         yield finished
-        if stats.prefix_budget_bytes:  # only with the prefix cache (serve --prefix-cache)
-            yield from _prefix_metrics(stats)
+        if stats.prefix is not None:  # only with the prefix cache (serve --prefix-cache)
+            yield from _prefix_metrics(stats.prefix)
 
 
-def _prefix_metrics(stats: EngineStats) -> Iterator[Any]:
+def _prefix_metrics(stats: PrefixStats) -> Iterator[Any]:
     """The prefix cache's counters and gauges."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
     for name, doc, count in (
-        ("slotserve_prefix_hits", "Admissions that restored a cached prefix", stats.prefix_hits),
-        ("slotserve_prefix_misses", "Admissions with no usable prefix", stats.prefix_misses),
+        ("slotserve_prefix_hits", "Admissions that restored a cached prefix", stats.hits),
+        ("slotserve_prefix_misses", "Admissions with no usable prefix", stats.misses),
         (
             "slotserve_prefix_tokens_restored",
             "Prompt tokens restored from the cache instead of computed",
-            stats.prefix_tokens_restored,
+            stats.tokens_restored,
         ),
-        ("slotserve_prefix_evictions", "Snapshots evicted", stats.prefix_evictions),
+        ("slotserve_prefix_evictions", "Snapshots evicted", stats.evictions),
     ):
         yield CounterMetricFamily(name, doc, value=count)
     rejections = CounterMetricFamily(
@@ -137,12 +137,12 @@ def _prefix_metrics(stats: EngineStats) -> Iterator[Any]:
         "Token-equal prefixes a retention rule refused, by rule",
         labels=["rule"],
     )
-    for rule, count in sorted(stats.prefix_rejections_by_rule.items()):
+    for rule, count in sorted(stats.rejections_by_rule.items()):
         rejections.add_metric([rule], count)
     yield rejections
     for name, doc, value in (
-        ("slotserve_prefix_bytes_pinned", "KV bytes the snapshots pin", stats.prefix_bytes_pinned),
-        ("slotserve_prefix_budget_bytes", "KV bytes the cache may pin", stats.prefix_budget_bytes),
-        ("slotserve_prefix_snapshots", "Snapshots held", stats.prefix_snapshots),
+        ("slotserve_prefix_bytes_pinned", "KV bytes the snapshots pin", stats.bytes_pinned),
+        ("slotserve_prefix_budget_bytes", "KV bytes the cache may pin", stats.budget_bytes),
+        ("slotserve_prefix_snapshots", "Snapshots held", stats.snapshots),
     ):
         yield GaugeMetricFamily(name, doc, value=value)

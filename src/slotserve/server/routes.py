@@ -119,7 +119,7 @@ async def slots(request: Request) -> JSONResponse:
     engine = live_engine(state_of(request))
     level = engine.stats().pressure_level
     headers = {"X-Pressure-Level": f"{level:g}"} if level is not None else None
-    return JSONResponse(engine.slots(), headers=headers)
+    return JSONResponse([slot.to_dict() for slot in engine.slots()], headers=headers)
 
 
 @guarded.post("/tokenize")

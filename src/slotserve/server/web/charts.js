@@ -5,6 +5,9 @@ export const CLASS_COLORS = { interactive: "#2563eb", normal: "#059669", backgro
 const OWNER_COLORS = ["#2563eb", "#d97706", "#059669", "#db2777", "#7c3aed", "#0891b2", "#65a30d", "#dc2626"];
 const FREE = "#e5e7eb";
 const RESERVED = "#9ca3af";
+const CACHED = "#a78bfa";
+const SHARED = "#111827";
+const AHEAD_ALPHA = 0.35;
 const AXIS = "#6b7280";
 
 export function ownerColor(slot) {
@@ -78,31 +81,46 @@ export function drawTimeSeries(canvas, series, { now, windowS, empty }) {
   }
 }
 
-/** Cell layout: one square a block, owners' blocks first (in slot order), then blocks
- *  reserved ahead, then free ones. The order is by owner, not the pool's block index. */
+/** Cell layout: one square a block, at its id in the pool (the pool's own block tables).
+ *  A running request's blocks are in its slot's colour (faded: reserved ahead, not yet
+ *  written), blocks only the prefix cache holds in violet, free ones grey; a block more
+ *  than one table holds (shared copy-on-write) is outlined. */
 function drawBlocks(canvas, kv) {
   const width = canvas.clientWidth;
   const cell = kv.total > 1024 ? 6 : 10, gap = 2, pitch = cell + gap;
   const columns = Math.max(1, Math.floor((width + gap) / pitch));
   const rows = Math.ceil(kv.total / columns);
   const { context } = fitCanvas(canvas, Math.max(pitch, rows * pitch));
-  const colors = [];
+  const fills = new Array(kv.total).fill(null);
+  for (const snapshot of kv.snapshots) for (const block of snapshot.blocks) fills[block] = [CACHED, 1];
   for (const owner of kv.owners) {
     const color = ownerColor(owner.slot);
-    for (let i = 0; i < owner.units && colors.length < kv.used; i += 1) colors.push(color);
+    owner.blocks.forEach((block, i) => (fills[block] = [color, i < owner.written ? 1 : AHEAD_ALPHA]));
   }
-  while (colors.length < kv.used) colors.push(RESERVED);
-  while (colors.length < kv.total) colors.push(FREE);
-  colors.forEach((color, i) => {
+  const shared = new Set(kv.shared.map(([block]) => block));
+  fills.forEach((fill, i) => {
+    const [color, alpha] = fill || [FREE, 1];
+    const x = (i % columns) * pitch, y = Math.floor(i / columns) * pitch;
+    context.globalAlpha = alpha;
     context.fillStyle = color;
-    context.fillRect((i % columns) * pitch, Math.floor(i / columns) * pitch, cell, cell);
+    context.fillRect(x, y, cell, cell);
+    context.globalAlpha = 1;
+    if (shared.has(i)) {
+      context.strokeStyle = SHARED;
+      context.lineWidth = 1.5;
+      context.strokeRect(x + 0.75, y + 0.75, cell - 1.5, cell - 1.5);
+    }
   });
 }
 
-/** Flat and ring layouts: one bar a slot row, filled to the positions its owner wrote. */
+/** Flat and ring layouts: one bar a slot row (a stripe for each flat or ring layer group),
+ *  filled to the cells its owner's live positions occupy. */
 function drawRows(canvas, kv, slotCount) {
   const rowH = 16, gap = 4, label = 48;
   const { context, width } = fitCanvas(canvas, slotCount * (rowH + gap));
+  const groups = kv.rows;
+  const stripe = rowH / Math.max(1, groups.length);
+  const inset = groups.length > 1 ? 1 : 0;
   const bySlot = new Map(kv.owners.map((owner) => [owner.slot, owner]));
   for (let slot = 0; slot < slotCount; slot += 1) {
     const y0 = slot * (rowH + gap);
@@ -110,12 +128,15 @@ function drawRows(canvas, kv, slotCount) {
     context.fillStyle = AXIS;
     context.textAlign = "left";
     context.fillText(`slot ${slot}`, 0, y0 + 12);
-    context.fillStyle = owner ? RESERVED : FREE;
-    context.fillRect(label, y0, width - label, rowH);
-    if (!owner) continue;
-    context.fillStyle = ownerColor(slot);
-    context.fillRect(label, y0, (width - label) * owner.fill, rowH);
-    if (owner.wrapped) {
+    groups.forEach((group, g) => {
+      const y = y0 + g * stripe;
+      context.fillStyle = owner ? RESERVED : FREE;
+      context.fillRect(label, y, width - label, stripe - inset);
+      if (!owner) return;
+      context.fillStyle = ownerColor(slot);
+      context.fillRect(label, y, ((width - label) * owner.rows[g].live) / group.size, stripe - inset);
+    });
+    if (owner && owner.rows.some((row) => row.wrapped)) {
       context.fillStyle = "#ffffff";
       context.fillText("↻ wrapped", width - 64, y0 + 12);
     }

@@ -147,13 +147,28 @@ export class Dashboard {
   renderKv(s) {
     const kv = s.kv;
     drawKvMap(document.getElementById("kv-map"), kv, s.stats.max_seqs);
-    const shape = kv.unit === "blocks" ? `${kv.layout}, ${kv.block_size} tokens a block` : `${kv.layout}, ${kv.row_cells} positions a row`;
+    const rows = kv.rows.map((g) => `${g.size} positions (${g.kind}, ${g.layers.length} layers)`).join(" + ");
+    const shape =
+      kv.unit === "blocks"
+        ? `${kv.layout}, ${kv.block_size} tokens a block` + (rows ? `; a slot's row: ${rows}` : "")
+        : `${kv.layout}; a slot's row: ${rows}`;
     setText("kv-caption", `${shape} · ${bytes(s.plan.kv_pool_bytes)}`);
+    const blocks = kv.unit === "blocks";
     const owners = kv.owners.map(
-      (o) => `<span><i style="background:${ownerColor(o.slot)}"></i>slot ${o.slot} · #${o.request_id} · ${escapeHtml(o.class)} · ${o.tokens} tok</span>`,
+      (o) =>
+        `<span><i style="background:${ownerColor(o.slot)}"></i>slot ${o.slot} · #${o.request_id} · ` +
+        `${escapeHtml(o.class || "")} · ${o.tokens} tok${blocks ? ` · ${o.blocks.length} blocks` : ""}</span>`,
     );
-    const held = kv.unit === "blocks" ? `reserved ahead (${kv.reserved})` : "held, not yet written";
-    owners.push(`<span><i class="reserved"></i>${held}</span>`, `<span><i class="free"></i>free (${kv.free})</span>`);
+    if (blocks) {
+      owners.push(
+        `<span><i class="ahead"></i>reserved ahead (${kv.reserved})</span>`,
+        `<span><i class="shared"></i>shared, copy-on-write (${kv.shared.length})</span>`,
+        `<span><i class="cached"></i>prefix cache only (${kv.cached})</span>`,
+      );
+    } else {
+      owners.push(`<span><i class="reserved"></i>held, not yet written</span>`);
+    }
+    owners.push(`<span><i class="free"></i>free (${kv.free})</span>`);
     this.root.querySelector("#kv-legend").innerHTML = owners.join("");
   }
 

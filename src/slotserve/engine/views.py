@@ -1,0 +1,111 @@
+"""What the engine publishes to readers (the server, benches, the dashboard): typed, frozen
+copies taken under the engine lock, so a reader never sees the engine mid-step and never
+reaches into it.
+
+`EngineStats` (`Engine.stats`) is the counters and gauges, with `PrefixStats` when the prefix
+cache is on; `SlotView` (`Engine.slots`) is one slot and the request it serves; `PoolView`
+(`Engine.pool_view`) is the KV pool's occupancy and exactly which cells each session and
+snapshot holds, from the pool's own tables (`KVPool.holdings`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from slotserve.engine.events import Priority
+from slotserve.kv.pool import Holding, RowGroup
+
+SlotState = Literal["idle", "prefill", "decode"]
+PoolUnit = Literal["blocks", "rows"]
+
+
+@dataclass(frozen=True)
+class PrefixStats:
+    """The prefix cache: the bytes it may pin, restores that hit or missed, token-equal
+    prefixes a retention rule refused (in all and by rule), tokens restored instead of
+    computed, the bytes its snapshots pin, snapshots held and evicted."""
+
+    budget_bytes: int
+    hits: int
+    misses: int
+    rejections: int
+    rejections_by_rule: dict[str, int]
+    tokens_restored: int
+    bytes_pinned: int
+    snapshots: int
+    evictions: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine. KV blocks are cell blocks (cell layout) or slot rows.
+    ``pressure_level`` is None without a pressure signal, ``prefix`` None with the prefix
+    cache off."""
+
+    slots_in_use: int
+    max_seqs: int
+    sessions_by_class: dict[str, int]
+    sessions_by_state: dict[str, int]
+    kv_blocks_free: int
+    kv_blocks_used: int
+    kv_pool_bytes: int
+    queue_len: int
+    admitted: int
+    finished: dict[str, int]
+    refusals: dict[str, int]
+    cancellations: int
+    steps: int
+    steps_by_batch_size: dict[int, int] = field(default_factory=dict)
+    steps_by_class: dict[str, int] = field(default_factory=dict)
+    pressure_level: float | None = None
+    prefix: PrefixStats | None = None
+
+
+@dataclass(frozen=True)
+class SlotView:
+    """One slot of the pool: ``idle``, or the request it serves (its id, class, prompt and
+    generated token counts, and age from submit)."""
+
+    slot: int
+    state: SlotState = "idle"
+    request_id: int | None = None
+    priority: Priority | None = None
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    age_s: float = 0.0
+
+    def to_dict(self) -> dict[str, object]:
+        """The JSON of ``GET /slots``: ``slot`` and ``state``, and for a busy slot
+        ``request_id``, ``class``, ``prompt_tokens``, ``generated_tokens``, ``age_s``."""
+        if self.state == "idle":
+            return {"slot": self.slot, "state": "idle"}
+        return {
+            "slot": self.slot,
+            "state": self.state,
+            "request_id": self.request_id,
+            "class": self.priority,
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "age_s": self.age_s,
+        }
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """The KV pool as it is held. ``unit`` counts cell blocks (any layer in cells) or slot
+    rows; ``total = used + free``. ``sessions`` are the running requests (a session's id is
+    its request id), ``snapshots`` the prefix cache's read-only holders; each says exactly
+    which blocks (with refcounts) and rows it holds. ``block_size`` is None without cell
+    layers; ``row_groups`` are the flat and ring layer groups."""
+
+    layout: str
+    unit: PoolUnit
+    total: int
+    used: int
+    free: int
+    nbytes: int
+    block_size: int | None
+    row_groups: tuple[RowGroup, ...]
+    sessions: tuple[Holding, ...]
+    snapshots: tuple[Holding, ...]
