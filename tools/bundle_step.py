@@ -1,7 +1,7 @@
 """A bundle's forward step against the eager model's, its teacher-forced agreement with
 llama.cpp's reference, and the resident memory it costs (figures in docs/EXECUTORCH-NOTES.md).
 
-    python tools/bundle_step.py             # exports the bundled model once (cached), measures
+    slotserve export bundled OUT/           # once (minutes on 2 cores)
     python tools/bundle_step.py OUT/        # measures the bundle OUT/ (exported from bundled)
 """
 
@@ -16,14 +16,12 @@ from pathlib import Path
 import torch
 
 import slotserve as ss
-from slotserve.cli.executors import exported_bundle
-from slotserve.executor.executorch import ExecuTorchExecutor
+from slotserve.executor import executor_for
 from slotserve.kv import KVConfig, KVPool, StepBatch
 from slotserve.memory import rss_bytes
 
 REFERENCE = Path(__file__).parents[1] / "tests" / "data" / "llamacpp_greedy.json"
 Step = Callable[[torch.Tensor, StepBatch, KVPool], torch.Tensor]
-MAX_TOKENS = 512
 
 
 def agreement(model: ss.Model, step: Step) -> tuple[int, int, int]:
@@ -71,11 +69,11 @@ def decode_ms(model: ss.Model, step: Step, sequences: int, context: int = 300) -
 
 
 def main() -> None:
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
     before = rss_bytes()
-    bundle = Path(sys.argv[1]) if len(sys.argv) > 1 else None
-    if bundle is None:
-        bundle = exported_bundle(ss.load("bundled", progress=False), MAX_TOKENS)
-    executor = ExecuTorchExecutor(bundle)
+    bundle = Path(sys.argv[1])
+    executor = executor_for(ss.load(bundle, progress=False))
     resident = rss_bytes() - before
     files = executor.weight_bytes / 2**20
     print(f"bundle {bundle}: files {files:.1f} MiB, RSS growth on load {resident / 2**20:.1f} MiB")

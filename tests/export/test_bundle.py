@@ -2,14 +2,14 @@
 serves it through the engine.
 
 The fp32 bundle must give the eager model's logits (to float rounding) and its greedy tokens,
-alone and batched. The 8da4w bundle of a Q4_1 GGUF keeps the file's 4-bit blocks exactly, so
-its logits track the eager model's up to the kernels' per-token int8 activations.
+alone and batched. The 8da4w bundle of a Q4_1 GGUF keeps the file's 4-bit blocks exactly (read
+from the model loaded with them: tests/export/test_blocks.py), so its logits track the eager
+model's up to the kernels' per-token int8 activations.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,12 +17,9 @@ import torch
 
 import slotserve as ss
 from slotserve.artifact.bundle import PROGRAM, TOKENIZER, WEIGHTS, read_bundle
-from slotserve.artifact.gguf_blocks import q4_blocks
 from slotserve.artifact.weight_cache import file_digest
-from slotserve.cli.executors import bundle_path, exported_bundle
-from slotserve.executor import executor_for
-from slotserve.executor.executorch import ExecuTorchExecutor
-from slotserve.export import ExportOptions, export_bundle
+from slotserve.executor import Executor, TorchExecutor, executor_for
+from slotserve.export import ExportOptions, export_bundle, load_for_export
 from slotserve.export.bundle import HEAD_ROWS
 from slotserve.kv import KVConfig, KVPool, StepBatch
 from slotserve.testing import write_tiny_gguf
@@ -31,31 +28,35 @@ GREEDY = ss.SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    directory = tmp_path_factory.mktemp("cache")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("SLOTSERVE_CACHE_DIR", str(directory))
-        yield directory
+def q41(tmp_path_factory: pytest.TempPathFactory) -> tuple[ss.Model, Path]:
+    """A tiny Q4_1 GGUF's fp32 model (the eager reference) and its 8da4w bundle, exported as
+    `slotserve export` does: from the model loaded with its blocks."""
+    root = tmp_path_factory.mktemp("q41")
+    gguf = write_tiny_gguf(root / "tiny-q4_1.gguf", "llama", "Q4_1")
+    blocks = load_for_export(gguf, progress=False)
+    export_bundle(blocks, root / "bundle", ExportOptions(quant="8da4w", max_tokens=64))
+    return ss.load(gguf, weights="fp32", progress=False), root / "bundle"
 
 
-@pytest.fixture(scope="module")
-def q41(tmp_path_factory: pytest.TempPathFactory, cache: Path) -> tuple[ss.Model, Path]:
-    """A tiny Q4_1 GGUF and its 8da4w bundle, exported through `--executor xnnpack`'s path,
-    which caches it by the file's digest."""
-    gguf = write_tiny_gguf(tmp_path_factory.mktemp("q41") / "tiny-q4_1.gguf", "llama", "Q4_1")
-    model = ss.load(gguf, weights="fp32", progress=False)
-    return model, exported_bundle(model, 64)
+def on_the_runtime(bundle: Path) -> Executor:
+    """The executor of the bundle's model: its program's methods, checked and loaded by
+    `slotserve.load`, behind the one executor contract."""
+    model = ss.load(bundle)
+    assert model.weights is None and model.halves.kind == "program"
+    executor = executor_for(model)
+    assert isinstance(executor, TorchExecutor)
+    assert executor.weight_bytes == read_bundle(bundle).resident_bytes
+    assert executor.max_step_tokens == read_bundle(bundle).manifest.max_tokens
+    return executor
 
 
-def step(
-    executor: ExecuTorchExecutor, pool: KVPool, batch: StepBatch, ids: list[int]
-) -> torch.Tensor:
+def step(executor: Executor, pool: KVPool, batch: StepBatch, ids: list[int]) -> torch.Tensor:
     pool.begin_step(batch)
     return executor.step(torch.tensor(ids), batch, pool)
 
 
 def prefill_then_decode(
-    executor: ExecuTorchExecutor, model: ss.Model, ids: list[int]
+    executor: Executor, model: ss.Model, ids: list[int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The executor's logits for ``ids`` from an empty flat slot, then for one more token,
     beside the eager model's for the same two steps."""
@@ -133,7 +134,7 @@ def test_constant_methods_answer_the_runners_questions(tiny: ss.Model, tiny_bund
 
 
 def test_fp32_logits_equal_the_eager_models(tiny: ss.Model, tiny_bundle: Path) -> None:
-    executor = ExecuTorchExecutor(tiny_bundle)
+    executor = on_the_runtime(tiny_bundle)
     gen = torch.Generator().manual_seed(0)
     for length in (1, 7, 40):
         ids = torch.randint(3, 250, (length,), generator=gen).tolist()
@@ -172,7 +173,7 @@ def test_a_bundle_serves_on_every_layout(tiny_bundle: Path, layout: str) -> None
 
 def test_steps_stay_within_the_program(tiny_bundle: Path, q41: tuple[ss.Model, Path]) -> None:
     model, path = q41
-    executor = ExecuTorchExecutor(path)
+    executor = on_the_runtime(path)
     assert executor.max_step_tokens == 64
     pool = KVPool(model.info, KVConfig(layout="flat", max_seqs=1, max_context=128))
     pool.reserve(0, 128)
@@ -188,39 +189,9 @@ def test_steps_stay_within_the_program(tiny_bundle: Path, q41: tuple[ss.Model, P
         ss.Engine(ss.load(path), ss.EngineConfig(max_seqs=65, max_context=64))
 
 
-def test_the_xnnpack_bundle_is_cached_by_the_files_digest(
-    q41: tuple[ss.Model, Path], cache: Path
-) -> None:
-    model, path = q41
-    assert path == bundle_path(Path(model.source), 64) and path.parent == cache
-    written = (path / PROGRAM).stat().st_mtime_ns
-    assert exported_bundle(model, 64) == path  # found, not exported again
-    assert (path / PROGRAM).stat().st_mtime_ns == written
-
-
-def test_xnnpack_needs_a_gguf(tiny: ss.Model) -> None:
-    with pytest.raises(ValueError, match="needs a Q4_0/Q4_1 GGUF model"):
-        exported_bundle(tiny, 64)
-
-
-def test_blocks_are_the_files_weights_exactly(tmp_path: Path) -> None:
-    import gguf
-    from gguf.quants import dequantize
-
-    path = write_tiny_gguf(tmp_path / "t.gguf", "llama", "Q4_1")
-    reader = gguf.GGUFReader(str(path))
-    for tensor in reader.tensors:
-        if tensor.tensor_type.name != "Q4_1":
-            continue
-        blocks = q4_blocks(reader, tensor.name, str(path))
-        expected = dequantize(tensor.data, tensor.tensor_type).reshape(blocks.q.shape)
-        assert torch.equal(blocks.dequantize(), torch.from_numpy(expected.copy()))
-
-
 def test_8da4w_logits_track_the_eager_model(q41: tuple[ss.Model, Path]) -> None:
     model, path = q41
-    executor = executor_for(ss.load(path))
-    assert isinstance(executor, ExecuTorchExecutor)
+    executor = on_the_runtime(path)
     gen = torch.Generator().manual_seed(0)
     agree = total = 0
     for length in (1, 7, 40):
@@ -263,7 +234,7 @@ def test_8da4w_rows_of_a_step_are_independent(q41: tuple[ss.Model, Path]) -> Non
 def test_8da4w_batch_equals_each_sequence_alone(q41: tuple[ss.Model, Path]) -> None:
     """Per-token activation quantisation keeps the rows of a step independent."""
     model, path = q41
-    executor = ExecuTorchExecutor(path)
+    executor = on_the_runtime(path)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     config = KVConfig(layout="cell", max_seqs=3, max_context=32)
     pool = KVPool(model.info, config)
@@ -283,7 +254,7 @@ def test_the_head_takes_a_step_of_more_sequences_than_its_rows(
 ) -> None:
     """The head is lowered for `HEAD_ROWS` rows (its logits are planned memory); a step of
     more sequences runs it in several calls, with the same logits."""
-    executor = ExecuTorchExecutor(tiny_bundle)
+    executor = on_the_runtime(tiny_bundle)
     sequences = HEAD_ROWS + 5
     config = KVConfig(layout="cell", max_seqs=sequences, max_context=16)
     pool, eager_pool = KVPool(tiny.info, config), KVPool(tiny.info, config)

@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 import slotserve as ss
-from slotserve.artifact.bundle import MANIFEST, PROGRAM, WEIGHTS
+from slotserve.artifact.bundle import MANIFEST, PROGRAM, WEIGHTS, read_bundle
+from slotserve.artifact.program import ProgramHalves
 from slotserve.artifact.weight_cache import file_digest
 from slotserve.errors import ArtifactError, SchemaVersionError
-from slotserve.executor.executorch import ExecuTorchExecutor
 from slotserve.export import ExportOptions, export_bundle
 from tests.server.conftest import ServerProcess
 
@@ -38,11 +38,12 @@ def edit_manifest(bundle: Path, change: Any, *, rehash: bool = False) -> None:
 
 
 def refused(bundle: Path, error: type[Exception] = ArtifactError) -> Exception:
-    """The refusal, both where a user meets it: `ss.load` + `ss.Engine` and the executor."""
+    """The refusal, both where a user meets it (`ss.load` before `ss.Engine`) and where the
+    program is opened (`ProgramHalves`, after the manifest's own checks)."""
     with pytest.raises(error) as raised:
         ss.Engine(ss.load(bundle), ss.EngineConfig(max_seqs=1, max_context=64))
     with pytest.raises(error):
-        ExecuTorchExecutor(bundle)
+        ProgramHalves(read_bundle(bundle))
     return raised.value
 
 

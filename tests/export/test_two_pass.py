@@ -9,8 +9,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from slotserve.artifact.gguf_blocks import BLOCK, Q4Blocks
+from slotserve.export.blocks import Q4Blocks
 from slotserve.export.program import Q4BlockLinear, TwoPass, activation_residual
+from slotserve.model.gguf_linear import BLOCK
 
 
 def run_lowered(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -69,7 +70,7 @@ def test_8da4w_2pass_puts_every_projection_and_the_head_in_two_passes(tmp_path: 
     from slotserve.testing import write_tiny_gguf
 
     model = ss.load(
-        write_tiny_gguf(tmp_path / "t.gguf", "llama", "Q4_1"), weights="fp32", progress=False
+        write_tiny_gguf(tmp_path / "t.gguf", "llama", "Q4_1"), weights="gguf", progress=False
     )
 
     def projections(name: str, module: nn.Module) -> list[nn.Module]:

@@ -48,8 +48,7 @@ def register(commands: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from slotserve.artifact import load
-    from slotserve.export import ExportOptions, export_bundle
+    from slotserve.export import ExportOptions, export_bundle, load_for_export
 
     options = ExportOptions(
         backend=args.backend,
@@ -60,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     )
     console = Console(stderr=True)
     began = time.monotonic()
-    model = load(args.model, weights="fp32")  # export reads the fp32 weights
+    model = load_for_export(args.model)  # a GGUF with its blocks, read once
     console.print(f"loaded {model.source} in {time.monotonic() - began:.1f} s")
     with console.status(f"exporting to {args.out} (minutes on a 2-core CPU)") as status:
 

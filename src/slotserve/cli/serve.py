@@ -119,8 +119,6 @@ def served_name(spec: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.executor != "torch":  # a bundle's program runs on its own runtime's threads
-        return _serve(args)
     with kernel_threads(args.model, args.weights):
         return _serve(args)
 
@@ -129,8 +127,7 @@ def _serve(args: argparse.Namespace) -> int:
     from slotserve.engine import Engine
     from slotserve.server import serve
 
-    max_tokens = args.max_batch_tokens or EngineConfig().max_batch_tokens
-    spec, model, executor = open_model(args, max_tokens)
+    spec, model, executor = open_model(args)
     config = engine_config(args, model)  # with --preset: sized for this model
     config = with_server_queue(config, args)
     engine = Engine(model, config, pressure=pressure_source(args), executor=executor)

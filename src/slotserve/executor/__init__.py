@@ -1,10 +1,12 @@
-"""Backends that run one batch step of a model over the KV pool.
+"""Running a model's batch steps over the KV pool, behind the engine.
 
-`TorchExecutor` runs the eager PyTorch model; `ExecuTorchExecutor`
-(`slotserve.executor.executorch`, optional ``executorch`` package) runs a bundle's lowered
-program. `executor_for` picks the one a loaded model needs.
+`Executor` (`slotserve.executor.base`) is the contract the engine relies on. `TorchExecutor`
+runs a loaded model's layer halves: eager torch, the block kernels, or a bundle's program
+methods on ExecuTorch (the halves `slotserve.load` picked). `executor_for` gives the one a
+loaded model needs.
 """
 
-from slotserve.executor.torch_executor import Executor, TorchExecutor, executor_for
+from slotserve.executor.base import Executor
+from slotserve.executor.torch_executor import TorchExecutor, executor_for
 
 __all__ = ["Executor", "TorchExecutor", "executor_for"]

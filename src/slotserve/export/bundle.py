@@ -65,14 +65,14 @@ DELEGATE_IDS: dict[str, tuple[str, ...]] = {"xnnpack": ("XnnpackBackend",), "por
 @dataclass(frozen=True)
 class ExportOptions:
     """``backend``: ``xnnpack`` (XNNPACK kernels) or ``portable`` (ExecuTorch's portable
-    kernels, fp32 only). ``quant``: ``fp32``, or ``8da4w`` (int4 weights in groups of 32: a
-    Q4_0/Q4_1 GGUF's blocks kept exactly; int8 blocks for the embedding, int8 rows for the
-    head; int8 dynamic activations per token), or ``8da4w-2pass`` (the same, with every
-    projection and the head in two passes, `TwoPass`: closer to the fp32 model, at a cost in
-    step time and planned memory; docs/EXECUTORCH-NOTES.md). ``max_tokens``: the
-    largest step (decode tokens plus a prefill chunk) the methods take; ``max_context``: the
-    longest sequence the bundle serves (default: the model's). ``threads``: the load option
-    recorded for the runtime (0: every core)."""
+    kernels, fp32 only). ``quant``: ``fp32``, or ``8da4w`` (int4 weights in groups of 32: the
+    blocks of a Q4_0/Q4_1 GGUF loaded with them kept exactly; int8 blocks for the embedding,
+    int8 rows for the head; int8 dynamic activations per token), or ``8da4w-2pass`` (the
+    same, with every projection and the head in two passes, `TwoPass`: closer to the fp32
+    model, at a cost in step time and planned memory; docs/EXECUTORCH-NOTES.md).
+    ``max_tokens``: the largest step (decode tokens plus a prefill chunk) the methods take;
+    ``max_context``: the longest sequence the bundle serves (default: the model's).
+    ``threads``: the load option recorded for the runtime (0: every core)."""
 
     backend: Backend = "xnnpack"
     quant: Quant = "fp32"
@@ -93,6 +93,19 @@ class ExportOptions:
             raise ValueError(f"max_context={self.max_context} must be >= 1")
         if self.threads < 0:
             raise ValueError(f"threads={self.threads} must be >= 0 (0: every core)")
+
+
+def load_for_export(spec: str | Path, progress: bool = True) -> Model:
+    """``spec`` loaded as export reads it: a GGUF file with its blocks (``8da4w`` stores its
+    Q4 blocks exactly; ``fp32`` dequantises them), read once and without building or
+    running any kernel (export only reads the weights, and leaves torch's threads alone for
+    lowering); any other model in fp32."""
+    from slotserve.artifact import bundled_gguf_path, load, load_gguf
+
+    path = bundled_gguf_path() if str(spec) == "bundled" else Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        return load_gguf(path, progress=progress, blocks=True)
+    return load(spec, progress=progress, weights="fp32", kernels="off")
 
 
 def export_bundle(

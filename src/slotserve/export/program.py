@@ -13,29 +13,34 @@ chunks and decode tokens on this axis):
 Attention between the two halves is the KV pool's ``update_and_attend``, so every layout works
 unchanged and no method owns KV state. How a projection is represented is the `Linears`
 builder's choice: fp32 (`dense_linears`), or int4 weights with int8 dynamic activations
-(`int4_linears`), which stores a Q4_0/Q4_1 GGUF file's blocks exactly (`Q4BlockLinear`),
-optionally in two passes (`TwoPass`).
+(`int4_linears`), which stores the Q4 blocks of a GGUF file loaded with them exactly
+(`Q4BlockLinear`, from the model's `BlockLinear` weights), optionally in two passes
+(`TwoPass`). Norms, the embedding and the head are read dense (blocks dequantised).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal, TypeGuard
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from slotserve.artifact.gguf_blocks import BLOCK, Q4Blocks, q4_blocks
+from slotserve.export.blocks import Q4Blocks, q4_blocks
 from slotserve.info import ModelInfo
 from slotserve.model import Model
+from slotserve.model.gguf_linear import BLOCK, BlockEmbedding, BlockLinear
 from slotserve.model.layers import DenseLinear, Linear
 from slotserve.model.weights import LlamaWeights
 
 LinearKind = Literal["qkv", "o", "gate", "up", "down"]
+KINDS: tuple[LinearKind, ...] = ("qkv", "o", "gate", "up", "down")
 Linears = Callable[[int, LinearKind], nn.Module]
 """Builds the projection ``kind`` of layer ``i`` as a module to lower."""
+log = logging.getLogger("slotserve")
 
 
 class Q4BlockLinear(nn.Module):
@@ -281,100 +286,105 @@ class PairId(nn.Module):
 
 
 def check_supported(model: Model) -> LlamaWeights:
-    """The model's fp32 weights, if its layers are the ones these modules express."""
+    """The model's weights, if its layers are the ones these modules express and each
+    projection is fp32 or a GGUF file's blocks (`BlockLinear`)."""
     info = model.info
     if info.qkv_bias or info.qk_norm:
         raise ValueError(
             f"export covers Llama/SmolLM layers; {info.arch} with qkv_bias={info.qkv_bias} "
             f"qk_norm={info.qk_norm} is not supported yet: serve it with the torch executor"
         )
-    weights = model.require_weights()
-    dense = (weights.lm_head, weights.layers[0].qkv)
-    if not all(isinstance(x, DenseLinear) for x in dense) or not isinstance(
-        weights.embed, torch.Tensor
-    ):
+    weights = model.weights
+    if weights is None:
         raise ValueError(
-            f"export reads the model's fp32 weights, but {model.source} was loaded with "
-            "quantised ones; load it with weights='fp32' (drop --weights)"
+            f"{model.source} is a bundle: its weights were fixed at export; export the model "
+            "it was exported from"
+        )
+    linears = [weights.lm_head]
+    for layer in weights.layers:
+        linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
+    readable = all(isinstance(x, DenseLinear | BlockLinear) for x in linears)
+    if not readable or not isinstance(weights.embed, torch.Tensor | BlockEmbedding):
+        raise ValueError(
+            f"export reads the model's fp32 weights or its GGUF blocks, but {model.source} was "
+            "loaded with other quantised ones; load it with weights='gguf' or 'fp32' (drop "
+            "--weights)"
         )
     return weights
 
 
 def dense_weight(linear: Linear) -> torch.Tensor:
+    """The fp32 weight of a projection (a GGUF file's blocks dequantised)."""
+    if isinstance(linear, BlockLinear):
+        return linear.dequantize()
     assert isinstance(linear, DenseLinear), linear  # check_supported ran
     return linear.weight
 
 
 def dense_embedding(weights: LlamaWeights) -> torch.Tensor:
+    if isinstance(weights.embed, BlockEmbedding):
+        return weights.embed.table.dequantize()
     assert isinstance(weights.embed, torch.Tensor), weights.embed  # check_supported ran
     return weights.embed
 
 
-def layer_weight(weights: LlamaWeights, layer: int, kind: LinearKind) -> torch.Tensor:
-    """The fp32 weight of projection ``kind`` (gate and up are halves of the fused gate_up)."""
+def layer_linear(weights: LlamaWeights, layer: int, kind: LinearKind) -> tuple[Linear, slice]:
+    """The model's projection that holds ``kind`` of ``layer``, and ``kind``'s rows in it
+    (gate and up are halves of the fused gate_up)."""
     found = weights.layers[layer]
     if kind in ("gate", "up"):
-        fused = dense_weight(found.gate_up)
-        half = fused.shape[0] // 2
-        return fused[:half] if kind == "gate" else fused[half:]
-    return dense_weight(getattr(found, kind))
+        half = found.gate_up.shape[0] // 2
+        return found.gate_up, slice(0, half) if kind == "gate" else slice(half, None)
+    linear: Linear = getattr(found, kind)
+    return linear, slice(None)
+
+
+def layer_weight(weights: LlamaWeights, layer: int, kind: LinearKind) -> torch.Tensor:
+    """The fp32 weight of projection ``kind``."""
+    linear, rows = layer_linear(weights, layer, kind)
+    return dense_weight(linear)[rows]
 
 
 def dense_linears(weights: LlamaWeights) -> Linears:
-    """fp32 projections from the loaded weights."""
+    """fp32 projections from the loaded weights (a GGUF file's blocks dequantised)."""
     return lambda i, kind: dense_linear(layer_weight(weights, i, kind))
 
 
 def int4_linears(weights: LlamaWeights, info: ModelInfo, source: str) -> Linears:
-    """int4 projections: a Q4_0/Q4_1 GGUF file's blocks exactly; otherwise the fp32 weights
-    requantised in symmetric groups of 32."""
+    """int4 projections: where the model holds Q4 blocks (a Q4_0/Q4_1 GGUF loaded with
+    its blocks, ``weights='gguf'`` or ``'auto'``), those blocks exactly (`Q4BlockLinear`);
+    otherwise its fp32 weights requantised in symmetric groups of 32."""
     if info.dim % BLOCK or info.ffn_dim % BLOCK:
         raise ValueError(
             f"int4 groups of {BLOCK} need dim ({info.dim}) and ffn_dim ({info.ffn_dim}) "
             f"to be multiples of {BLOCK}; export with --quant fp32"
         )
-    reader = _q4_reader(source)
-    if reader is None:
-        return lambda i, kind: int4_group_linear(layer_weight(weights, i, kind))
-    return lambda i, kind: Q4BlockLinear(_q4_layer_blocks(reader, info, i, kind, source))
+    projections = [
+        layer_linear(weights, i, kind)[0] for i in range(info.n_layers) for kind in KINDS
+    ]
+    requantised = sum(not _is_q4(linear) for linear in projections)
+    if requantised and Path(source).suffix == ".gguf":
+        log.warning(
+            "%d of %d projections of %s are not Q4 blocks in the loaded model: requantised "
+            "in int4 groups of %d (a Q4 file's blocks are kept exactly when it is loaded with "
+            "weights='gguf')",
+            requantised,
+            len(projections),
+            source,
+            BLOCK,
+        )
+
+    def build(i: int, kind: LinearKind) -> nn.Module:
+        linear, rows = layer_linear(weights, i, kind)
+        if _is_q4(linear):
+            return Q4BlockLinear(q4_blocks(linear).rows(rows))
+        return int4_group_linear(dense_weight(linear)[rows])
+
+    return build
 
 
-def _q4_reader(source: str) -> Any | None:
-    """A reader of ``source`` if it is a GGUF file whose projections are Q4_0/Q4_1 blocks."""
-    if Path(source).suffix != ".gguf":
-        return None
-    import gguf
-
-    reader = gguf.GGUFReader(source)
-    kinds = {t.tensor_type.name for t in reader.tensors if t.name.startswith("blk.")}
-    return reader if kinds & {"Q4_0", "Q4_1"} else None
-
-
-_GGUF_PARTS: dict[LinearKind, tuple[str, ...]] = {
-    "qkv": ("attn_q", "attn_k", "attn_v"),
-    "o": ("attn_output",),
-    "gate": ("ffn_gate",),
-    "up": ("ffn_up",),
-    "down": ("ffn_down",),
-}
-
-
-def _q4_layer_blocks(
-    reader: Any, info: ModelInfo, layer: int, kind: LinearKind, source: str
-) -> Q4Blocks:
-    rotary_heads = {"attn_q": info.n_heads, "attn_k": info.n_kv_heads}
-
-    def blocks(part: str) -> Q4Blocks:
-        found = q4_blocks(reader, f"blk.{layer}.{part}.weight", source)
-        heads = rotary_heads.get(part)
-        if heads is None or info.arch != "llama":
-            return found
-        # Undo llama.cpp's interleaving of the two rotary halves of each Q/K head.
-        order = torch.arange(heads * info.head_dim)
-        order = order.view(heads, info.head_dim // 2, 2).transpose(1, 2).reshape(-1)
-        return found.permute_rows(order)
-
-    return Q4Blocks.cat([blocks(part) for part in _GGUF_PARTS[kind]])
+def _is_q4(linear: Linear) -> TypeGuard[BlockLinear]:
+    return isinstance(linear, BlockLinear) and linear.kind == "Q4_1"
 
 
 def head_weight(weights: LlamaWeights) -> torch.Tensor:

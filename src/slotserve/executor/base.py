@@ -1,0 +1,27 @@
+"""The executor contract: what the engine needs from whatever runs a model's steps."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from slotserve.kv.batch import StepBatch
+from slotserve.kv.store import KVStore
+
+
+class Executor(Protocol):
+    """Runs one step: ``tokens[T]`` of ``batch`` over ``kv``; logits ``[B, vocab]`` of each
+    sequence's last token. It reaches the KV only through the pool's ``update_and_attend``;
+    the engine has validated and committed the step in the pool before the call.
+    ``weight_bytes`` is what it keeps resident to do so (the engine's memory plan counts
+    it); ``max_step_tokens`` the largest step it takes (None: any): the engine lowers a
+    larger ``max_batch_tokens`` to it and refuses ``max_seqs`` above it."""
+
+    @property
+    def weight_bytes(self) -> int: ...
+
+    @property
+    def max_step_tokens(self) -> int | None: ...
+
+    def step(self, tokens: torch.Tensor, batch: StepBatch, kv: KVStore) -> torch.Tensor: ...
