@@ -130,7 +130,13 @@ def test_api_key(bundled_server: ServerProcess) -> None:
     assert httpx.get(url).status_code == 401
     wrong = httpx.get(url, headers={"Authorization": "Bearer nope"})
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
-    assert httpx.get(url, headers=AUTH).status_code == 200
+    card = httpx.get(url, headers=AUTH)
+    assert card.status_code == 200
+    # load() picked the fused block halves for the bundled Q4_1 file, and says so
+    assert card.json()["data"][0]["slotserve"] == {
+        "halves": "block",
+        "kernels": "attention, blocks",
+    }
     assert httpx.get(bundled_server.url + "/health").status_code == 200  # not under /v1
 
 

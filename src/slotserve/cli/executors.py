@@ -9,15 +9,10 @@ does not read, a missing or mismatched file, a delegate it does not have).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
-from collections.abc import Iterator
-
-import torch
 
 from slotserve.executor import Executor, executor_for
 from slotserve.model import Model
-from slotserve.model.gguf_linear import dedicate_cores_to_kernels
 
 log = logging.getLogger("slotserve")
 
@@ -35,24 +30,6 @@ def add_executor_args(parser: argparse.ArgumentParser) -> None:
         metavar="MODEL",
         help="serve MODEL (e.g. 'bundled') if the bundle is refused by the runtime's checks",
     )
-
-
-@contextlib.contextmanager
-def kernel_threads(spec: str, weights: str) -> Iterator[None]:
-    """Around a command that loads ``spec`` with ``weights`` and runs it: where that is the
-    GGUF block kernels, torch's own ops run on one thread meanwhile (see
-    `dedicate_cores_to_kernels`; entered before loading, which starts torch's threads)."""
-    from slotserve.artifact import weight_format
-
-    if weight_format(spec, weights) != "gguf":
-        yield
-        return
-    saved = torch.get_num_threads()
-    dedicate_cores_to_kernels()
-    try:
-        yield
-    finally:
-        torch.set_num_threads(saved)
 
 
 def open_model(args: argparse.Namespace) -> tuple[str, Model, Executor]:

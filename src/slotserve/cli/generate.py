@@ -8,7 +8,6 @@ import logging
 import sys
 from typing import Any
 
-from slotserve.cli.executors import kernel_threads
 from slotserve.cli.flags import add_preset_arg, add_sampling_args
 
 log = logging.getLogger("slotserve")
@@ -45,8 +44,7 @@ def print_piece(piece: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    with kernel_threads(args.model, args.weights):
-        return _generate(args)
+    return _generate(args)
 
 
 def _generate(args: argparse.Namespace) -> int:

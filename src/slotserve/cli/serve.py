@@ -11,7 +11,7 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from slotserve.cli.executors import add_executor_args, kernel_threads, open_model
+from slotserve.cli.executors import add_executor_args, open_model
 from slotserve.cli.flags import add_engine_args, add_pressure_arg, engine_config, pressure_source
 from slotserve.engine.config import EngineConfig
 
@@ -119,8 +119,7 @@ def served_name(spec: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    with kernel_threads(args.model, args.weights):
-        return _serve(args)
+    return _serve(args)
 
 
 def _serve(args: argparse.Namespace) -> int:

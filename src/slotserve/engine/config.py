@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from slotserve.info import ModelInfo
 from slotserve.kv.config import KVConfig
+from slotserve.native import KERNEL_CHOICES, KernelChoice
 from slotserve.plan import CapacityPlan, MemoryMap, parse_bytes
 
 POLICIES = ("isolate", "fifo")
@@ -35,6 +36,9 @@ class EngineConfig:
     prefix cache may pin for snapshots of completed prompts; it needs ``kv_layout="cell"``
     (blocks shared) or ``"ring"`` (rings copied; the retention rule refuses a prefix a
     wrapped ring no longer holds).
+    ``kernels="auto"`` attends decode-sized steps with the compiled kernel the model was
+    loaded with (`slotserve.native`); ``"off"`` keeps torch SDPA for every step (the
+    model's own kernels are chosen at load: ``slotserve.load(..., kernels="off")``).
     A workload preset (`slotserve.engine.presets.preset_config`) is a set of overrides of
     these fields, sized to a budget; the defaults here are the only ones.
     """
@@ -56,8 +60,11 @@ class EngineConfig:
     queue_timeout_s: float = 30.0
     background_min_share: float = DEFAULT_BACKGROUND_SHARE
     prefix_cache_bytes: int | str = 0
+    kernels: KernelChoice = "auto"
 
     def __post_init__(self) -> None:
+        if self.kernels not in KERNEL_CHOICES:
+            raise ValueError(f"kernels={self.kernels!r} is not one of {KERNEL_CHOICES}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} is not one of {POLICIES}")
         if self.prefill_chunk < 1 or self.max_batch_tokens < 1:

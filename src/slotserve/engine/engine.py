@@ -84,7 +84,8 @@ class Engine:
         self.config = _within_step_limit(self.config, executor.max_step_tokens)
         self.plan = self.config.plan(model.info, executor.weight_bytes)
         self.plan.check()  # PlanError: refuse to start
-        self.pool = KVPool(model.info, self.config.kv_config())
+        attention = model.kernels.attention if self.config.kernels == "auto" else None
+        self.pool = KVPool(model.info, self.config.kv_config(), attention)
         # One cache per engine, over this engine's pool: every snapshot was computed with
         # this model's weights, weight format, rope settings and KV dtype, so no key needs
         # to name them and a change of any of them cannot produce a stale hit.

@@ -86,12 +86,16 @@ async def retrieve_model(model: str, request: Request) -> dict[str, Any]:
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:
-    return {
+    card: dict[str, Any] = {
         "id": state.model_name,
         "object": "model",
         "created": state.created,
         "owned_by": "slotserve",
     }
+    if state.engine is not None:  # which layer halves and kernels run it (slotserve's own)
+        model = state.engine.model
+        card["slotserve"] = {"halves": model.halves.kind, "kernels": model.kernels.describe()}
+    return card
 
 
 @plain.get("/health")
