@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint types browser bench bench-deps clean
+.PHONY: run test lint types browser screenshots bench bench-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -30,6 +30,10 @@ test: $(STAMP) lint types browser
 # never `playwright install`, which downloads a browser build this network refuses).
 browser:
 	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
+
+# The README's screenshots (docs/img/web-*.png), retaken by the browser test.
+screenshots: $(STAMP) browser
+	SLOTSERVE_SCREENSHOTS=docs/img $(BIN)/python -m pytest -q tests/server/test_web_browser.py
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check src tests

@@ -1,6 +1,8 @@
 """The web page in a real headless Chromium (Debian's ``chromium``, driven by playwright):
 chat streams, a second background conversation shows two busy slots, stop frees the slot
-and its KV blocks. The same run takes the README's screenshots (docs/img/web-*.png).
+and its KV blocks. The same run takes screenshots: into a temporary directory, or, with
+``SLOTSERVE_SCREENSHOTS=DIR`` (`make screenshots`: docs/img), the README's (tests never
+change tracked files).
 
 The browser is required, never skipped: `make test` installs it when missing, and a
 machine without it fails here loudly.
@@ -8,6 +10,7 @@ machine without it fails here loudly.
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +21,6 @@ from playwright.sync_api import Page, sync_playwright
 from tests.server.conftest import ServerProcess
 
 API_KEY = "web-test-key"
-IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
 # Without the background-networking flags Chromium dials out at start-up, and this closed
 # network refuses those connections; a fresh profile (user_data_dir) keeps runs independent.
 CHROMIUM_FLAGS = [
@@ -93,7 +95,16 @@ def send(page: Page, text: str, priority: str, max_tokens: int) -> None:
 
 
 @pytest.mark.slow
-def test_chat_dashboard_and_stop_in_a_real_browser(web_server: ServerProcess, page: Page) -> None:
+@pytest.fixture
+def screenshots(tmp_path: Path) -> Path:
+    """Where the screenshots go: ``$SLOTSERVE_SCREENSHOTS`` if set, else a temporary dir."""
+    chosen = os.environ.get("SLOTSERVE_SCREENSHOTS")
+    return Path(chosen) if chosen else tmp_path
+
+
+def test_chat_dashboard_and_stop_in_a_real_browser(
+    web_server: ServerProcess, page: Page, screenshots: Path
+) -> None:
     # 1. The page loads, asks for the key once, and its dashboard feed goes live.
     page.goto(web_server.url + "/")
     page.locator("#key-input").fill(API_KEY)
@@ -137,8 +148,8 @@ def test_chat_dashboard_and_stop_in_a_real_browser(web_server: ServerProcess, pa
     used_while_busy = int(page.locator("#tile-kv").get_attribute("data-used"))
     assert used_while_busy > 0
     page.wait_for_timeout(1500)  # let the latency charts gather a few points
-    IMG.mkdir(parents=True, exist_ok=True)
-    page.locator("#dashboard").screenshot(path=str(IMG / "web-dashboard.png"))
+    screenshots.mkdir(parents=True, exist_ok=True)
+    page.locator("#dashboard").screenshot(path=str(screenshots / "web-dashboard.png"))
 
     # 4. Stop the background conversation: its slot goes idle and its blocks are freed.
     page.locator(".conversation[data-conversation='2'] .stop").click()
@@ -153,4 +164,5 @@ def test_chat_dashboard_and_stop_in_a_real_browser(web_server: ServerProcess, pa
     page.wait_for_function("document.querySelector('#tile-kv').dataset.used === '0'")
     page.wait_for_function("Number(document.querySelector('#tile-cancel').textContent) >= 2")
     assert "stopped" in chat1.locator(".msg.assistant .footer").nth(1).inner_text()
-    page.locator("#chat").screenshot(path=str(IMG / "web-chat.png"))
+    page.locator("#chat").screenshot(path=str(screenshots / "web-chat.png"))
+    assert (screenshots / "web-chat.png").stat().st_size > 10_000  # a picture, not a blank

@@ -13,6 +13,7 @@ import logging
 
 from slotserve.executor import Executor, executor_for
 from slotserve.model import Model
+from slotserve.native import KernelChoice
 
 log = logging.getLogger("slotserve")
 
@@ -38,13 +39,14 @@ def open_model(args: argparse.Namespace) -> tuple[str, Model, Executor]:
     from slotserve.artifact import load
     from slotserve.errors import ArtifactError
 
+    kernels: KernelChoice = "off" if getattr(args, "kernels", None) == "off" else "auto"
     try:
-        model = load(args.model, weights=args.weights, bundle_threads=args.threads)
+        model = load(args.model, weights=args.weights, kernels=kernels, bundle_threads=args.threads)
         return args.model, model, executor_for(model)
     except ArtifactError as refusal:
         if args.fallback is None:
             raise
         log.error("REFUSED %s: %s", args.model, refusal)
         log.error("FALLING BACK to --fallback %s: clients get that model instead", args.fallback)
-        model = load(args.fallback, weights=args.weights)
+        model = load(args.fallback, weights=args.weights, kernels=kernels)
         return args.fallback, model, executor_for(model)

@@ -36,6 +36,12 @@ ENGINE_FLAGS: dict[str, tuple[str, Any, tuple[str, ...] | None, str]] = {
         None,
         "cell layout: KV bytes the prefix cache may pin (e.g. 256MiB; 0: off)",
     ),
+    "kernels": (
+        "kernels",
+        str,
+        ("auto", "off"),
+        "compiled C kernels: auto (build for this CPU, once) or off (torch ops only)",
+    ),
     "background_share": (
         "background_min_share",
         float,
