@@ -94,7 +94,6 @@ def send(page: Page, text: str, priority: str, max_tokens: int) -> None:
     panel.locator(".send").click()
 
 
-@pytest.mark.slow
 @pytest.fixture
 def screenshots(tmp_path: Path) -> Path:
     """Where the screenshots go: ``$SLOTSERVE_SCREENSHOTS`` if set, else a temporary dir."""
@@ -102,6 +101,7 @@ def screenshots(tmp_path: Path) -> Path:
     return Path(chosen) if chosen else tmp_path
 
 
+@pytest.mark.slow
 def test_chat_dashboard_and_stop_in_a_real_browser(
     web_server: ServerProcess, page: Page, screenshots: Path
 ) -> None:
