@@ -34,11 +34,14 @@ def machine_description() -> str:
 
 
 def _single(r: dict[str, Any]) -> list[str]:
+    halves = r.get("halves", "eager")
     lines = [
-        "## single: one stream, bundled model (fp32 weights; int8: `--weights int8`)",
+        f"## single: one stream, bundled model in process ({halves} halves)",
         "",
         f"Greedy; decode rate over {r['decode_tokens']} tokens after the prompt; "
-        f"{r['repeats']} repeats after one warm-up.",
+        f"{r['repeats']} repeats after one warm-up; torch's own ops on "
+        f"{r.get('torch_threads', '?')} thread(s), as `slotserve.load` left them. The int8 "
+        "column (`--weights fp32` runs only) is the same model with int8 projections.",
         "",
     ]
     rows = [

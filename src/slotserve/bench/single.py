@@ -12,6 +12,7 @@ from slotserve.bench.stats import summary
 from slotserve.executor import Executor, TorchExecutor, executor_for
 from slotserve.kv import KVConfig, KVPool, StepBatch
 from slotserve.model import Model
+from slotserve.model.layers import DenseLinear
 from slotserve.model.quantized import quantize_int8
 
 PROMPT_LENGTHS = (32, 256, 1024)
@@ -51,8 +52,10 @@ def _measure(
 
 
 def run_single(model: Model, repeats: int = 5) -> dict[str, Any]:
-    """fp32 (as given) and int8 weights, the same prompts, in the same run; a bundle alone
-    (its weights were fixed at export), with prompts no longer than its largest step."""
+    """The model as loaded (GGUF blocks by default) and, for dense weights, the same model
+    with int8 projections, the same prompts, in the same run; block weights and a bundle
+    alone (their weights are fixed: a file's blocks, an export), a bundle with prompts no
+    longer than its largest step. In process, as a library user runs it."""
     executor = executor_for(model)
     longest = min(model.info.max_context - DECODE_TOKENS, executor.max_step_tokens or 1 << 30)
     lengths = [n for n in PROMPT_LENGTHS if n <= longest]
@@ -61,7 +64,7 @@ def run_single(model: Model, repeats: int = 5) -> dict[str, Any]:
     kv = KVPool(model.info, config, model.kernels.attention)
     kv.reserve(0, context)
     int8 = None
-    if model.weights is not None:
+    if model.weights is not None and isinstance(model.weights.layers[0].qkv, DenseLinear):
         int8 = TorchExecutor(
             Model.from_weights(
                 model.info, model.tokenizer, quantize_int8(model.weights), model.source
@@ -90,4 +93,10 @@ def run_single(model: Model, repeats: int = 5) -> dict[str, Any]:
                 quantised = _measure(int8, kv, prompt, repeats, advance)
                 row["decode_tok_s_int8"] = summary([r[1] for r in quantised])
             rows.append(row)
-    return {"decode_tokens": DECODE_TOKENS, "repeats": repeats, "rows": rows}
+    return {
+        "decode_tokens": DECODE_TOKENS,
+        "repeats": repeats,
+        "rows": rows,
+        "halves": model.halves.kind,
+        "torch_threads": torch.get_num_threads(),
+    }
