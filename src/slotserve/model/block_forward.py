@@ -18,7 +18,7 @@ import torch
 from slotserve.info import ModelInfo
 from slotserve.model.gguf_linear import BlockLinear
 from slotserve.model.halves import HalvesKind, StepContext
-from slotserve.model.layers import rms_norm
+from slotserve.model.llama import EagerHalves
 from slotserve.model.weights import LlamaWeights
 from slotserve.native.blocks import BlockKernel, LayerInArgs, LayerOutArgs, Matrix, ScratchSpace
 
@@ -43,13 +43,15 @@ class _StepBuffers:
         self.scratch = ScratchSpace(m, max(info.dim, info.ffn_dim, attn_width))
 
 
-class BlockHalves:
-    """`slotserve.model.halves.LayerHalves` as two kernel calls a layer."""
+class BlockHalves(EagerHalves):
+    """The eager halves with ``qkv`` and ``out`` as one kernel call each (``head`` and the
+    weights' facts are the eager halves')."""
 
     def __init__(self, weights: LlamaWeights, info: ModelInfo, kernel: BlockKernel) -> None:
         if (reason := self.refusal(weights, info)) is not None:
             raise ValueError(f"the fused block halves do not cover this model: {reason}")
-        self._weights, self.info, self.kernel = weights, info, kernel
+        super().__init__(weights, info)
+        self.kernel = kernel
         self.layers = tuple(
             _Layer(
                 layer.attn_norm.float().contiguous(),
@@ -75,18 +77,6 @@ class BlockHalves:
     @property
     def kind(self) -> HalvesKind:
         return "block"
-
-    @property
-    def weights(self) -> LlamaWeights:
-        return self._weights
-
-    @property
-    def weight_bytes(self) -> int:
-        return self._weights.nbytes
-
-    @property
-    def max_step_tokens(self) -> int | None:
-        return None
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         return self._weights.embed[tokens].float().contiguous()
@@ -119,9 +109,6 @@ class BlockHalves:
         )  # fmt: skip
         self.kernel.layer_out(args)  # in place
         return x
-
-    def head(self, x: torch.Tensor) -> torch.Tensor:
-        return self._weights.lm_head(rms_norm(x, self._weights.norm, self.info.norm_eps))
 
 
 def _matrix(linear: object) -> Matrix:
