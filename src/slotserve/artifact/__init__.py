@@ -59,6 +59,9 @@ def load(
     built = build_kernels(kernels)
     weights = weight_format(spec, weights, built)
     if weights == "gguf":
+        # Before any torch work of the load: a parallel torch op starts an OpenMP team on
+        # this thread that outlives it (see slotserve.native.threads).
+        dedicate_cores_to_kernels()
         if built.blocks is None:
             state = "off" if kernels == "off" else "not built (see the warning above)"
             raise ValueError(
@@ -72,7 +75,7 @@ def load(
                 raise ValueError(f"weights={weights!r}: a bundle's weights were fixed at export")
             quantised = with_weights(model.weights, weights)
             model = Model.from_weights(model.info, model.tokenizer, quantised, model.source, built)
-    if _has_blocks(model):
+    if _has_blocks(model):  # blocks from another path (a state dict that holds them)
         dedicate_cores_to_kernels()
     return model
 

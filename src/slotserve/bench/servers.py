@@ -142,16 +142,16 @@ def run_servers(
     """``model`` (a GGUF or a bundle) on slotserve's server beside llama-server on its GGUF,
     at each number of concurrent streams in ``levels``."""
     import openai
-    import torch
 
     from slotserve.bench.llama_server import LLAMA_CPP_PYTHON_VERSION, find_llama_server
     from slotserve.bench.processes import llama_server, slotserve_server
+    from slotserve.native import process_cores
 
     binary = find_llama_server()
     if binary is None:
         return {"skipped": "llama-server is not built; `make bench-deps` builds it"}
     gguf = _gguf_of(model, reference)
-    threads = threads or torch.get_num_threads()
+    threads = threads or process_cores()  # the kernels' threads (torch's may be 1: load())
     slots = max(levels)
     servers = {
         "llama-server": llama_server(
