@@ -18,7 +18,7 @@ import slotserve.native
 from slotserve.engine import EngineConfig
 from slotserve.info import ModelInfo
 from slotserve.kv import KVConfig, KVPool, StepBatch
-from slotserve.kv.layouts import KERNEL_MAX_QUERIES, PrefixGroup
+from slotserve.kv.layouts import PrefixGroup, RingGroup
 from slotserve.native import build_kernels
 from slotserve.native.attention import AttentionKernel, StepCells
 
@@ -115,9 +115,8 @@ def assert_same_bytes(ours: KVPool, theirs: KVPool) -> None:
     st.sampled_from(["flat", "cell"]),
     st.sampled_from(["fp32", "fp16", "bf16", "int8"]),
     st.sampled_from(SHAPES),
-    # Chunks of up to 4: steps of <= KERNEL_MAX_QUERIES a sequence take the kernel, the
-    # others torch.
-    st.lists(st.lists(st.integers(1, 4), min_size=1, max_size=6), min_size=1, max_size=4),
+    # Chunks of any size: the kernel takes every step, prefill chunks and decodes alike.
+    st.lists(st.lists(st.integers(1, 9), min_size=1, max_size=6), min_size=1, max_size=4),
     st.integers(0, 1000),
     st.booleans(),
 )
@@ -137,22 +136,27 @@ def test_kernel_writes_the_same_bytes_and_attends_alike(
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on PATH")
-def test_decode_steps_take_the_kernel_and_long_chunks_do_not() -> None:
+def test_every_step_takes_the_kernel() -> None:
+    """One attention for prefill chunks and decodes (a row's result must not depend on
+    which it was), on every layout; a pool given no kernel plans torch SDPA throughout."""
     info = SHAPES[1]
-    config = KVConfig(layout="flat", max_seqs=2, max_context=64)
-    pool = KVPool(info, config, attention=the_kernel())
-    (group,) = pool.groups
-    assert isinstance(group, PrefixGroup)
-    pool.reserve(0, 40)
-    long_chunk = StepBatch([0], [0], [KERNEL_MAX_QUERIES + 1])
-    decode = StepBatch([0], [KERNEL_MAX_QUERIES + 1], [1])
-    assert "kernel" not in group._plan(long_chunk, pool.sessions, info.n_heads)
-    assert "kernel" in group._plan(decode, pool.sessions, info.n_heads)
-    # A pool given no kernel plans torch SDPA even for a decode step.
-    plain = KVPool(info, config)
+    for layout in ("flat", "cell", "ring"):
+        config = KVConfig(layout=layout, max_seqs=2, max_context=64, ring_window=16)
+        pool = KVPool(info, config, attention=the_kernel())
+        (group,) = pool.groups
+        assert isinstance(group, PrefixGroup | RingGroup)
+        pool.reserve(0, 40)
+        for batch in (StepBatch([0], [0], [30]), StepBatch([0], [30], [1])):
+            if isinstance(group, RingGroup):
+                plan = group._kernel_plan(batch, pool.sessions, info.n_heads)
+            else:
+                plan = group._plan(batch, pool.sessions, info.n_heads)
+            assert isinstance(plan["kernel"], StepCells)
+    plain = KVPool(info, KVConfig(layout="flat", max_seqs=2, max_context=64))
     (torch_group,) = plain.groups
     assert isinstance(torch_group, PrefixGroup)
     plain.reserve(0, 40)
+    decode = StepBatch([0], [30], [1])
     assert "kernel" not in torch_group._plan(decode, plain.sessions, info.n_heads)
 
 

@@ -22,8 +22,8 @@ pytestmark = pytest.mark.skipif(
 )
 LEVELS = {
     "native": build.FLAGS,
-    "avx2": ("-O3", "-march=x86-64-v3", "-fopenmp", "-shared", "-fPIC"),
-    "plain-c": ("-O3", "-march=x86-64", "-fopenmp", "-shared", "-fPIC"),
+    "avx2": tuple(f.replace("native", "x86-64-v3") for f in build.FLAGS),
+    "plain-c": tuple(f.replace("native", "x86-64") for f in build.FLAGS),
 }
 
 
@@ -67,6 +67,48 @@ def test_attention_at_every_level(level: str, dtype: str) -> None:
             torch.testing.assert_close(
                 got, expected, rtol=2e-2, atol=2e-2 if dtype == "int8" else 1e-4
             )
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_a_rows_product_does_not_depend_on_its_batch(level: str, kind: str) -> None:
+    """Row i of a batch (in a group of 4 rows, or among the 1-3 tail rows) is bit for bit
+    the row alone, on every thread count."""
+    gen = np.random.default_rng(11)
+    linear = file_blocks(gen.standard_normal((33, 96)), kind)
+    x = torch.from_numpy(gen.standard_normal((7, 96)).astype(np.float32))
+    for threads in (1, 2):
+        kernel = BlockKernel(build.load("blocks", LEVELS[level]), threads)
+        batch = kernel.linear(x, linear.kind, linear.packed, linear.in_features)
+        for i in range(7):
+            alone = kernel.linear(x[i : i + 1], linear.kind, linear.packed, linear.in_features)
+            assert torch.equal(batch[i : i + 1], alone), (level, threads, i)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_querys_attention_does_not_depend_on_its_batch(level: str) -> None:
+    """A sequence's queries attend alike in one prefill chunk, one by one as decodes, and
+    beside another sequence's chunk."""
+    info = ModelInfo("llama", 1, 64, 4, 2, 16, 64, 100, 64)
+    kernel = AttentionKernel(build.load("attention", LEVELS[level]), threads=2)
+    config = KVConfig(layout="cell", max_seqs=2, max_context=32, block_size=4, dtype="fp16")
+    width = (info.n_heads + 2 * info.n_kv_heads) * info.head_dim
+    rows = torch.randn(12, width, generator=torch.Generator().manual_seed(5))
+    chunked = KVPool(info, config, attention=kernel)
+    chunked.reserve(0, 12)
+    whole = StepBatch.single(0, 12)
+    chunked.begin_step(whole)
+    expected = chunked.update_and_attend(0, rows, whole)
+    stepped = KVPool(info, config, attention=kernel)
+    for session in (0, 1):
+        stepped.reserve(session, 12)
+    outs = []
+    for start, n in [(0, 5), (5, 1), (6, 6)]:
+        batch = StepBatch([1, 0], [start, start], [n, n])  # another sequence goes first
+        stepped.begin_step(batch)
+        both = torch.cat([rows[start : start + n].flip(0), rows[start : start + n]])
+        outs.append(stepped.update_and_attend(0, both, batch)[n:])
+    assert torch.equal(torch.cat(outs), expected)
 
 
 def test_native_build_is_the_one_load_uses() -> None:

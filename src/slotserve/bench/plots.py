@@ -48,9 +48,11 @@ def _single(panels: list[Any], result: dict[str, Any]) -> None:
     rows = result["rows"]
     lengths = [r["prompt_tokens"] for r in rows]
     medians, spread = _errorbars([r["decode_tok_s"] for r in rows])
-    axes.errorbar(lengths, medians, yerr=spread, marker="o", capsize=3, label="slotserve fp32")
-    medians, spread = _errorbars([r["decode_tok_s_int8"] for r in rows])
-    axes.errorbar(lengths, medians, yerr=spread, marker="o", capsize=3, label="slotserve int8")
+    label = f"slotserve ({result.get('halves', 'eager')} halves)"
+    axes.errorbar(lengths, medians, yerr=spread, marker="o", capsize=3, label=label)
+    if all("decode_tok_s_int8" in r for r in rows):  # dense weights only
+        medians, spread = _errorbars([r["decode_tok_s_int8"] for r in rows])
+        axes.errorbar(lengths, medians, yerr=spread, marker="o", capsize=3, label="slotserve int8")
     for name, baseline in result.get("baselines", {}).items():
         if "rows" in baseline:
             axes.plot(lengths, [r["decode_tok_s"] for r in baseline["rows"]], "s--", label=name)

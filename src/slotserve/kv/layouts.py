@@ -24,13 +24,6 @@ from slotserve.kv.session import SessionKV
 from slotserve.kv.storage import KVStorage
 from slotserve.native.attention import AttentionKernel, StepCells
 
-# Steps whose sequences add at most this many tokens each attend with the compiled kernel
-# (when it is built); longer chunks go to torch SDPA, whose matrix products win there
-# (a pool of 30 layers at 300 positions: the kernel 1.7-2.5x faster at 1 token a sequence,
-# 1.1-1.7x at 2, even at 4, 1.4-1.9x slower at 8; Intel Xeon, before its dot products were
-# vectorised by hand).
-KERNEL_MAX_QUERIES = 2
-
 
 @dataclass(frozen=True)
 class GroupShape:
@@ -135,7 +128,7 @@ class PrefixGroup(LayerGroup):
             ]
         )
         plan: dict[str, object] = {"write": write, "gather": gather}
-        if self.kernel is not None and batch.max_len <= KERNEL_MAX_QUERIES:
+        if self.kernel is not None:
             seq, group = batch.pad_index()[0], heads // self.shape.kv_heads
             plan["kernel"] = StepCells.of(
                 write, gather, seq, batch.positions, group, self.kernel.threads
@@ -229,20 +222,30 @@ class CellGroup(PrefixGroup):
 class RingGroup(LayerGroup):
     """Keeps ``sinks`` first positions and the last ``window`` positions of each session.
 
-    A query at position p sees keys at positions ``> p - window`` and every sink. Attention
-    runs over (old keys gathered from the ring) + (this step's new keys) before the new keys
-    are written, so a chunk longer than the free run of the ring, or longer than the
-    window itself, is still exact.
+    A query at position p sees keys at positions ``> p - window`` and every sink. The ring's
+    old cells stay intact until the step has attended, so a chunk longer than the free run of
+    the ring, or longer than the window itself, is exact; then the new rows the ring keeps
+    are written. With the compiled kernel the step's rows are first stored in step buffers of
+    the storage's dtype, so every key a query reads has the storage's rounding, old and new
+    alike (a row's attention does not depend on how its sequence was chunked), and the kept
+    rows are copied from them bit for bit.
     """
 
     kind = "ring"
 
     def __init__(
-        self, layers: list[int], max_seqs: int, window: int, sinks: int, shape: GroupShape
+        self,
+        layers: list[int],
+        max_seqs: int,
+        window: int,
+        sinks: int,
+        shape: GroupShape,
+        kernel: AttentionKernel | None = None,
     ) -> None:
         super().__init__(layers, max_seqs * (window + sinks), shape)
         self.window, self.sinks = window, sinks
         self.row = window + sinks
+        self.kernel = kernel
 
     def cell_index(self, session: SessionKV, positions: torch.Tensor) -> torch.Tensor:
         wrapped = self.sinks + (positions - self.sinks).remainder(self.window)
@@ -261,6 +264,34 @@ class RingGroup(LayerGroup):
         needed_from = max(self.sinks, new_length - self.window + 1)
         intact_from = high_water - self.window  # cells below this were overwritten
         return needed_from >= min(intact_from, new_length)
+
+    def _kernel_plan(
+        self, batch: StepBatch, sessions: Mapping[int, SessionKV], heads: int
+    ) -> dict[str, object]:
+        """Row t of the step goes to the step buffers (cell ``n_cells + t``); each
+        sequence's positions map to the ring's cells below its start, to the step buffers
+        from it. The buffers are made once a step and shared by the group's layers."""
+        assert self.kernel is not None
+        bound = [sessions[s] for s in batch.sessions]
+        key_len, offset, split = max(batch.ends), 0, self.n_cells
+        tables = []
+        for session, start, end in zip(bound, batch.starts, batch.ends, strict=True):
+            table = self.cell_index(session, torch.arange(key_len))
+            table[start:end] = split + offset + torch.arange(end - start)
+            tables.append(table)
+            offset += end - start
+        shape = self.shape
+        buffers = tuple(
+            KVStorage(batch.n_tokens, shape.kv_heads, shape.head_dim, shape.dtype)
+            for _ in ("keys", "values")
+        )
+        step = StepCells.of(
+            split + torch.arange(batch.n_tokens), torch.stack(tables), batch.pad_index()[0],
+            batch.positions, heads // shape.kv_heads, self.kernel.threads,
+            tuple((b.data, b.scales) for b in buffers), split,  # type: ignore[arg-type]
+        )  # fmt: skip
+        rows, ring_cells = self._new_cells(batch, bound)
+        return {"kernel": step, "buffers": buffers, "rows": rows, "to": ring_cells}
 
     def _plan(self, batch: StepBatch, sessions: Mapping[int, SessionKV]) -> dict[str, torch.Tensor]:
         bound = [sessions[s] for s in batch.sessions]
@@ -310,6 +341,24 @@ class RingGroup(LayerGroup):
         batch: StepBatch,
         sessions: Mapping[int, SessionKV],
     ) -> torch.Tensor:
+        if self.kernel is not None:
+            heads = self.query_heads(qkv)
+            fused = batch.memo(
+                ("kv-plan", id(self)), lambda: self._kernel_plan(batch, sessions, heads)
+            )
+            step, buffers = fused["kernel"], fused["buffers"]
+            rows, ring_cells = fused["rows"], fused["to"]
+            assert isinstance(step, StepCells) and isinstance(buffers, tuple)
+            key_rows, value_rows = buffers
+            assert isinstance(rows, torch.Tensor) and isinstance(ring_cells, torch.Tensor)
+            key, value = self.keys[layer], self.values[layer]
+            storages = (key.data, key.scales), (value.data, value.scales)
+            out = self.kernel.update_and_attend(
+                qkv, heads, step, *storages, self.window, self.sinks
+            )
+            key.copy_from(key_rows, rows, ring_cells)
+            value.copy_from(value_rows, rows, ring_cells)
+            return out
         q, k, v = self.split(qkv)
         plan = batch.memo(("kv-plan", id(self)), lambda: self._plan(batch, sessions))
         keys = torch.cat(

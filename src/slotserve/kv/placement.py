@@ -58,10 +58,10 @@ def build_groups(
     for (kind, window), layers in layer_rules(info, config).items():
         if kind == "ring":
             assert window is not None
-            groups.append(RingGroup(layers, config.max_seqs, window, 0, shape))
+            groups.append(RingGroup(layers, config.max_seqs, window, 0, shape, kernel))
         elif kind == "ring-full":
             groups.append(
-                RingGroup(layers, config.max_seqs, config.ring_window, config.sinks, shape)
+                RingGroup(layers, config.max_seqs, config.ring_window, config.sinks, shape, kernel)
             )
         elif kind == "cell":
             groups.append(

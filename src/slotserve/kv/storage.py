@@ -41,6 +41,12 @@ class KVStorage:
             return self.data.narrow(0, start, count).float()
         return self.gather(torch.arange(start, start + count))
 
+    def copy_from(self, other: KVStorage, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Cells ``src`` of ``other`` (the same dtype) into cells ``dst``, bit for bit."""
+        self.data.index_copy_(0, dst, other.data[src])
+        if self.scales is not None and other.scales is not None:
+            self.scales.index_copy_(0, dst, other.scales[src])
+
     def copy_cells(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self.data.index_copy_(0, dst, self.data[src])
         if self.scales is not None:

@@ -44,7 +44,7 @@ class _StepBuffers:
 
 
 class BlockHalves(EagerHalves):
-    """The eager halves with ``qkv`` and ``out`` as one kernel call each (``head`` and the
+    """The eager halves with ``qkv``, ``out`` and the head's norm as kernel calls (the
     weights' facts are the eager halves')."""
 
     def __init__(self, weights: LlamaWeights, info: ModelInfo, kernel: BlockKernel) -> None:
@@ -60,6 +60,7 @@ class BlockHalves(EagerHalves):
             )
             for layer in weights.layers
         )
+        self.final_norm = weights.norm.float().contiguous()
 
     @staticmethod
     def refusal(weights: LlamaWeights, info: ModelInfo) -> str | None:
@@ -109,6 +110,11 @@ class BlockHalves(EagerHalves):
         )  # fmt: skip
         self.kernel.layer_out(args)  # in place
         return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """The final norm in the kernel (row by row, as the layers' norms), then the head."""
+        norm = self.kernel.rms_norm(x, self.final_norm, self.info.norm_eps)
+        return self.weights.lm_head(norm)
 
 
 def _matrix(linear: object) -> Matrix:

@@ -27,9 +27,12 @@ class AttendArgs(ctypes.Structure):
     _fields_ = [
         ("q", _P), ("q_stride", _I64), ("k_new", _P), ("v_new", _P), ("kv_stride", _I64),
         ("write", _P), ("out", _P), ("keys", _P), ("values", _P), ("key_scales", _P),
-        ("value_scales", _P), ("dtype", _I64), ("cells", _P), ("key_len", _I64), ("seq", _P),
+        ("value_scales", _P), ("keys_step", _P), ("values_step", _P), ("key_step_scales", _P),
+        ("value_step_scales", _P), ("step_split", _I64), ("dtype", _I64), ("cells", _P),
+        ("key_len", _I64), ("seq", _P),
         ("pos", _P), ("n_queries", _I64), ("heads", _I64), ("kv_heads", _I64), ("dim", _I64),
-        ("window", _I64), ("scale", ctypes.c_float), ("scratch", _P), ("threads", _I64),
+        ("window", _I64), ("sinks", _I64), ("scale", ctypes.c_float), ("scratch", _P),
+        ("threads", _I64),
     ]  # fmt: skip
 
 
@@ -41,7 +44,13 @@ class StepCells:
     the ``scratch`` the softmax needs (``heads / kv_heads * key_len`` floats for each of
     ``threads``: the kernel shares a large step's work out over OpenMP threads);
     ``pointers`` are their addresses, read once (each torch call in a step costs
-    microseconds, and a step has one kernel call a layer)."""
+    microseconds, and a step has one kernel call a layer).
+
+    ``step_rows`` (optional): K and V buffers, of the storage's dtype, for the step's new rows;
+    cells from ``split`` on name their rows (cell ``split + t``: row t). A ring writes there
+    first, so every query reads its keys from storage-dtype rows, old and new alike, and the
+    ring keeps its old cells until the step has attended (then the layout copies the kept
+    rows in)."""
 
     write: torch.Tensor
     cells: torch.Tensor
@@ -50,6 +59,8 @@ class StepCells:
     scratch: torch.Tensor
     threads: int
     pointers: tuple[int, int, int, int, int]
+    step_rows: tuple[Storage, Storage] | None = None
+    split: int = -1
 
     @classmethod
     def of(
@@ -60,6 +71,8 @@ class StepCells:
         pos: torch.Tensor,
         queries_per_kv_head: int,
         threads: int,
+        step_rows: tuple[Storage, Storage] | None = None,
+        split: int = -1,
     ) -> StepCells:
         write, cells, seq, pos = (t.to(torch.int64).contiguous() for t in (write, cells, seq, pos))
         if write.shape != seq.shape or seq.shape != pos.shape:
@@ -72,7 +85,7 @@ class StepCells:
             write.data_ptr(), cells.data_ptr(), seq.data_ptr(), pos.data_ptr(),
             scratch.data_ptr(),
         )  # fmt: skip
-        return cls(write, cells, seq, pos, scratch, threads, pointers)
+        return cls(write, cells, seq, pos, scratch, threads, pointers, step_rows, split)
 
 
 class AttentionKernel:
@@ -93,12 +106,15 @@ class AttentionKernel:
         keys: Storage,
         values: Storage,
         window: int | None,
+        sinks: int = 0,
     ) -> torch.Tensor:
         """Store the step's K/V rows at cells ``step.write`` of the ``keys`` and ``values``
         storages, then return the attention of the queries (query ``t`` of sequence
         ``step.seq[t]`` at position ``step.pos[t]``) over the keys at positions
-        ``0..pos[t]`` (the last ``window`` of them), which live at
-        ``step.cells[seq[t], p]``: ``[T, heads * dim]`` fp32.
+        ``0..pos[t]`` (with a ``window``, the last ``window`` of them and the first
+        ``sinks``), which live at ``step.cells[seq[t], p]``: ``[T, heads * dim]`` fp32.
+        Each query's scores, softmax and weighted sum run in position order, whatever else
+        the step holds: a row's result does not depend on its batch.
 
         ``qkv[T, (heads + 2·kv_heads)·dim]`` are one fused projection's rows (the query
         heads, then the key heads, then the value heads), read in place."""
@@ -110,13 +126,14 @@ class AttentionKernel:
         q_bytes, kv_bytes = heads * dim * 4, kv_heads * dim * 4
         out = torch.empty(n_queries, heads * dim)
         write, cells, seq, pos, scratch = step.pointers
+        (step_k, step_k_scales), (step_v, step_v_scales) = step.step_rows or ((None, None),) * 2
         args = AttendArgs(
             start, stride, start + q_bytes, start + q_bytes + kv_bytes, stride, write,
-            out.data_ptr(), data.data_ptr(), value_data.data_ptr(),
-            key_scales.data_ptr() if key_scales is not None else None,
-            value_scales.data_ptr() if value_scales is not None else None,
+            out.data_ptr(), data.data_ptr(), value_data.data_ptr(), _address(key_scales),
+            _address(value_scales), _address(step_k), _address(step_v), _address(step_k_scales),
+            _address(step_v_scales), step.split,
             DTYPE_CODES[data.dtype], cells, step.cells.shape[1], seq, pos, n_queries, heads,
-            kv_heads, dim, window or 0, dim**-0.5, scratch, step.threads,
+            kv_heads, dim, window or 0, sinks, dim**-0.5, scratch, step.threads,
         )  # fmt: skip
         if self._function(ctypes.byref(args)) != 0:
             raise ValueError(
@@ -125,3 +142,7 @@ class AttentionKernel:
                 "query position is past the cells given, or the head counts do not divide"
             )
         return out
+
+
+def _address(tensor: torch.Tensor | None) -> int | None:
+    return tensor.data_ptr() if tensor is not None else None

@@ -70,7 +70,14 @@ class LayerOutArgs(ctypes.Structure):
     ]  # fmt: skip
 
 
+class NormArgs(ctypes.Structure):
+    _fields_ = [
+        ("x", _P), ("m", _I64), ("dim", _I64), ("weight", _P), ("eps", _F32), ("out", _P),
+    ]  # fmt: skip
+
+
 STRUCTS: dict[str, type[ctypes.Structure]] = {
+    "norm_args": NormArgs,
     "matrix": Matrix,
     "scratch": Scratch,
     "linear_args": LinearArgs,
@@ -102,12 +109,13 @@ class BlockKernel:
         for name, mirror in STRUCTS.items():
             if mismatch := layout_mismatch(library, name, mirror):
                 raise OSError(f"block kernel ABI differs from its binding: {mismatch}")
-        self._linear, self._layer_in, self._layer_out = (
+        self._linear, self._layer_in, self._layer_out, self._norm = (
             library.linear,
             library.layer_in,
             library.layer_out,
+            library.norm,
         )
-        for function in (self._linear, self._layer_in, self._layer_out):
+        for function in (self._linear, self._layer_in, self._layer_out, self._norm):
             function.restype, function.argtypes = ctypes.c_int, [ctypes.c_void_p]
         self.threads = threads
 
@@ -134,6 +142,19 @@ class BlockKernel:
         if self._linear(ctypes.byref(args)) != 0:
             raise ValueError(f"linear refused {kind} [{n}, {k}] x [{m}, {k}]")
         return y
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of each row of ``x[m, dim]`` (fp32, contiguous) times ``weight[dim]``,
+        as the layer calls compute it (the same operations in the same order for any m)."""
+        if x.dtype != torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()
+        weight = weight.float().contiguous()
+        out = torch.empty_like(x)
+        args = NormArgs(
+            x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps, out.data_ptr()
+        )
+        self._norm(ctypes.byref(args))
+        return out
 
     def layer_in(self, args: LayerInArgs) -> None:
         """``qkv = rope(rms_norm(x) W_qkv^T)``: see ``layer_in_args`` in the C source."""

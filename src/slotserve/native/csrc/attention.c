@@ -17,10 +17,31 @@
 
 enum { KV_FP32 = 0, KV_FP16 = 1, KV_BF16 = 2, KV_INT8 = 3 };
 
+/* Where K (or V) rows live: the pool's storage, and a step buffer of the same dtype that
+ * cells from `split` on name (cell c at row c - split; split < 0: no step buffer). */
+typedef struct {
+    void *data, *step;
+    float *scales, *step_scales;
+    int64_t split;
+} rows_at;
+
+/* The storage holding `*cell`, whose index becomes the row within it. */
+INLINE void *locate(const rows_at *at, int64_t *cell, float **scales) {
+    if (at->split >= 0 && *cell >= at->split) {
+        *cell -= at->split;
+        *scales = at->step_scales;
+        return at->step;
+    }
+    *scales = at->scales;
+    return at->data;
+}
+
 /* Row `cell`, head `g` of a [n_cells, kv_heads, dim] storage, as fp32: in place for fp32,
  * else converted into `row`. */
-INLINE const float *load_row(const void *data, const float *scales, int dtype, int64_t cell,
-                     int64_t g, int64_t kv_heads, int64_t dim, float *row) {
+INLINE const float *load_row(const rows_at *at, int plain, int dtype, int64_t cell, int64_t g,
+                             int64_t kv_heads, int64_t dim, float *row) {
+    float *scales = at->scales;
+    const void *data = plain ? at->data : locate(at, &cell, &scales);
     int64_t offset = (cell * kv_heads + g) * dim;
     switch (dtype) {
     case KV_FP32:
@@ -58,17 +79,21 @@ INLINE const float *load_row(const void *data, const float *scales, int dtype, i
  * second). */
 #define AHEAD 8
 
-INLINE void prefetch_row(const void *data, int dtype, int64_t cell, int64_t g,
+INLINE void prefetch_row(const rows_at *at, int plain, int dtype, int64_t cell, int64_t g,
                          int64_t kv_heads, int64_t dim) {
     static const int64_t bytes[] = {4, 2, 2, 1};
+    float *scales;
+    const void *data = plain ? at->data : locate(at, &cell, &scales);
     const char *start = (const char *)data + (cell * kv_heads + g) * dim * bytes[dtype];
     for (int64_t at = 0; at < dim * bytes[dtype]; at += 64) __builtin_prefetch(start + at);
 }
 
 /* Store the fp32 row `src` at row `cell`, head `g`, converting to the storage dtype with
  * torch's rounding: to nearest even (fp16, bf16), int8 symmetric with amax / 127 scales. */
-INLINE void store_row(void *data, float *scales, int dtype, int64_t cell, int64_t g,
+INLINE void store_row(const rows_at *at, int dtype, int64_t cell, int64_t g,
                       int64_t kv_heads, int64_t dim, const float *src) {
+    float *scales;
+    void *data = locate(at, &cell, &scales);
     int64_t offset = (cell * kv_heads + g) * dim;
     switch (dtype) {
     case KV_FP32:
@@ -134,18 +159,22 @@ INLINE float dot(const float *a, const float *b, int64_t dim) {
 }
 
 /* One query row's heads that share KV head g (`group` of them, at qg) over the keys at
- * cells[lo..hi]: scores, softmax, weighted values into og. `scores` holds group * span. */
-INLINE void attend_group(const float *qg, float *og, const void *keys, const void *values,
-                         const float *key_scales, const float *value_scales, int dtype,
-                         const int64_t *cells, int64_t lo, int64_t hi, int64_t g,
+ * positions 0..n_sink-1 and lo..hi (their cells: cells[position]): scores, softmax,
+ * weighted values into og, each in position order. `scores` holds group * span. `plain`
+ * (a constant where this is inlined): no sinks and no step buffer, so no test per key; the
+ * arithmetic is the same either way. */
+INLINE void attend_group(const float *qg, float *og, const rows_at *keys,
+                         const rows_at *values, int plain, int dtype,
+                         const int64_t *cells, int64_t n_sink, int64_t lo, int64_t hi, int64_t g,
                          int64_t group, int64_t kv_heads, int64_t dim, float scale,
                          float *scores, float *row) {
-    const int64_t span = hi - lo + 1;
+    const int64_t span = n_sink + hi - lo + 1;
+#define CELL(j) cells[plain ? lo + (j) : (j) < n_sink ? (j) : lo + (j) - n_sink]
     float best[group];
     for (int64_t r = 0; r < group; r++) best[r] = -INFINITY;
     for (int64_t j = 0; j < span; j++) {
-        if (j + AHEAD < span) prefetch_row(keys, dtype, cells[lo + j + AHEAD], g, kv_heads, dim);
-        const float *k = load_row(keys, key_scales, dtype, cells[lo + j], g, kv_heads, dim, row);
+        if (j + AHEAD < span) prefetch_row(keys, plain, dtype, CELL(j + AHEAD), g, kv_heads, dim);
+        const float *k = load_row(keys, plain, dtype, CELL(j), g, kv_heads, dim, row);
         for (int64_t r = 0; r < group; r++) {
             float score = dot(qg + r * dim, k, dim);
             scores[r * span + j] = score;
@@ -165,9 +194,8 @@ INLINE void attend_group(const float *qg, float *og, const void *keys, const voi
     }
     for (int64_t j = 0; j < span; j++) {
         if (j + AHEAD < span)
-            prefetch_row(values, dtype, cells[lo + j + AHEAD], g, kv_heads, dim);
-        const float *v =
-            load_row(values, value_scales, dtype, cells[lo + j], g, kv_heads, dim, row);
+            prefetch_row(values, plain, dtype, CELL(j + AHEAD), g, kv_heads, dim);
+        const float *v = load_row(values, plain, dtype, CELL(j), g, kv_heads, dim, row);
         for (int64_t r = 0; r < group; r++) {
             float *o = og + r * dim, p = scores[r * span + j];
 #pragma omp simd
@@ -175,13 +203,16 @@ INLINE void attend_group(const float *qg, float *og, const void *keys, const voi
         }
     }
 }
+#undef CELL
 
 /* One call's arguments (mirrored by slotserve.native.attention.AttendArgs).
  * q: [n_queries, heads, dim] and k_new, v_new: [n_queries, kv_heads, dim], fp32, each row
  * `q_stride` / `kv_stride` floats after the last (views into one fused projection need no
  * copy). write: [n_queries] cells for the new rows. out: [n_queries, heads, dim].
  * keys, values: [n_cells, kv_heads, dim] of `dtype` (key_scales, value_scales:
- * [n_cells, kv_heads] for KV_INT8, else unused). cells: [n_seqs, key_len]. scratch:
+ * [n_cells, kv_heads] for KV_INT8, else unused). With step_split >= 0, cells from it on
+ * name rows of keys_step / values_step (and their scales), the step's own rows in the same
+ * dtype (`rows_at`). cells: [n_seqs, key_len]. scratch:
  * heads / kv_heads * key_len floats for each of `threads`. */
 typedef struct {
     const float *q;
@@ -192,11 +223,14 @@ typedef struct {
     float *out;
     void *keys, *values;
     float *key_scales, *value_scales;
+    void *keys_step, *values_step;
+    float *key_step_scales, *value_step_scales;
+    int64_t step_split;
     int64_t dtype;
     const int64_t *cells;
     int64_t key_len;
     const int64_t *seq, *pos;
-    int64_t n_queries, heads, kv_heads, dim, window;
+    int64_t n_queries, heads, kv_heads, dim, window, sinks;
     float scale;
     float *scratch;
     int64_t threads;
@@ -206,9 +240,11 @@ LAYOUT(attend_args, attend_args,
        LAYOUT_FIELD(q) LAYOUT_FIELD(q_stride) LAYOUT_FIELD(k_new) LAYOUT_FIELD(v_new)
        LAYOUT_FIELD(kv_stride) LAYOUT_FIELD(write) LAYOUT_FIELD(out) LAYOUT_FIELD(keys)
        LAYOUT_FIELD(values) LAYOUT_FIELD(key_scales) LAYOUT_FIELD(value_scales)
+       LAYOUT_FIELD(keys_step) LAYOUT_FIELD(values_step) LAYOUT_FIELD(key_step_scales)
+       LAYOUT_FIELD(value_step_scales) LAYOUT_FIELD(step_split)
        LAYOUT_FIELD(dtype) LAYOUT_FIELD(cells) LAYOUT_FIELD(key_len) LAYOUT_FIELD(seq)
        LAYOUT_FIELD(pos) LAYOUT_FIELD(n_queries) LAYOUT_FIELD(heads) LAYOUT_FIELD(kv_heads)
-       LAYOUT_FIELD(dim) LAYOUT_FIELD(window) LAYOUT_FIELD(scale) LAYOUT_FIELD(scratch)
+       LAYOUT_FIELD(dim) LAYOUT_FIELD(window) LAYOUT_FIELD(sinks) LAYOUT_FIELD(scale) LAYOUT_FIELD(scratch)
        LAYOUT_FIELD(threads))
 
 /* Returns 0, or -1 when an argument is out of range (then nothing is written).
@@ -220,11 +256,14 @@ int update_and_attend(const attend_args *a) {
     const int64_t q_stride = a->q_stride, kv_stride = a->kv_stride, key_len = a->key_len;
     const int64_t *write = a->write, *cells = a->cells, *seq = a->seq, *pos = a->pos;
     const int64_t n_queries = a->n_queries, heads = a->heads, kv_heads = a->kv_heads;
-    const int64_t dim = a->dim, window = a->window, threads = a->threads;
+    const int64_t dim = a->dim, window = a->window, sinks = a->sinks, threads = a->threads;
     const int dtype = (int)a->dtype;
-    float *out = a->out, *scratch = a->scratch, *key_scales = a->key_scales;
-    float *value_scales = a->value_scales;
-    void *keys = a->keys, *values = a->values;
+    float *out = a->out, *scratch = a->scratch;
+    const rows_at keys_at = {a->keys, a->keys_step, a->key_scales, a->key_step_scales,
+                             a->step_split};
+    const rows_at values_at = {a->values, a->values_step, a->value_scales,
+                               a->value_step_scales, a->step_split};
+    const rows_at *keys = &keys_at, *values = &values_at;
     if (kv_heads < 1 || heads % kv_heads || dim < 1 || dim > 1024 || dtype < 0 || dtype > 3)
         return -1;
     int64_t keys_read = 0;
@@ -235,8 +274,8 @@ int update_and_attend(const attend_args *a) {
     for (int64_t t = 0; t < n_queries; t++)
         for (int64_t g = 0; g < kv_heads; g++) {
             const int64_t at = t * kv_stride + g * dim;
-            store_row(keys, key_scales, dtype, write[t], g, kv_heads, dim, k_new + at);
-            store_row(values, value_scales, dtype, write[t], g, kv_heads, dim, v_new + at);
+            store_row(keys, dtype, write[t], g, kv_heads, dim, k_new + at);
+            store_row(values, dtype, write[t], g, kv_heads, dim, v_new + at);
         }
     const int64_t group = heads / kv_heads;
     /* A handoff costs about a microsecond: share from ~50k multiply-adds. */
@@ -248,15 +287,17 @@ int update_and_attend(const attend_args *a) {
 #pragma omp for schedule(dynamic)
         for (int64_t pair = 0; pair < n_queries * kv_heads; pair++) {
             const int64_t t = pair / kv_heads, g = pair % kv_heads;
-            const int64_t lo = window > 0 && pos[t] - window + 1 > 0 ? pos[t] - window + 1 : 0;
+            /* A window keeps the last `window` positions, and `sinks` first ones forever. */
+            int64_t lo = window > 0 && pos[t] - window + 1 > 0 ? pos[t] - window + 1 : 0;
+            const int64_t n_sink = lo > sinks ? sinks : lo;
             const int64_t *row_cells = cells + seq[t] * key_len;
             const float *qg = q + t * q_stride + g * group * dim;
             float *og = out + (t * heads + g * group) * dim;
             /* Constant dtypes (and the common head size) per call site, so that each case
              * compiles its own loops, unrolled where the size is known. */
 #define ATTEND(code, size)                                                                   \
-    attend_group(qg, og, keys, values, key_scales, value_scales, code, row_cells, lo, pos[t], \
-                 g, group, kv_heads, size, scale, scores, row)
+    attend_group(qg, og, keys, values, plain, code, row_cells, n_sink, lo,                     \
+                 pos[t], g, group, kv_heads, size, scale, scores, row)
 #define BY_DTYPE(size)                                                                       \
     switch (dtype) {                                                                         \
     case KV_FP32: ATTEND(KV_FP32, size); break;                                              \
@@ -264,9 +305,14 @@ int update_and_attend(const attend_args *a) {
     case KV_BF16: ATTEND(KV_BF16, size); break;                                              \
     default: ATTEND(KV_INT8, size); break;                                                   \
     }
-            if (dim == 64) {
+            if (n_sink == 0 && a->step_split < 0 && dim == 64) {
+                const int plain = 1;
                 BY_DTYPE(64)
+            } else if (n_sink == 0 && a->step_split < 0) {
+                const int plain = 1;
+                BY_DTYPE(dim)
             } else {
+                const int plain = 0;
                 BY_DTYPE(dim)
             }
 #undef BY_DTYPE

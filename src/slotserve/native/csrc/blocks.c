@@ -344,6 +344,18 @@ typedef struct {
     int64_t threads;
 } layer_out_args;
 
+/* norm: out[m, dim] = rms_norm(x[m, dim]) * weight, row by row. */
+typedef struct {
+    const float *x;
+    int64_t m, dim;
+    const float *weight;
+    float eps;
+    float *out;
+} norm_args;
+
+LAYOUT(norm_args, norm_args,
+       LAYOUT_FIELD(x) LAYOUT_FIELD(m) LAYOUT_FIELD(dim) LAYOUT_FIELD(weight) LAYOUT_FIELD(eps)
+       LAYOUT_FIELD(out))
 LAYOUT(matrix, matrix, LAYOUT_FIELD(blocks) LAYOUT_FIELD(kind) LAYOUT_FIELD(rows))
 LAYOUT(scratch, scratch, LAYOUT_FIELD(h) LAYOUT_FIELD(q) LAYOUT_FIELD(d) LAYOUT_FIELD(s))
 LAYOUT(linear_args, linear_args,
@@ -385,6 +397,11 @@ static int project(const float *x, int64_t m, int64_t k, int64_t ldx, const matr
     quantize_q8(x, m, k, ldx, tmp->q, tmp->d, tmp->s);
     return multiply((int)w->kind, w->blocks, w->rows, k, tmp->q, tmp->d, tmp->s, m, y, ldy,
                     accumulate, (int)threads);
+}
+
+int norm(const norm_args *a) {
+    rms_norm_rows(a->x, a->m, a->dim, a->weight, a->eps, a->out);
+    return 0;
 }
 
 /* Returns 0, or -1 for arguments it cannot take (k not a multiple of 32, an unknown type):
