@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from slotserve.cli.flags import add_engine_args, resolve_engine_config
+from slotserve.cli.serve import with_server_prefix_cache
 from slotserve.plan import format_bytes
 
 
@@ -22,6 +23,11 @@ def register(commands: Any) -> None:
     parser.add_argument(
         "--measure", action="store_true", help="also allocate the pool and measure it"
     )
+    parser.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="plan without the server's default prefix cache (cell layout: a quarter of the pool)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -31,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
 
     model = load(args.model, weights=args.weights)
     config, choice = resolve_engine_config(args, model)
+    config = with_server_prefix_cache(config, args, model)  # as `slotserve serve` runs it
     plan = config.plan(model.info, model.weight_bytes)
     report = plan.to_dict()
     if choice is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,10 +19,13 @@ from slotserve.engine.config import EngineConfig
 if TYPE_CHECKING:
     from slotserve.server.defaults import SamplingDefaults
 
+# The share of the KV pool the server's prefix cache may pin by default (cell layout).
+SERVER_PREFIX_SHARE = 0.25
 # The server's default, repeated so that `--help` does not import the HTTP stack.
 DEFAULT_HEADER_TIMEOUT_S = 5.0
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
+log = logging.getLogger("slotserve")
 # Without --queue-depth the server queues this many requests per slot (each with the
 # --queue-timeout deadline) instead of refusing at once, as the peers do. Queued requests
 # hold no KV, so the memory plan is unchanged.
@@ -58,6 +62,11 @@ def register(commands: Any) -> None:
     parser.add_argument("--log-level", default="warning")
     add_server_args(parser)
     parser.add_argument("--no-web", action="store_true", help="no web page at / (chat, dashboard)")
+    parser.add_argument(
+        "--no-prefix-cache",
+        action="store_true",
+        help="no prefix reuse (default with --kv-layout cell: on, a quarter of the KV pool)",
+    )
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -110,6 +119,37 @@ def with_server_queue(config: EngineConfig, args: argparse.Namespace) -> EngineC
     return dataclasses.replace(config, queue_depth=QUEUE_PER_SLOT * config.max_seqs)
 
 
+def with_server_prefix_cache(
+    config: EngineConfig, args: argparse.Namespace, model: Any
+) -> EngineConfig:
+    """The server's prefix cache: on by default for the cell layout, allowed
+    ``SERVER_PREFIX_SHARE`` of the KV pool (the plan states it), where the model keeps the
+    exactness guarantee (a restored prefix gives bit for bit the recomputed logits);
+    ``--no-prefix-cache`` or ``--prefix-cache 0`` turn it off, ``--prefix-cache BYTES`` and a
+    preset choose it."""
+    from slotserve.engine.presets import is_exact, with_prefix_cache_share
+
+    if args.no_prefix_cache:
+        return dataclasses.replace(config, prefix_cache_bytes=0)
+    chosen = args.prefix_cache is not None or getattr(args, "preset", None) is not None
+    if chosen or config.kv_layout != "cell":
+        return config
+    if not is_exact(model, config):
+        log.info(
+            "prefix cache off: %s runs %s halves, where a restored prefix is not bit-exact "
+            "(pass --prefix-cache BYTES to turn it on anyway)",
+            model.source, model.halves.kind,
+        )  # fmt: skip
+        return config
+    cached = with_prefix_cache_share(config, model, SERVER_PREFIX_SHARE)
+    if cached.prefix_cache_bytes:
+        log.info(
+            "prefix cache on: %.1f MiB, %d%% of the KV pool (--no-prefix-cache: off)",
+            cached.prefix_cache_budget / 2**20, round(SERVER_PREFIX_SHARE * 100),
+        )  # fmt: skip
+    return cached
+
+
 def served_name(spec: str) -> str:
     """The model id clients must send: the bundled model's name, or the file/dir name."""
     if spec == "bundled":
@@ -129,6 +169,7 @@ def _serve(args: argparse.Namespace) -> int:
     spec, model, executor = open_model(args)
     config = engine_config(args, model)  # with --preset: sized for this model
     config = with_server_queue(config, args)
+    config = with_server_prefix_cache(config, args, model)
     engine = Engine(model, config, pressure=pressure_source(args), executor=executor)
     return serve(
         engine,

@@ -103,8 +103,10 @@ export class Dashboard {
     setText("tile-slots", `${st.slots_in_use} / ${st.max_seqs}`);
     setText("tile-queue", String(st.queue_len));
     setText("kv-unit", s.kv.unit);
-    setText("tile-kv", `${s.kv.used} / ${s.kv.total}`);
+    const cached = s.kv.cached ? ` (${s.kv.cached} cached)` : "";
+    setText("tile-kv", `${s.kv.used} / ${s.kv.total}${cached}`);
     document.getElementById("tile-kv").dataset.used = String(s.kv.used);
+    document.getElementById("tile-kv").dataset.cached = String(s.kv.cached || 0);
     const p = s.pressure;
     const pressure = document.getElementById("tile-pressure");
     pressure.textContent = p.level === null ? "off" : `${p.level.toFixed(2)} / ${p.threshold}`;
