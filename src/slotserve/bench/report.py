@@ -295,7 +295,7 @@ def _memory(r: dict[str, Any]) -> list[str]:
     lines = [
         f"## memory: KV pool at max_seqs={r['max_seqs']}, max_context={r['max_context']}",
         "",
-        f"Weights: {format_bytes(r['weights_bytes'])} (fp32). RSS growth is measured "
+        f"Weights: {format_bytes(r['weights_bytes'])} (as loaded). RSS growth is measured "
         "after writing every page of the pool.",
         "",
     ]

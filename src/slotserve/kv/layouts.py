@@ -281,17 +281,17 @@ class RingGroup(LayerGroup):
             tables.append(table)
             offset += end - start
         shape = self.shape
-        buffers = tuple(
+        keys, values = (
             KVStorage(batch.n_tokens, shape.kv_heads, shape.head_dim, shape.dtype)
             for _ in ("keys", "values")
         )
         step = StepCells.of(
             split + torch.arange(batch.n_tokens), torch.stack(tables), batch.pad_index()[0],
             batch.positions, heads // shape.kv_heads, self.kernel.threads,
-            tuple((b.data, b.scales) for b in buffers), split,  # type: ignore[arg-type]
+            ((keys.data, keys.scales), (values.data, values.scales)), split,
         )  # fmt: skip
         rows, ring_cells = self._new_cells(batch, bound)
-        return {"kernel": step, "buffers": buffers, "rows": rows, "to": ring_cells}
+        return {"kernel": step, "buffers": (keys, values), "rows": rows, "to": ring_cells}
 
     def _plan(self, batch: StepBatch, sessions: Mapping[int, SessionKV]) -> dict[str, torch.Tensor]:
         bound = [sessions[s] for s in batch.sessions]
