@@ -80,7 +80,8 @@ def test_f32_gguf_equals_the_hf_model(
     # The llama GGUF stores Q/K permuted the llama.cpp way; exact equality proves the
     # loader undoes it (and maps every tensor name).
     hf = ss.load(tiny_dirs[kind])
-    gguf_model = load_gguf(write_tiny_gguf(tmp_path / "m.gguf", kind), use_cache=False)
+    gguf = write_tiny_gguf(tmp_path / "m.gguf", kind)
+    gguf_model = load_gguf(gguf, use_cache=False, kernels=hf.kernels)  # the same attention
     ids = list(range(3, 60))
     torch.testing.assert_close(gguf_model.logits(ids), hf.logits(ids), rtol=0, atol=1e-5)
     assert gguf_model.tokenizer.encode("hi <|im_end|>") == hf.tokenizer.encode("hi <|im_end|>")
