@@ -445,6 +445,34 @@ def test_generate_continues_from_the_cached_conversation(tiny: ss.Model) -> None
     assert rewound.tokens == fresh.generate([5, 6, 7, 10, 11], GREEDY).tokens
 
 
+def test_the_prefill_rate_counts_computed_tokens_only(tiny: ss.Model) -> None:
+    """The same 120-token prompt twice: the second run restores 119 positions and computes
+    one, and its prefill rate is that one over a span that includes the restore (not 120
+    over it, which read 120,000 tok/s); a regenerate from inside the prompt likewise."""
+    prompt = [3 + i % 200 for i in range(120)]
+    runner = ss.TextLLMRunner(tiny, max_context=256)
+    cold = runner.generate(prompt, GREEDY)
+    runner.reset()
+    repeat = runner.generate(prompt, GREEDY)
+    regenerated = runner.generate_from_pos(prompt[100:], 100, GREEDY)
+    assert cold.stats.prompt_tokens_computed == 120
+    assert (repeat.stats.prompt_tokens_restored, repeat.stats.prompt_tokens_computed) == (119, 1)
+    assert regenerated.stats.prompt_tokens_computed < len(prompt[100:]) + 1
+    # The repeat's figures, with a 10 ms span: 1 computed token is 100 tok/s, not 12,000.
+    timed = ss.Stats(
+        inference_start_ms=10, prompt_eval_end_ms=20, num_prompt_tokens=120,
+        prompt_tokens_computed=1, prompt_tokens_restored=119,
+    )  # fmt: skip
+    assert timed.prefill_tokens_per_s == 100.0
+    for result in (cold, repeat, regenerated):
+        stats = result.stats
+        span = stats.prompt_eval_end_ms - stats.inference_start_ms
+        if span > 0:
+            expected = stats.prompt_tokens_computed / span * 1000
+            assert stats.prefill_tokens_per_s == expected
+            assert json.loads(stats.to_json())["prefill_token_per_sec"] == expected
+
+
 def test_a_turn_that_reserves_the_whole_context_still_restores(tiny: ss.Model) -> None:
     # The one-slot pool has no block to spare: the turn takes over the cached
     # conversation's blocks (the snapshot is consumed) instead of computing it again.

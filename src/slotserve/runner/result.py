@@ -68,11 +68,16 @@ class Stats:
 
     @property
     def prefill_tokens_per_s(self) -> float | None:
-        """Prompt tokens over inference start → prompt eval end; None for an empty span."""
+        """Prompt tokens the engine computed over inference start → prompt eval end (a span
+        that includes restoring a cached prefix); None for an empty span. Restored tokens
+        are not counted: a repeated prompt restores all but one and computes that one.
+        Stats made by hand, with no engine counts, count ``num_prompt_tokens``."""
         span = self.prompt_eval_end_ms - self.inference_start_ms
         if span <= 0:
             return None
-        return self.num_prompt_tokens / span * self.SCALING_FACTOR_UNITS_PER_SECOND
+        recorded = self.prompt_tokens_computed or self.prompt_tokens_restored
+        computed = self.prompt_tokens_computed if recorded else self.num_prompt_tokens
+        return computed / span * self.SCALING_FACTOR_UNITS_PER_SECOND
 
     @property
     def decode_tokens_per_s(self) -> float | None:
