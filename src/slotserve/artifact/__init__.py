@@ -17,7 +17,6 @@ from slotserve.artifact.hf import load_hf_dir
 from slotserve.artifact.program import open_bundle
 from slotserve.errors import ArtifactError
 from slotserve.model import Model
-from slotserve.model.gguf_linear import BlockLinear
 from slotserve.model.quantized import with_weights
 from slotserve.native import (
     KernelChoice,
@@ -59,14 +58,15 @@ def load(
     built = build_kernels(kernels)
     weights = weight_format(spec, weights, built)
     if weights == "gguf":
-        # Before any torch work of the load: a parallel torch op starts an OpenMP team on
-        # this thread that outlives it (see slotserve.native.threads).
-        dedicate_cores_to_kernels()
         if built.blocks is None:
             state = "off" if kernels == "off" else "not built (see the warning above)"
             raise ValueError(
                 f"weights='gguf' needs the block kernel, which is {state}; load with weights='fp32'"
             )
+        # Before any torch work of the load: a parallel torch op starts an OpenMP team on
+        # this thread that outlives it (see slotserve.native.threads). Only this path
+        # returns block weights.
+        dedicate_cores_to_kernels()
         model = load_gguf(_gguf_path(spec), progress=progress, blocks=True, kernels=built)
     else:
         model = _load(spec, progress, built, bundle_threads)
@@ -75,8 +75,6 @@ def load(
                 raise ValueError(f"weights={weights!r}: a bundle's weights were fixed at export")
             quantised = with_weights(model.weights, weights)
             model = Model.from_weights(model.info, model.tokenizer, quantised, model.source, built)
-    if _has_blocks(model):  # blocks from another path (a state dict that holds them)
-        dedicate_cores_to_kernels()
     return model
 
 
@@ -95,15 +93,6 @@ def weight_format(spec: str | Path, weights: str = "auto", kernels: Kernels | No
 def _has_block_matrices(spec: str | Path) -> bool:
     path = bundled_gguf_path() if str(spec) == "bundled" else Path(spec).expanduser()
     return path.suffix == ".gguf" and path.is_file() and has_block_matrices(path)
-
-
-def _has_blocks(model: Model) -> bool:
-    weights = model.weights
-    return weights is not None and any(
-        isinstance(linear, BlockLinear)
-        for layer in weights.layers
-        for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)
-    )
 
 
 def _gguf_path(spec: str | Path) -> Path:

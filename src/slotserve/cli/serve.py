@@ -127,7 +127,7 @@ def with_server_prefix_cache(
     exactness guarantee (a restored prefix gives bit for bit the recomputed logits);
     ``--no-prefix-cache`` or ``--prefix-cache 0`` turn it off, ``--prefix-cache BYTES`` and a
     preset choose it."""
-    from slotserve.engine.presets import is_exact, with_prefix_cache_share
+    from slotserve.engine.prefix_share import is_exact, with_prefix_cache_share
 
     if args.no_prefix_cache:
         return dataclasses.replace(config, prefix_cache_bytes=0)
@@ -136,9 +136,10 @@ def with_server_prefix_cache(
         return config
     if not is_exact(model, config):
         log.info(
-            "prefix cache off: %s runs %s halves, where a restored prefix is not bit-exact "
-            "(pass --prefix-cache BYTES to turn it on anyway)",
+            "prefix cache off: %s runs %s halves with attention kernel %s, where a restored "
+            "prefix is not bit-exact (pass --prefix-cache BYTES to turn it on anyway)",
             model.source, model.halves.kind,
+            "on" if model.kernels.attention is not None and config.kernels == "auto" else "off",
         )  # fmt: skip
         return config
     cached = with_prefix_cache_share(config, model, SERVER_PREFIX_SHARE)

@@ -24,6 +24,7 @@ from types import MappingProxyType
 from typing import Any, Literal, Protocol, get_args
 
 from slotserve.engine.config import EngineConfig
+from slotserve.engine.prefix_share import with_prefix_cache_share
 from slotserve.errors import PlanError
 from slotserve.info import ModelInfo
 from slotserve.plan import CapacityPlan, MemoryMap, format_bytes, parse_bytes
@@ -308,7 +309,8 @@ class _Sizer:
     def __init__(
         self, row: PresetRow, model: SizedModel, fixed: Mapping[str, Any], budget: int | None
     ) -> None:
-        self.row, self.info, self.weight_bytes = row, model.info, model.weight_bytes
+        self.row, self.model = row, model
+        self.info, self.weight_bytes = model.info, model.weight_bytes
         self.fixed, self.budget = fixed, budget
         self.memory_map: MemoryMap | None = fixed.get("memory_map")
         settings = {**row.overrides, **fixed}
@@ -419,11 +421,9 @@ class _Sizer:
         share = self.row.prefix_cache_share
         if "prefix_cache_bytes" in self.fixed or not share:
             return self._given_or("prefix_cache_bytes", _DEFAULT_REASONS["prefix_cache_bytes"])
-        asked = int(share * self.plan().kv_bytes)
-        self.replace(prefix_cache_bytes=asked)
+        self.config = with_prefix_cache_share(self.config, self.model, share)
         prefix = self.plan().prefix_cache
         pinnable = prefix["pinnable_bytes"] if prefix else 0
-        self.replace(prefix_cache_bytes=pinnable)
         if not pinnable:
             why = f"off: {share:.0%} of this pool is less than one block"
             return Decision("prefix_cache_bytes", 0, why, "sized")
@@ -460,29 +460,3 @@ def _largest(fits: Callable[[int], bool], high: int) -> int:
         mid = (low + high + 1) // 2
         low, high = (mid, high) if fits(mid) else (low, mid - 1)
     return low
-
-
-def is_exact(model: Any, config: EngineConfig) -> bool:
-    """Whether ``model`` served with ``config`` keeps the exactness guarantee (DESIGN: a
-    request's logits do not depend on its batch, its chunking or a restored prefix): block
-    halves on the compiled kernels, and the attention kernel on. Dense and int8 weights run
-    torch's own products, whose rounding may depend on the number of rows, and torch's
-    attention pads a step to its longest sequence."""
-    halves = getattr(model, "halves", None)
-    kernels = getattr(model, "kernels", None)
-    return (
-        getattr(halves, "kind", None) == "block"
-        and getattr(kernels, "attention", None) is not None
-        and config.kernels == "auto"
-    )
-
-
-def with_prefix_cache_share(config: EngineConfig, model: Any, share: float) -> EngineConfig:
-    """``config`` with the prefix cache on, allowed ``share`` of the planned KV pool in whole
-    blocks (cell layout only; unchanged otherwise, or when the share is under a block)."""
-    if config.kv_layout != "cell" or not 0.0 < share < 1.0:
-        return config
-    plan = config.plan(model.info, model.weight_bytes)
-    asked = dataclasses.replace(plan, prefix_cache_bytes=int(share * plan.kv_bytes))
-    pinnable = asked.prefix_cache["pinnable_bytes"] if asked.prefix_cache else 0
-    return dataclasses.replace(config, prefix_cache_bytes=pinnable) if pinnable else config

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from slotserve.engine.events import Priority
-from slotserve.kv.pool import Holding, RowGroup
+from slotserve.kv.holdings import Holding, RowGroup
 
 SlotState = Literal["idle", "prefill", "decode"]
 PoolUnit = Literal["blocks", "rows"]

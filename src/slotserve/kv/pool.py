@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
@@ -29,6 +28,7 @@ from slotserve.info import ModelInfo
 from slotserve.kv.allocator import BlockAllocator
 from slotserve.kv.batch import StepBatch
 from slotserve.kv.config import KVConfig
+from slotserve.kv.holdings import Holding, PoolHoldings, RowGroup, row_cells
 from slotserve.kv.layouts import CellGroup, RingGroup
 from slotserve.kv.placement import build_groups
 from slotserve.kv.session import SessionKV
@@ -43,59 +43,6 @@ class PoolUsage:
     unit: str
     free: int
     used: int
-
-
-@dataclass(frozen=True)
-class RowGroup:
-    """Layers that keep each slot's positions in a row: ``flat`` (a whole context) or
-    ``ring`` (a window, plus sinks). Slot ``s`` owns cells ``s * size .. (s + 1) * size - 1``
-    of each layer in ``layers``."""
-
-    kind: Literal["flat", "ring"]
-    layers: tuple[int, ...]
-    size: int
-
-
-@dataclass(frozen=True)
-class RowCells:
-    """One session's row in one `RowGroup`: cells ``first .. first + group.size - 1``, of
-    which ``live`` hold positions it still sees; ``wrapped``: a ring written past its row
-    (its oldest positions, after the sinks, were overwritten)."""
-
-    group: RowGroup
-    first: int
-    live: int
-    wrapped: bool
-
-
-@dataclass(frozen=True)
-class Holding:
-    """What one session, or one read-only snapshot (``slot`` None), holds in the pool.
-
-    ``blocks`` is its cell block table in position order (block ``blocks[i]`` holds positions
-    ``i * block_size ..``; every cell layer uses the same table), ``refcounts[i]`` the number
-    of tables holding ``blocks[i]`` (above 1: shared copy-on-write). ``rows``: its row in
-    each flat or ring group (a snapshot has none: it keeps copies of its ring rows outside
-    the pool's storage). ``length`` positions are written, ``capacity`` reserved."""
-
-    session: int
-    slot: int | None
-    length: int
-    capacity: int
-    blocks: tuple[int, ...]
-    refcounts: tuple[int, ...]
-    rows: tuple[RowCells, ...]
-
-
-@dataclass(frozen=True)
-class PoolHoldings:
-    """Who holds which cells of the pool, copied from its own tables (`KVPool.holdings`).
-    ``block_size`` is None without cell layers."""
-
-    block_size: int | None
-    row_groups: tuple[RowGroup, ...]
-    sessions: tuple[Holding, ...]
-    snapshots: tuple[Holding, ...]
 
 
 class KVPool:
@@ -156,7 +103,7 @@ class KVPool:
 
         def holding(session: int, bound: SessionKV) -> Holding:
             refcounts = tuple(self.blocks.refcount[b] for b in bound.table)
-            cells = () if bound.slot < 0 else tuple(_row_cells(g, bound) for g in rows)
+            cells = () if bound.slot < 0 else tuple(row_cells(g, bound) for g in rows)
             slot = None if bound.slot < 0 else bound.slot
             blocks = tuple(bound.table)
             return Holding(session, slot, bound.length, bound.capacity, blocks, refcounts, cells)
@@ -532,11 +479,3 @@ class KVPool:
         tables = [s.table for s in (*self.sessions.values(), *self.snapshots.values())]
         self.blocks.check_integrity(tables)
         assert self._cow_needed(self.sessions) <= self.blocks.n_free, "copy-on-write overcommitted"
-
-
-def _row_cells(group: RowGroup, bound: SessionKV) -> RowCells:
-    """``bound``'s row in ``group``: a flat row holds every written position; a ring its
-    last ``size`` (sinks included), having wrapped once written past them."""
-    live = min(bound.length, group.size)
-    wrapped = group.kind == "ring" and bound.high_water > group.size
-    return RowCells(group, bound.slot * group.size, live, wrapped)

@@ -85,11 +85,10 @@ class BlockHalves(EagerHalves):
     def qkv(self, layer: int, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         info, weights = self.info, self.layers[layer]
         buffers = step.memo(("block", id(self)), lambda: _StepBuffers(x.shape[0], info))
-        cos, sin = step.memo("rope-f32", lambda: (_f32(step.cos), _f32(step.sin)))
         args = LayerInArgs(
             x.data_ptr(), x.shape[0], info.dim, weights.attn_norm.data_ptr(), info.norm_eps,
             weights.qkv, buffers.qkv.data_ptr(), info.n_heads + info.n_kv_heads,
-            info.head_dim, cos.data_ptr(), sin.data_ptr(), buffers.scratch.struct,
+            info.head_dim, step.cos.data_ptr(), step.sin.data_ptr(), buffers.scratch.struct,
             self.kernel.threads,
         )  # fmt: skip
         self.kernel.layer_in(args)
@@ -120,7 +119,3 @@ class BlockHalves(EagerHalves):
 def _matrix(linear: object) -> Matrix:
     assert isinstance(linear, BlockLinear)  # refusal() ran
     return Matrix.of(linear.packed, linear.kind)
-
-
-def _f32(rows: torch.Tensor) -> torch.Tensor:
-    return rows.float().contiguous()

@@ -10,9 +10,9 @@ half.
 
 Implementations: `slotserve.model.llama.EagerHalves` (torch ops; every family),
 `slotserve.model.block_forward.BlockHalves` (two fused C calls a layer, for the families
-the block kernel covers) and a bundle's program methods (`slotserve.artifact.program`),
-lowered from the eager halves. `slotserve.model.Model` holds one of them, picked once at
-load.
+the block kernel covers) and a bundle's program methods (`slotserve.artifact.program`,
+written for XNNPACK by `slotserve.export.program`; tests compare each with its eager
+half). `slotserve.model.Model` holds one of them, picked once at load.
 """
 
 from __future__ import annotations
@@ -35,17 +35,17 @@ T = TypeVar("T")
 @dataclass(frozen=True)
 class StepContext:
     """What every layer of one step shares: the rotation rows of the step's positions
-    (``cos``, ``sin``: ``[T, head_dim]``, rotate-half layout), and work space that halves
-    make once a step (`memo`)."""
+    (``cos``, ``sin``: ``[T, head_dim]`` contiguous fp32, rotate-half layout, which the C
+    halves read by address), and work space that halves make once a step (`memo`)."""
 
-    positions: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
     _memo: dict[Hashable, object] = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(cls, rope: RopeTables, positions: torch.Tensor) -> StepContext:
-        return cls(positions, rope.cos[positions], rope.sin[positions])
+        cos, sin = rope.cos[positions], rope.sin[positions]
+        return cls(cos.float().contiguous(), sin.float().contiguous())
 
     def memo(self, key: Hashable, make: Callable[[], T]) -> T:
         """``make()``, once per step and ``key``."""

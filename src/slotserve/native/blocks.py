@@ -87,15 +87,17 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
 
 
 class ScratchSpace:
-    """The tensors behind a `Scratch` for steps of ``m`` rows of width up to ``widest``."""
+    """The tensors behind a `Scratch` for steps of ``m`` rows of width up to ``widest``:
+    the activations' int8 blocks and scales, and (``rows``, for the layer calls) ``h``,
+    the fp32 rows between a layer's products (a lone product needs none)."""
 
-    def __init__(self, m: int, widest: int) -> None:
+    def __init__(self, m: int, widest: int, *, rows: bool = True) -> None:
         blocks = padded_blocks(widest)
-        self.h = torch.empty(m, widest)
+        self.h = torch.empty(m, widest) if rows else None
         self.q = torch.empty(m, blocks * BLOCK, dtype=torch.int8)
         self.scales = torch.empty(2, m, blocks)
         self.struct = Scratch(
-            self.h.data_ptr(),
+            self.h.data_ptr() if self.h is not None else None,
             self.q.data_ptr(),
             self.scales[0].data_ptr(),
             self.scales[1].data_ptr(),
@@ -133,7 +135,7 @@ class BlockKernel:
             )
         if x.dtype != torch.float32 or x.stride(1) != 1:
             x = x.float().contiguous()
-        scratch = ScratchSpace(m, k)
+        scratch = ScratchSpace(m, k, rows=False)
         y = torch.empty(m, n)
         args = LinearArgs(
             x.data_ptr(), m, k, x.stride(0), Matrix(packed.data_ptr(), KIND_CODES[kind], n),

@@ -300,7 +300,7 @@ typedef struct {
     float *d, *s;
 } scratch;
 
-/* linear: y[m, w.rows] (row stride ldy) = x[m, k] (row stride ldx) . W^T. */
+/* linear: y[m, w.rows] (row stride ldy) = x[m, k] (row stride ldx) . W^T (tmp.h unused). */
 typedef struct {
     const float *x;
     int64_t m, k, ldx;

@@ -1,0 +1,36 @@
+"""The prefix cache's share of the KV pool, and whether a model keeps the exactness the
+cache's default relies on (`slotserve serve` turns it on only then; presets size it)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from slotserve.engine.config import EngineConfig
+
+
+def is_exact(model: Any, config: EngineConfig) -> bool:
+    """Whether ``model`` served with ``config`` keeps the exactness guarantee (DESIGN: a
+    request's logits do not depend on its batch, its chunking or a restored prefix): block
+    halves on the compiled kernels, and the attention kernel on. Dense and int8 weights run
+    torch's own products, whose rounding may depend on the number of rows, and torch's
+    attention pads a step to its longest sequence."""
+    halves = getattr(model, "halves", None)
+    kernels = getattr(model, "kernels", None)
+    return (
+        getattr(halves, "kind", None) == "block"
+        and getattr(kernels, "attention", None) is not None
+        and config.kernels == "auto"
+    )
+
+
+def with_prefix_cache_share(config: EngineConfig, model: Any, share: float) -> EngineConfig:
+    """``config`` with the prefix cache allowed ``share`` of the planned KV pool, in whole
+    blocks (the plan's own rounding; cell layout only). Unchanged for another layout, or
+    when the share is under one block. ``model`` has ``info`` and ``weight_bytes``."""
+    if config.kv_layout != "cell" or not 0.0 < share < 1.0:
+        return config
+    plan = config.plan(model.info, model.weight_bytes)
+    asked = dataclasses.replace(plan, prefix_cache_bytes=int(share * plan.kv_bytes))
+    pinnable = asked.prefix_cache["pinnable_bytes"] if asked.prefix_cache else 0
+    return dataclasses.replace(config, prefix_cache_bytes=pinnable) if pinnable else config
