@@ -38,6 +38,38 @@ class SchemaVersionError(ArtifactError):
         )
 
 
+class FormatVersionError(SchemaVersionError):
+    """A bundle's ExecuTorch file is of a format this runtime does not read: ``identifier``
+    is the file's flatbuffer identifier (``ET12`` for a program, ``FT01`` for named data),
+    ``identifiers`` the ones this runtime reads, and ``found`` and ``readable`` their version
+    numbers (the identifier's last two characters, or -1 where they are not digits)."""
+
+    def __init__(
+        self,
+        path: object,
+        what: str,
+        identifier: str,
+        identifiers: tuple[str, ...],
+        runtime: str,
+        fix: str,
+    ) -> None:
+        self.identifier, self.identifiers = identifier, identifiers
+        self.found = _format_number(identifier)
+        self.readable = tuple(_format_number(known) for known in identifiers)
+        ArtifactError.__init__(
+            self,
+            path,
+            f"{what} format {identifier}, but this runtime (executorch {runtime}) reads "
+            f"{', '.join(identifiers)}; {fix}",
+            "format",
+        )
+
+
+def _format_number(identifier: str) -> int:
+    digits = identifier[2:]
+    return int(digits) if digits.isascii() and digits.isdigit() else -1
+
+
 class ContextOverflow(SlotserveError):
     """A sequence would grow past the context it was given."""
 

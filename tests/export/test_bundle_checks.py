@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -148,17 +149,121 @@ def test_a_program_for_a_backend_this_runtime_lacks_is_refused(
     assert "XnnpackBackend" in str(error) and "--backend" in str(error)
 
 
+def patch_identifier(path: Path, old: bytes, new: bytes) -> None:
+    """Replace the flatbuffer file identifier (bytes 4..8) of an ExecuTorch file."""
+    data = path.read_bytes()
+    assert data[4:8] == old, data[:16]
+    path.write_bytes(data[:4] + new + data[8:])
+
+
+EXECUTORCH = metadata.version("executorch")
+FORMATS = [(PROGRAM, b"ET12", b"ET99"), (WEIGHTS, b"FT01", b"FT99")]
+
+
+@pytest.mark.parametrize(("name", "old", "new"), FORMATS, ids=[PROGRAM, WEIGHTS])
+def test_an_executorch_format_this_runtime_does_not_read_is_refused_before_loading(
+    tiny_bundle: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    old: bytes,
+    new: bytes,
+) -> None:
+    """The design's fourth failure mode: a program or weights file of an ExecuTorch format
+    this runtime does not read is a typed refusal (the file, the format found, the formats
+    read, the fix), decided from the file's header before ExecuTorch is asked to load it."""
+    from executorch.runtime import Runtime
+
+    bundle = copy_of(tiny_bundle, tmp_path)
+    patch_identifier(bundle / name, old, new)
+    edit_manifest(bundle, lambda f: None, rehash=True)  # the manifest agrees with the files
+
+    def never(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("ExecuTorch was asked to load a file the checks should refuse")
+
+    monkeypatch.setattr(Runtime, "load_program", never)
+    error = refused(bundle, SchemaVersionError)
+    assert error.path == str(bundle / name)  # type: ignore[attr-defined]
+    assert (error.identifier, error.identifiers) == (new.decode(), (old.decode(),))  # type: ignore[attr-defined]
+    assert (error.found, error.readable) == (int(new[2:]), (int(old[2:]),))  # type: ignore[attr-defined]
+    assert f"format {new.decode()}, but this runtime (executorch {EXECUTORCH}) reads " in str(error)
+    assert f"export the model again with executorch {EXECUTORCH}" in str(error)
+
+
+def test_a_bundle_of_another_executorch_is_read_when_its_formats_are(
+    tiny_bundle: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``writer.executorch`` is compared with the runtime: another version whose files this
+    runtime reads is served (and said so); one whose files it cannot read is refused with
+    both versions in the fix."""
+    bundle = copy_of(tiny_bundle, tmp_path)
+    edit_manifest(bundle, lambda f: f["writer"].update(executorch="0.9.0"))
+    with caplog.at_level("INFO", logger="slotserve"):
+        ProgramHalves(read_bundle(bundle))
+    assert f"written by executorch 0.9.0; this runtime (executorch {EXECUTORCH}) reads" in (
+        caplog.text
+    )
+    patch_identifier(bundle / PROGRAM, b"ET12", b"ET11")
+    edit_manifest(bundle, lambda f: None, rehash=True)
+    error = refused(bundle, SchemaVersionError)
+    assert "format ET11" in str(error) and "written by executorch 0.9.0" in str(error)
+    assert f"export the model again with executorch {EXECUTORCH}" in str(error)
+    assert "or serve it with executorch 0.9.0" in str(error)
+
+
+def test_a_file_that_is_no_executorch_file_is_refused(tiny_bundle: Path, tmp_path: Path) -> None:
+    bundle = copy_of(tiny_bundle, tmp_path)
+    (bundle / WEIGHTS).write_bytes(b"not a flatbuffer at all")
+    edit_manifest(bundle, lambda f: None, rehash=True)
+    error = refused(bundle)
+    assert not isinstance(error, SchemaVersionError)
+    assert str(bundle / WEIGHTS) in str(error) and "not an ExecuTorch" in str(error)
+
+
+@pytest.mark.parametrize(("name", "old", "new"), FORMATS, ids=[PROGRAM, WEIGHTS])
+def test_fallback_catches_a_format_refusal(
+    tiny_bundle: Path,
+    tmp_path: Path,
+    tiny_dirs: dict[str, Path],
+    caplog: pytest.LogCaptureFixture,
+    name: str,
+    old: bytes,
+    new: bytes,
+) -> None:
+    """``--fallback``'s own path (`open_model`, which catches `ArtifactError`) in-process."""
+    import argparse
+
+    from slotserve.cli.executors import open_model
+
+    bundle = copy_of(tiny_bundle, tmp_path)
+    patch_identifier(bundle / name, old, new)
+    edit_manifest(bundle, lambda f: None, rehash=True)
+    fallback = str(tiny_dirs["llama"])
+    args = argparse.Namespace(model=str(bundle), fallback=fallback, weights="auto", threads=None)
+    with caplog.at_level("ERROR", logger="slotserve"):
+        served, model, _ = open_model(args)
+    assert served == fallback and model.halves.kind != "program"
+    assert f"format {new.decode()}" in caplog.text and "FALLING BACK" in caplog.text
+
+
+@pytest.mark.parametrize("broken", ["schema", "format"])
 def test_serve_falls_back_loudly_when_the_bundle_is_refused(
-    tiny_bundle: Path, tmp_path: Path, tiny_dirs: dict[str, Path]
+    tiny_bundle: Path, tmp_path: Path, tiny_dirs: dict[str, Path], broken: str
 ) -> None:
     bundle = copy_of(tiny_bundle, tmp_path)
-    edit_manifest(bundle, lambda f: f.update(schema=9))
+    if broken == "schema":
+        edit_manifest(bundle, lambda f: f.update(schema=9))
+        said = "bundle schema 9"
+    else:  # an ExecuTorch program format this runtime does not read
+        patch_identifier(bundle / PROGRAM, b"ET12", b"ET99")
+        edit_manifest(bundle, lambda f: None, rehash=True)
+        said = "program format ET99"
     fallback = str(tiny_dirs["llama"])
     server = ServerProcess(str(bundle), "--fallback", fallback, "--max-context", "256")
     try:
         assert server.model_name == "llama"  # the fallback's name, not the bundle's
         log = server.output()
-        assert "REFUSED" in log and "bundle schema 9" in log and "FALLING BACK" in log
+        assert "REFUSED" in log and said in log and "FALLING BACK" in log
     finally:
         server.stop()
 

@@ -8,8 +8,9 @@
 `read_bundle` reads the manifest and checks the schema version and every file's SHA-256: a
 bundle this runtime cannot read, or whose files are missing, damaged or from another export,
 is refused here with a typed error, before any weights are read or any memory is planned.
-The checks that need the ExecuTorch runtime (the program's methods, its delegates, the
-program/weights pairing id) are the executor's (`slotserve.executor.executorch`).
+The checks that need the ExecuTorch runtime (the formats of the program and weights files
+against the ones it reads, its delegates, the program's methods, the program/weights
+pairing id) are `slotserve.artifact.program`'s; `file_identifier` reads a file's format.
 """
 
 from __future__ import annotations
@@ -172,6 +173,15 @@ def read_manifest(directory: Path) -> Manifest:
         raise ArtifactError(
             path, f"malformed manifest ({error}); export the bundle again"
         ) from error
+
+
+def file_identifier(path: Path) -> str:
+    """The ExecuTorch format of ``path``: its flatbuffer file identifier, bytes 4..8 (``ET12``
+    for a program, ``FT01`` for named data; the flatbuffer's root offset comes first).
+    Read before ExecuTorch is asked to load the file (which would fail untyped)."""
+    with path.open("rb") as stream:
+        head = stream.read(8)
+    return head[4:8].decode("ascii", errors="replace") if len(head) == 8 else ""
 
 
 def check_files(directory: Path, manifest: Manifest) -> None:

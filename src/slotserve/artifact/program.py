@@ -1,10 +1,15 @@
 """A bundle's program as layer halves: its methods run by the ExecuTorch runtime.
 
 Opening a bundle checks it before anything is allocated: the manifest's schema and every
-file's SHA-256 (`slotserve.artifact.bundle.read_bundle`), then, in the runtime, that the
-program has every method the manifest lists, that each delegate it was lowered for is
-registered in this runtime, and that the program and the weights file carry the same pairing
-id. Only then are the methods loaded (this is when XNNPACK packs the weights).
+file's SHA-256 (`slotserve.artifact.bundle.read_bundle`); then, before ExecuTorch is asked
+to load either file, that the program's and the weights' ExecuTorch formats (their
+flatbuffer identifiers, ``ET12`` and ``FT01``) are ones this runtime reads (a
+`FormatVersionError`, a `SchemaVersionError`, naming the file, the format, the runtime's
+formats and the manifest's ``writer.executorch``); then, in the runtime, that each delegate
+the program was lowered for is registered, that the program has every method the manifest
+lists, and that the program and the weights file carry the same pairing id. Only then are
+the methods loaded (this is when XNNPACK packs the weights). Whatever else makes ExecuTorch
+refuse a file is an `ArtifactError` too, so ``serve --fallback`` catches every refusal.
 
 The methods are the eager halves lowered (`slotserve.export`): ``embed``, per layer
 ``layer{i}_qkv`` (before the pool's ``update_and_attend``) and ``layer{i}_out``, and
@@ -15,19 +20,25 @@ inputs in place, without a copy). Needs the optional ``executorch`` package.
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cache
+from importlib import metadata, resources
 from typing import Any
 
 import torch
 
-from slotserve.artifact.bundle import MANIFEST, Bundle
-from slotserve.errors import ArtifactError
+from slotserve.artifact.bundle import MANIFEST, PROGRAM, WEIGHTS, Bundle, file_identifier
+from slotserve.errors import ArtifactError, FormatVersionError
 from slotserve.model import Model
 from slotserve.model.halves import HalvesKind, StepContext
 from slotserve.model.layers import fused_rope_rows
 from slotserve.model.weights import LlamaWeights
 from slotserve.native import Kernels
+
+log = logging.getLogger("slotserve")
 
 
 @dataclass(frozen=True)
@@ -64,9 +75,16 @@ class ProgramHalves:
         self.bundle = bundle
         manifest = bundle.manifest
         self.options = LoadOptions.from_manifest(manifest.load_options, **load_options)
+        check_formats(bundle)
         _check_delegates(bundle)
-        runtime = Runtime.get()
-        program = runtime.load_program(bundle.program, data_path=bundle.weights)
+        try:
+            program = Runtime.get().load_program(bundle.program, data_path=bundle.weights)
+        except RuntimeError as error:
+            raise ArtifactError(
+                bundle.program,
+                f"ExecuTorch {executorch_version()} cannot load the {_both(bundle)} ({error}); "
+                "export the model again with this runtime's executorch",
+            ) from error
         _check_methods(bundle, set(program.method_names))
         _check_pairing(bundle, program)
         _set_threads(self.options.threads)
@@ -142,6 +160,75 @@ def _both(bundle: Bundle) -> str:
     return f"program {bundle.program} with weights {bundle.weights}"
 
 
+# The formats' two-letter prefixes: a file without its kind's is no ExecuTorch file of it.
+_FORMATS = {PROGRAM: ("program", "ET"), WEIGHTS: ("weights", "FT")}
+
+
+def executorch_version() -> str:
+    try:
+        return metadata.version("executorch")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@cache
+def runtime_formats() -> dict[str, tuple[str, ...]]:
+    """The ExecuTorch formats this runtime reads, by bundle file: the file identifiers of the
+    flatbuffer schemas the installed executorch was built from (``program.fbs``: ``ET12``;
+    ``flat_tensor.fbs``: ``FT01``). A file whose schema is not found is not checked here
+    (ExecuTorch's own refusal is still an `ArtifactError`)."""
+    schemas = {
+        PROGRAM: ("executorch.exir._serialize", "program.fbs"),
+        WEIGHTS: ("executorch.extension.flat_tensor.serialize", "flat_tensor.fbs"),
+    }
+    formats: dict[str, tuple[str, ...]] = {}
+    for name, (package, schema) in schemas.items():
+        try:
+            text = (resources.files(package) / schema).read_text()
+        except (ModuleNotFoundError, FileNotFoundError) as error:
+            log.warning("cannot read executorch's %s (%s): %s not checked", schema, error, name)
+            continue
+        formats[name] = tuple(re.findall(r'file_identifier\s+"([^"]{4})"', text))
+    return formats
+
+
+def check_formats(bundle: Bundle) -> None:
+    """The program's and the weights' ExecuTorch formats are ones this runtime reads, and
+    the manifest's ``writer.executorch`` is compared with this runtime: another version is
+    read when its formats are (and logged), and refused, with both versions in the fix, when
+    they are not. Reads each file's first 8 bytes only, before ExecuTorch loads anything."""
+    runtime = executorch_version()
+    writer = bundle.manifest.writer.get("executorch", "unknown")
+    formats = runtime_formats()
+    for name, (what, prefix) in _FORMATS.items():
+        path = bundle.directory / name
+        found = file_identifier(path)
+        readable = formats.get(name)
+        if not readable or found in readable:
+            continue
+        if not found.startswith(prefix):
+            raise ArtifactError(
+                path,
+                f"not an ExecuTorch {what} file (its header reads {found!r}, where an "
+                f"ExecuTorch {what} file reads {readable[0]}); export the model again",
+                "format",
+            )
+        fix = f"export the model again with executorch {runtime}"
+        if writer not in (runtime, "unknown"):
+            fix = (
+                f"the bundle was written by executorch {writer} ({bundle.directory / MANIFEST}"
+                f"); {fix}, or serve it with executorch {writer}"
+            )
+        raise FormatVersionError(path, what, found, readable, runtime, fix)
+    if writer != runtime:
+        log.info(
+            "%s was written by executorch %s; this runtime (executorch %s) reads its formats",
+            bundle.directory,
+            writer,
+            runtime,
+        )
+
+
 def _check_delegates(bundle: Bundle) -> None:
     """Every backend the program was lowered for is registered in this runtime. Read from the
     program itself, not only the manifest: a delegate with no runtime fails much later and
@@ -149,7 +236,14 @@ def _check_delegates(bundle: Bundle) -> None:
     from executorch.exir._serialize._program import deserialize_pte_binary
     from executorch.extension.pybindings.portable_lib import _get_registered_backend_names
 
-    pte = deserialize_pte_binary(bundle.program.read_bytes())
+    try:
+        pte = deserialize_pte_binary(bundle.program.read_bytes())
+    except Exception as error:  # a damaged flatbuffer fails in any of its readers' ways
+        raise ArtifactError(
+            bundle.program,
+            f"unreadable ExecuTorch program ({type(error).__name__}: {error}); export the "
+            "model again",
+        ) from error
     lowered_for = {d.id for plan in pte.program.execution_plan for d in plan.delegates}
     lowered_for |= set(bundle.manifest.delegates)
     available = set(_get_registered_backend_names())
