@@ -101,7 +101,7 @@ def test_bundled_figures_at_one_gib(bundled: ss.Model) -> None:
     assert {n: (c.kv_layout, c.max_seqs, c.max_context) for n, c in chosen.items()} == {
         "chat": ("flat", 1, 7704),
         "chat+background": ("cell", 4, 2432),
-        "voice": ("cell", 4, 2432),
+        "voice": ("cell", 4, 2736),  # its 64-token steps plan fewer activation bytes
         "document-agent": ("ring", 1, 8192),
         "shared-prompt": ("cell", 8, 1264),
     }

@@ -31,7 +31,9 @@ class EngineConfig:
     ``background_min_share`` of steps when it competes with other classes, so it is never
     starved); ``"fifo"`` co-batches everything.
     Prompts are prefilled ``prefill_chunk`` tokens at a time, interleaved with decodes, and a
-    step computes at most ``max_batch_tokens`` tokens.
+    step computes at most ``max_batch_tokens`` tokens. A cancel is released at the next
+    batch boundary, so the largest step bounds it: a cancellation-critical workload caps
+    ``max_batch_tokens`` (the ``voice`` preset does; `Engine.cancel_bound` states the bound).
     ``prefix_cache_bytes`` (bytes or ``"256MiB"``; 0: off) is the budget of KV blocks the
     prefix cache may pin for snapshots of completed prompts; it needs ``kv_layout="cell"``
     (blocks shared) or ``"ring"`` (rings copied; the retention rule refuses a prefix a

@@ -32,6 +32,7 @@ from collections import Counter
 from collections.abc import Callable
 
 from slotserve.engine.admission import Admission, build_request
+from slotserve.engine.cancel_bound import CancelBound, declare_cancel_bound, largest_step_tokens
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.events import CancelAck, Finished, FinishReason, check_priority
 from slotserve.engine.handle import RequestHandle
@@ -218,6 +219,19 @@ class Engine:
                 steps_by_class=dict(counters.steps_by_class),
                 pressure_level=None if self.pressure is None else self.pressure.reading(),
                 prefix=self._prefix_stats(),
+                cancel_bound=self.cancel_bound(),
+            )
+
+    def cancel_bound(self) -> CancelBound:
+        """The declared worst-case cancel→release time: the largest step this config allows
+        (`largest_step_tokens`), timed from the steps measured so far, beside the measured
+        cancel→release p99 (`slotserve.engine.cancel_bound`)."""
+        with self._lock:
+            counters = self.counters
+            return declare_cancel_bound(
+                largest_step_tokens(self.config),
+                counters.step_seconds_by_tokens,
+                counters.cancel_seconds,
             )
 
     def _prefix_stats(self) -> PrefixStats | None:
@@ -341,7 +355,8 @@ class Engine:
             finished = [(request, "error") for request, _ in work]
         seconds = self.clock() - began
         with self._lock:
-            self.counters.count_step(len(work), work[0][0].priority, seconds)
+            tokens = sum(n for _, n in work)
+            self.counters.count_step(len(work), work[0][0].priority, seconds, tokens)
             failed = {id(r) for r, reason in finished if reason == "error"}
             self._publish([r for r, _ in work if id(r) not in failed])
             for request, reason in finished:
@@ -371,6 +386,9 @@ class Engine:
         self.counters.finished[reason] += 1
         if reason == "cancelled":
             self.counters.cancellations += 1
+            latency = request.timings.cancel_to_release
+            if latency is not None:
+                self.counters.cancel_seconds.append(latency)
         finished = request.finish(reason, now, "the step failed" if reason == "error" else None)
         request.released.set()
         if self.on_finished is not None:

@@ -2,7 +2,8 @@
 
 A preset is one row of the table (``chat``, ``chat+background``, ``voice``,
 ``document-agent``, ``shared-prompt``): the `EngineConfig` fields its workload shape fixes
-(layout, concurrency, policy, queue, sinks), each with the reason, and for ``shared-prompt``
+(layout, concurrency, policy, queue, sinks, and for ``voice`` the step cap that bounds a
+cancel, `slotserve.engine.cancel_bound`), each with the reason, and for ``shared-prompt``
 the share of the KV pool the prefix cache may pin. `choose_preset` applies a row to
 `EngineConfig`'s own defaults (`dataclasses.replace`; nothing here repeats a default), then
 the caller's overrides, and then sizes what the budget decides: ``max_context`` (and the
@@ -47,6 +48,7 @@ TABLE_FIELDS = (
     "queue_timeout_s",
     "background_min_share",
     "sinks",
+    "max_batch_tokens",
 )
 SIZED_FIELDS = ("max_context", "ring_window", "prefix_cache_bytes")
 _FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
@@ -153,6 +155,7 @@ PRESETS: Mapping[str, PresetRow] = MappingProxyType(
                     "policy": "isolate",
                     "queue_depth": 4,
                     "queue_timeout_s": 2.0,
+                    "max_batch_tokens": 64,
                 },
                 reasons={
                     "kv_layout": "blocks return to the shared free list on every cancel "
@@ -162,6 +165,9 @@ PRESETS: Mapping[str, PresetRow] = MappingProxyType(
                     "queue_depth": "a barge-in's new turn waits only for the slot its "
                     "cancelled turn frees at the next step",
                     "queue_timeout_s": "a voice turn older than 2 s is stale: refuse it",
+                    "max_batch_tokens": "a barge-in's cancel waits for at most the step in "
+                    "flight: 64-token steps (not 512) bound the cancel→release time, at the "
+                    "cost of a long prompt prefilled in more steps",
                 },
             ),
             PresetRow(
@@ -220,6 +226,7 @@ _DEFAULT_REASONS = {
     "background_min_share": "background is never starved: it takes at least this share of "
     "steps when it competes",
     "sinks": "no attention sinks",
+    "max_batch_tokens": "the engine's default step; a cancel waits for at most one step",
     "prefix_cache_bytes": "off: this workload shares no prefix worth pinning blocks for",
 }
 

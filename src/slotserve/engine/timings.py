@@ -103,6 +103,9 @@ class RequestTimings:
         }
 
 
+STEPS_BY_SIZE = 256  # step times kept per step size (tokens)
+
+
 @dataclass
 class EngineCounters:
     """Monotone counters the engine thread updates (read through `Engine.stats`)."""
@@ -115,8 +118,19 @@ class EngineCounters:
     steps_by_class: Counter[str] = field(default_factory=Counter)
     # The latest step times (bounded: a server runs for months).
     step_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=100_000))
+    # The latest step times by the tokens the step fed (the cancellation bound's basis),
+    # and the latest cancel→release latencies.
+    step_seconds_by_tokens: dict[int, deque[float]] = field(default_factory=dict)
+    cancel_seconds: deque[float] = field(default_factory=lambda: deque(maxlen=10_000))
 
-    def count_step(self, batch_size: int, priority: str, seconds: float) -> None:
+    def count_step(
+        self, batch_size: int, priority: str, seconds: float, tokens: int | None = None
+    ) -> None:
         self.steps_by_batch_size[batch_size] += 1
         self.steps_by_class[priority] += 1
         self.step_seconds.append(seconds)
+        if tokens is not None:
+            by_size = self.step_seconds_by_tokens.get(tokens)
+            if by_size is None:
+                by_size = self.step_seconds_by_tokens[tokens] = deque(maxlen=STEPS_BY_SIZE)
+            by_size.append(seconds)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from slotserve.engine.cancel_bound import CancelBound
 from slotserve.engine.events import Priority
 from slotserve.kv.holdings import Holding, RowGroup
 
@@ -41,7 +42,8 @@ class PrefixStats:
 class EngineStats:
     """A snapshot of the engine. KV blocks are cell blocks (cell layout) or slot rows.
     ``pressure_level`` is None without a pressure signal, ``prefix`` None with the prefix
-    cache off."""
+    cache off. ``cancel_bound`` is the declared worst-case cancel→release time beside the
+    measured p99 (`Engine.cancel_bound`)."""
 
     slots_in_use: int
     max_seqs: int
@@ -60,6 +62,7 @@ class EngineStats:
     steps_by_class: dict[str, int] = field(default_factory=dict)
     pressure_level: float | None = None
     prefix: PrefixStats | None = None
+    cancel_bound: CancelBound | None = None
 
 
 @dataclass(frozen=True)
