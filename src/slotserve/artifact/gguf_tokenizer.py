@@ -1,4 +1,12 @@
-"""Build a `Tokenizer` from GGUF metadata (gpt2-style byte-level BPE)."""
+"""Build a `Tokenizer` from GGUF metadata: gpt2-style byte-level BPE (HF `tokenizers`), or a
+"llama" SentencePiece vocabulary (`slotserve.tokenizer.spm`, llama.cpp's algorithm).
+
+For "llama" the GGUF token types become llama.cpp's token attributes here, with the
+overrides llama.cpp's loader applies by token text (``llama_vocab::impl::load``): the
+end-of-generation, end-of-turn and fill-in-the-middle markers it recognises are control
+tokens even where the file types them otherwise (Gemma 3's ``</s>`` is user-defined in the
+file, control in llama.cpp: a prompt's ``</s>`` is one token, and decoding hides it).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +17,7 @@ import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
 from slotserve.errors import ArtifactError
-from slotserve.tokenizer import Tokenizer
+from slotserve.tokenizer import Tokenizer, spm
 
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL, _USER_DEFINED = 3, 4
@@ -45,21 +53,18 @@ def _pre_tokenizer(pre: str, path: str) -> pre_tokenizers.PreTokenizer:
 
 
 def tokenizer_from_gguf(meta: Mapping[str, Any], path: str) -> Tokenizer:
-    """Byte-level BPE from ``tokenizer.ggml.*`` keys; special tokens come from token types."""
+    """The tokenizer ``tokenizer.ggml.*`` describes; special tokens come from token types."""
     kind = meta.get("tokenizer.ggml.model")
+    if kind == "llama":
+        return _sentencepiece(meta, path)
     if kind != "gpt2":
         raise ArtifactError(
             path,
-            f"tokenizer model {kind!r} is not supported; expected 'gpt2'",
+            f"tokenizer model {kind!r} is not supported; expected 'gpt2' or 'llama'",
             "tokenizer.ggml.model",
         )
-    tokens: list[str] = _required(meta, "tokenizer.ggml.tokens", list, path)
+    tokens, types = _tokens_and_types(meta, path)
     merges: list[str] = meta.get("tokenizer.ggml.merges") or []
-    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    if len(types) != len(tokens):
-        raise ArtifactError(
-            path, f"{len(types)} token types for {len(tokens)} tokens", "tokenizer.ggml.token_type"
-        )
     vocab = {token: index for index, token in enumerate(tokens)}
     pairs = _merge_pairs(merges, path)
     try:
@@ -89,6 +94,86 @@ def tokenizer_from_gguf(meta: Mapping[str, Any], path: str) -> Tokenizer:
         chat_template=meta.get("tokenizer.chat_template"),
         add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
     )
+
+
+# llama.cpp's llama_token_type -> llama_token_attr (1 normal, 2 unknown, 3 control,
+# 4 user-defined, 5 unused, 6 byte; anything else undefined).
+_ATTRS = {
+    1: spm.ATTR_NORMAL,
+    2: spm.ATTR_UNKNOWN,
+    3: spm.ATTR_CONTROL,
+    4: spm.ATTR_USER_DEFINED,
+    5: spm.ATTR_UNUSED,
+    6: spm.ATTR_BYTE,
+}
+# Texts llama.cpp's loader makes control tokens whatever their type: its end-of-turn,
+# end-of-message and fill-in-the-middle markers, and its end-of-generation list.
+_CONTROL_TEXTS = frozenset(
+    (
+        "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
+        "<|end_of_text|>", "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>",
+        "<end_of_utterance>", "<|eom_id|>", "<|return|>", "<|call|>", "<|flush|>",
+        "<|calls|>", "</s>", "[EOS]", "<eos>", "<turn|>", "<|tool_response>", "[e~[",
+        "<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>",
+        "▁<PRE>", "<|code_prefix|>", "<|prefix|>", "<|fim_suffix|>", "<fim-suffix>",
+        "<fim_suffix>", "<｜fim▁hole｜>", "<SUF>", "▁<SUF>", "<|code_suffix|>", "<|suffix|>",
+        "<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>",
+        "<|code_middle|>", "<|middle|>", "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>",
+        "[PAD]", "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>",
+        "<|file_sep|>",
+    )
+)  # fmt: skip
+# llama.cpp's end-of-turn texts: where the file names no tokenizer.ggml.eot_token_id, the
+# token with one of these texts is its EOT, which ends generation beside EOS (llama.cpp
+# takes whichever its hash map meets first; a vocabulary rarely has two of them).
+_EOT_TEXTS = (
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|end_of_text|>",
+    "<EOT>", "_<EOT>", "[EOT]", "<｜end▁of▁sentence｜>", "<end_of_utterance>",
+)  # fmt: skip
+
+
+def _sentencepiece(meta: Mapping[str, Any], path: str) -> Tokenizer:
+    """A "llama" vocabulary as llama.cpp reads it: scores, types as attributes (with its
+    text overrides), ``add_space_prefix`` and ``add_bos_token`` defaulting to true."""
+    tokens, types = _tokens_and_types(meta, path)
+    scores: list[float] = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    if len(scores) < len(tokens):
+        raise ArtifactError(
+            path, f"{len(scores)} scores for {len(tokens)} tokens", "tokenizer.ggml.scores"
+        )
+    attrs = [_ATTRS.get(int(kind), 0) for kind in types]
+    for index, text in enumerate(tokens):
+        if text in _CONTROL_TEXTS:
+            attrs[index] |= spm.ATTR_CONTROL
+    vocab = spm.SpmVocab(
+        tokens,
+        scores[: len(tokens)],
+        attrs,
+        add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", True)),
+    )
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    eot = meta.get("tokenizer.ggml.eot_token_id")
+    if eot is None:
+        eot = next(
+            (vocab.token_to_id(t) for t in _EOT_TEXTS if vocab.token_to_id(t) is not None), None
+        )
+    return Tokenizer(
+        vocab,
+        bos_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_ids=[int(i) for i in dict.fromkeys((eos, eot)) if i is not None],
+        chat_template=meta.get("tokenizer.chat_template"),
+        add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
+    )
+
+
+def _tokens_and_types(meta: Mapping[str, Any], path: str) -> tuple[list[str], list[int]]:
+    tokens: list[str] = _required(meta, "tokenizer.ggml.tokens", list, path)
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    if len(types) != len(tokens):
+        raise ArtifactError(
+            path, f"{len(types)} token types for {len(tokens)} tokens", "tokenizer.ggml.token_type"
+        )
+    return tokens, types
 
 
 def _merge_pairs(merges: list[str], path: str) -> list[tuple[str, str]]:

@@ -50,6 +50,14 @@ def register(commands: Any) -> None:
     )
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None)
+    parser.add_argument(
+        "--chat-template",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template to render chat requests with, instead of the model's own "
+        "(a model without one answers chat requests with 400)",
+    )
     parser.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20)
     parser.add_argument(
@@ -159,6 +167,19 @@ def served_name(spec: str) -> str:
     return path.stem if path.suffix == ".gguf" else path.name
 
 
+def chat_template_text(path: Path | None) -> str | None:
+    """The text of ``--chat-template FILE`` (None without the flag)."""
+    if path is None:
+        return None
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"--chat-template {path}: cannot read it ({exc})") from None
+    if not text.strip():
+        raise ValueError(f"--chat-template {path}: the file is empty; give a Jinja chat template")
+    return text
+
+
 def run(args: argparse.Namespace) -> int:
     return _serve(args)
 
@@ -167,7 +188,10 @@ def _serve(args: argparse.Namespace) -> int:
     from slotserve.engine import Engine
     from slotserve.server import serve
 
+    template = chat_template_text(args.chat_template)  # read before the model loads
     spec, model, executor = open_model(args)
+    if template is not None:
+        model.tokenizer.chat_template = template
     config = engine_config(args, model)  # with --preset: sized for this model
     config = with_server_queue(config, args)
     config = with_server_prefix_cache(config, args, model)

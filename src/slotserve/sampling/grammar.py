@@ -18,6 +18,7 @@ import torch
 
 from slotserve.sampling.cpu import numpy_view_ok
 from slotserve.tokenizer import Tokenizer
+from slotserve.tokenizer.spm import SpmVocab
 
 log = logging.getLogger("slotserve")
 
@@ -82,11 +83,37 @@ class GrammarCompiler:
         with self._lock:
             if self._index is None:
                 self._index = llguidance.LLTokenizer(
-                    self.tokenizer.backend.to_str(),
+                    _llguidance_source(self.tokenizer),
                     n_vocab=self.vocab_size,
                     eos_token=list(self.tokenizer.eos_ids),
                 )
             return self._index
+
+
+def _llguidance_source(tokenizer: Tokenizer) -> Any:
+    """What llguidance reads a tokenizer from: a Hugging Face backend's JSON, or for a
+    SentencePiece vocabulary (which `tokenizers` cannot express) each token's bytes, the
+    special ids and the encoder, as a `llguidance.TokenizerWrapper`."""
+    import llguidance
+
+    backend = tokenizer.backend
+    if not isinstance(backend, SpmVocab):
+        return backend.to_str()
+    return llguidance.TokenizerWrapper(_SpmTokens(tokenizer, backend))
+
+
+class _SpmTokens:
+    """The attributes `llguidance.TokenizerWrapper` reads, over an `SpmVocab`."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab: SpmVocab) -> None:
+        self.eos_token_id = tokenizer.eos_ids[0] if tokenizer.eos_ids else None
+        self.bos_token_id = tokenizer.bos_id
+        self.tokens = [vocab.piece(i) for i in range(vocab.vocab_size)]
+        self.special_token_ids = sorted(vocab.special_ids)
+        self._vocab = vocab
+
+    def __call__(self, text: bytes) -> list[int]:
+        return self._vocab.encode(text.decode("utf-8", "replace"), parse_special=False)
 
 
 class Grammar:

@@ -22,6 +22,7 @@ from slotserve.server.generation import collect, merged, submit_all
 from slotserve.server.schemas import ChatMessage, CompletionRequest, SamplingFields
 from slotserve.server.state import ServerState
 from slotserve.server.structured import logit_bias, response_grammar
+from slotserve.tokenizer import ChatTemplateMissing
 
 
 def chat_tokens(
@@ -34,6 +35,10 @@ def chat_tokens(
         plain = [{"role": m.role, "content": m.text()} for m in messages]
         tokenizer = engine.model.tokenizer
         return tokenizer.encode_chat(plain, add_generation_prompt=add_generation_prompt)
+    except ChatTemplateMissing as exc:  # the model's, not the messages': say what fixes it
+        raise APIError(
+            400, str(exc), "invalid_request_error", code="chat_template_missing"
+        ) from None
     except Exception as exc:  # template errors come in many types; all are the caller's
         raise APIError(400, f"messages: {exc}", "invalid_request_error", param="messages") from None
 

@@ -1,7 +1,11 @@
-"""Tokenizer (HF `tokenizers`), chat templates (jinja2) and streaming detokenisation.
+"""Tokenizer, chat templates (jinja2) and streaming detokenisation.
 
-A `Tokenizer` is built from a Hugging Face ``tokenizer.json`` or from GGUF metadata
-(see `artifact.gguf_tokenizer`); either way encoding runs in the Rust `tokenizers` library.
+A `Tokenizer` is built from a Hugging Face ``tokenizer.json`` or from GGUF metadata (see
+`artifact.gguf_tokenizer`). Its backend is either the Rust `tokenizers` library (HF files,
+GGUF "gpt2" byte-level BPE) or `spm.SpmVocab` (GGUF "llama" SentencePiece vocabularies,
+encoded exactly as llama.cpp does, which `tokenizers` cannot express: its BPE needs
+merges and its Unigram is Viterbi, not llama.cpp's greedy score-ordered merges). Both sit
+behind the `TokenCodec` seam; everything above it (BOS rule, chat, streaming) is shared.
 """
 
 from __future__ import annotations
@@ -11,11 +15,49 @@ import json
 import re
 import secrets
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 import jinja2.sandbox
 import tokenizers
+
+from slotserve.tokenizer.spm import SpmVocab
+
+Backend = tokenizers.Tokenizer | SpmVocab
+
+
+class ChatTemplateMissing(ValueError):
+    """Chat messages were given to a model that has no chat template."""
+
+    def __init__(self) -> None:
+        super().__init__(
+            "this model has no chat template (no tokenizer.chat_template in its GGUF, no "
+            "chat_template in its tokenizer_config.json); give one with --chat-template FILE "
+            "(a Jinja chat template), or send a plain prompt instead of chat messages"
+        )
+
+
+class TokenCodec(Protocol):
+    """What `Tokenizer` needs of a backend: text <-> ids, and which ids are special (the
+    tokens a chat template writes as markers, and ``skip_special`` hides)."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def special_ids(self) -> frozenset[int]: ...
+
+    @property
+    def special_text_ids(self) -> dict[str, int]: ...
+
+    def token_to_id(self, text: str) -> int | None: ...
+
+    def encode(self, text: str, *, parse_special: bool = True) -> list[int]:
+        """Ids of ``text`` (no BOS); ``parse_special=False`` reads special-token text as
+        the plain text it is."""
+        ...
+
+    def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str: ...
 
 
 class Tokenizer:
@@ -23,7 +65,7 @@ class Tokenizer:
 
     def __init__(
         self,
-        backend: tokenizers.Tokenizer,
+        backend: Backend,
         *,
         bos_id: int | None,
         eos_ids: Sequence[int],
@@ -35,15 +77,19 @@ class Tokenizer:
         self.eos_ids = tuple(eos_ids)
         self.chat_template = chat_template
         self.add_bos = add_bos
-        self._special_ids = frozenset(
-            index for index, token in backend.get_added_tokens_decoder().items() if token.special
-        )
+        self._codec: TokenCodec = backend if isinstance(backend, SpmVocab) else _HFCodec(backend)
+        self._special_ids = self._codec.special_ids
 
     def to_json(self) -> str:
         """Everything needed to rebuild this tokenizer, as one JSON string."""
+        backend: dict[str, Any] = (
+            {"spm": self.backend.to_dict()}
+            if isinstance(self.backend, SpmVocab)
+            else {"backend": self.backend.to_str()}
+        )
         return json.dumps(
             {
-                "backend": self.backend.to_str(),
+                **backend,
                 "bos_id": self.bos_id,
                 "eos_ids": list(self.eos_ids),
                 "chat_template": self.chat_template,
@@ -54,16 +100,19 @@ class Tokenizer:
     @classmethod
     def from_json(cls, text: str) -> Tokenizer:
         fields = json.loads(text)
-        backend = tokenizers.Tokenizer.from_str(fields.pop("backend"))
+        backend: Backend = (
+            SpmVocab.from_dict(fields.pop("spm"))
+            if "spm" in fields
+            else tokenizers.Tokenizer.from_str(fields.pop("backend"))
+        )
         return cls(backend, **fields)
 
     @property
     def vocab_size(self) -> int:
-        return int(self.backend.get_vocab_size(with_added_tokens=True))
+        return self._codec.vocab_size
 
     def token_to_id(self, token: str) -> int | None:
-        found = self.backend.token_to_id(token)
-        return int(found) if found is not None else None
+        return self._codec.token_to_id(token)
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._special_ids
@@ -74,8 +123,7 @@ class Tokenizer:
 
         Never pass text that holds user input through this to build a chat prompt: a user
         who types ``<|im_end|>`` would end their turn. Use `encode_chat` for that."""
-        ids: list[int] = self.backend.encode(text, add_special_tokens=False).ids
-        return self._with_bos(ids, add_bos)
+        return self._with_bos(self._codec.encode(text), add_bos)
 
     def encode_chat(
         self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
@@ -95,8 +143,7 @@ class Tokenizer:
             if index % 2:  # a special token the template wrote
                 ids.append(self._special_text_ids[piece])
             elif piece:
-                text = _unescape(piece, nonce)
-                ids.extend(self._text_backend.encode(text, add_special_tokens=False).ids)
+                ids.extend(self._codec.encode(_unescape(piece, nonce), parse_special=False))
         return self._with_bos(ids, None)
 
     def _with_bos(self, ids: list[int], add_bos: bool | None) -> list[int]:
@@ -107,8 +154,7 @@ class Tokenizer:
 
     @functools.cached_property
     def _special_text_ids(self) -> dict[str, int]:
-        decoder = self.backend.get_added_tokens_decoder()
-        return {decoder[index].content: index for index in self._special_ids}
+        return self._codec.special_text_ids
 
     @functools.cached_property
     def _special_pattern(self) -> re.Pattern[str] | None:
@@ -116,6 +162,53 @@ class Tokenizer:
         matcher does (longest alternatives first)."""
         texts = sorted(self._special_text_ids, key=len, reverse=True)
         return re.compile("|".join(map(re.escape, texts))) if texts else None
+
+    def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
+        return self._codec.decode(ids, skip_special=skip_special)
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+    ) -> str:
+        """Render ``messages`` with the model's chat template (as transformers does).
+        Raises `ChatTemplateMissing` when the model has none."""
+        if not self.chat_template:
+            raise ChatTemplateMissing
+        template = _jinja_env().from_string(self.chat_template)
+        bos = self.decode([self.bos_id]) if self.bos_id is not None else ""
+        eos = self.decode([self.eos_ids[0]]) if self.eos_ids else ""
+        return template.render(
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos,
+            eos_token=eos,
+        )
+
+    def stream_decoder(self, *, skip_special: bool = True) -> StreamDecoder:
+        return StreamDecoder(self, skip_special=skip_special)
+
+
+class _HFCodec:
+    """`TokenCodec` over a Hugging Face `tokenizers.Tokenizer`; special tokens are its
+    added tokens marked special."""
+
+    def __init__(self, backend: tokenizers.Tokenizer) -> None:
+        self.backend = backend
+        decoder = backend.get_added_tokens_decoder()
+        self.special_ids = frozenset(index for index, token in decoder.items() if token.special)
+        self.special_text_ids = {decoder[index].content: index for index in self.special_ids}
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.backend.get_vocab_size(with_added_tokens=True))
+
+    def token_to_id(self, text: str) -> int | None:
+        found = self.backend.token_to_id(text)
+        return int(found) if found is not None else None
+
+    def encode(self, text: str, *, parse_special: bool = True) -> list[int]:
+        backend = self.backend if parse_special else self._text_backend
+        ids: list[int] = backend.encode(text, add_special_tokens=False).ids
+        return ids
 
     @functools.cached_property
     def _text_backend(self) -> tokenizers.Tokenizer:
@@ -129,25 +222,6 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special))
-
-    def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
-    ) -> str:
-        """Render ``messages`` with the model's chat template (as transformers does)."""
-        if not self.chat_template:
-            raise ValueError("this model has no chat template; pass a plain prompt instead")
-        template = _jinja_env().from_string(self.chat_template)
-        bos = self.decode([self.bos_id]) if self.bos_id is not None else ""
-        eos = self.decode([self.eos_ids[0]]) if self.eos_ids else ""
-        return template.render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=bos,
-            eos_token=eos,
-        )
-
-    def stream_decoder(self, *, skip_special: bool = True) -> StreamDecoder:
-        return StreamDecoder(self, skip_special=skip_special)
 
 
 # User-typed special-token text is swapped for a marker before the template runs (so the
@@ -213,10 +287,11 @@ def _jinja_env() -> jinja2.Environment:
 class StreamDecoder:
     """Turns a stream of token ids into text deltas that never split a UTF-8 character.
 
-    Byte-level BPE tokens can end in the middle of a multi-byte character; such a token
-    decodes to U+FFFD. The delta is held back until a later token completes it. Decoding a
-    short window (``prefix..end``) rather than the whole sequence keeps it O(1) per token
-    and lets tokenizers that merge spaces across tokens decode correctly.
+    Byte-level BPE tokens and SentencePiece byte tokens (``<0xE6>``) can end in the middle
+    of a multi-byte character; such a token decodes to U+FFFD. The delta is held back until
+    a later token completes it. Decoding a short window (``prefix..end``) rather than the
+    whole sequence keeps it O(1) per token and lets tokenizers that merge spaces across
+    tokens decode correctly.
     """
 
     def __init__(self, tokenizer: Tokenizer, *, skip_special: bool = True) -> None:
