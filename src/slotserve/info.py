@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+ACTIVATIONS = ("silu", "gelu_tanh")
+
 
 @dataclass(frozen=True)
 class RopeConfig:
@@ -39,6 +41,11 @@ class ModelInfo:
 
     ``sliding_window[i]`` is the attention window of layer ``i`` (``None`` = full attention):
     a query at position p sees keys at positions ``p - window + 1 .. p``.
+
+    The Gemma 3 family differs from Llama's in four facts, each a field: its sliding-window
+    layers rotate by their own RoPE (``rope_local``), every attention and MLP output is
+    RMS-normed before its residual (``post_norms``), the MLP's gate is GELU's tanh form
+    (``activation``), and embeddings are scaled by √dim (``embed_scale``).
     """
 
     arch: str
@@ -59,8 +66,18 @@ class ModelInfo:
     bos_id: int | None = None
     eos_ids: tuple[int, ...] = ()
     name: str = ""
+    rope_local: RopeConfig | None = None
+    post_norms: bool = False
+    activation: str = "silu"
+    embed_scale: float = 1.0
 
     def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(
+                f"ModelInfo.activation {self.activation!r} is not one of {ACTIVATIONS}"
+            )
+        if not self.embed_scale > 0:
+            raise ValueError(f"ModelInfo.embed_scale must be > 0, got {self.embed_scale}")
         for name in ("n_layers", "dim", "n_heads", "n_kv_heads", "head_dim", "ffn_dim"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ModelInfo.{name} must be > 0, got {getattr(self, name)}")
@@ -79,6 +96,11 @@ class ModelInfo:
         """The sliding window of ``layer``, or ``None`` for full attention."""
         return self.sliding_window[layer] if self.sliding_window else None
 
+    def local_rope(self, layer: int) -> bool:
+        """Whether ``layer`` rotates by ``rope_local`` (a sliding-window layer of a model
+        that has one) rather than ``rope``."""
+        return self.rope_local is not None and self.window(layer) is not None
+
     @property
     def kv_dim(self) -> int:
         """Width of one K (or V) row for one position in one layer."""
@@ -95,6 +117,8 @@ class ModelInfo:
     def from_json(cls, text: str) -> ModelInfo:
         fields: dict[str, Any] = json.loads(text)
         fields["rope"] = RopeConfig(**fields["rope"])
+        if fields.get("rope_local") is not None:
+            fields["rope_local"] = RopeConfig(**fields["rope_local"])
         fields["sliding_window"] = tuple(fields["sliding_window"])
         fields["eos_ids"] = tuple(fields["eos_ids"])
         return cls(**fields)

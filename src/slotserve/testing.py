@@ -66,6 +66,21 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
         "architectures": ["MistralForCausalLM"],
         "sliding_window": 6,
     },
+    # Gemma 3's shape at a tiny size, wide enough for K-quant super-blocks (256 values):
+    # local (sliding-window) layers 0 and 2 rotate by their own RoPE, 1 and 3 are global.
+    "gemma3": {
+        "model_type": "gemma3",
+        "architectures": ["Gemma3ForCausalLM"],
+        "hidden_size": 256,
+        "intermediate_size": 512,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+        "sliding_window": 8,
+        "sliding_window_pattern": 2,
+        "tie_word_embeddings": True,
+    },
     "mixed": {
         "model_type": "qwen2",
         "architectures": ["Qwen2ForCausalLM"],
@@ -134,12 +149,57 @@ def random_state_dict(config: dict[str, Any], seed: int = 0) -> dict[str, torch.
         if config["model_type"] == "qwen2":
             for name in ("q_proj", "k_proj", "v_proj"):
                 state[p + f"self_attn.{name}.bias"] = rand(shapes[f"self_attn.{name}"][0])
-        if config["model_type"] == "qwen3":
+        if config["model_type"] in ("qwen3", "gemma3"):
             state[p + "self_attn.q_norm.weight"] = norm(head_dim)
             state[p + "self_attn.k_norm.weight"] = norm(head_dim)
         state[p + "input_layernorm.weight"] = norm(dim)
         state[p + "post_attention_layernorm.weight"] = norm(dim)
+        if config["model_type"] == "gemma3":
+            state[p + "pre_feedforward_layernorm.weight"] = norm(dim)
+            state[p + "post_feedforward_layernorm.weight"] = norm(dim)
     return state
+
+
+# The tensor types of llama.cpp's Q4_K_M mix, by projection (the rest F32, the
+# embedding Q8_0): what `write_tiny_gguf(qtype="Q4_K_M")` writes.
+Q4_K_M_TYPES = {
+    "q_proj": "Q5_0",
+    "k_proj": "Q5_0",
+    "v_proj": "Q8_0",
+    "o_proj": "Q4_K",
+    "gate_proj": "Q5_0",
+    "up_proj": "Q5_0",
+    "down_proj": "Q6_K",
+    "embed_tokens": "Q8_0",
+    "lm_head": "Q6_K",
+}
+
+
+# What llama-quantize writes instead of a K-quant for rows that are not whole super-blocks.
+K_QUANT_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
+def random_gguf_rows(kind: str, rows: int, cols: int, seed: int = 0) -> Any:
+    """Random valid GGUF blocks of ``kind`` (``[rows, bytes]`` uint8 numpy): the 32-value
+    types quantised from random weights by gguf-py; the K-quants (which gguf-py cannot
+    quantise) as random bytes with modest fp16 super-block scales."""
+    import gguf
+    import numpy as np
+
+    gen = np.random.default_rng(seed)
+    quant = gguf.GGMLQuantizationType[kind]
+    values, size = gguf.GGML_QUANT_SIZES[quant]
+    if kind in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+        weight = gen.standard_normal((rows, cols)) * gen.uniform(0.01, 1, (rows, 1))
+        data = gguf.quants.quantize(weight.astype(np.float32), quant)
+        return data.view(np.uint8).reshape(rows, -1).copy()
+    if kind not in ("Q4_K", "Q5_K", "Q6_K"):
+        raise ValueError(f"no random blocks for {kind}")
+    blocks = gen.integers(0, 256, (rows, cols // values, size), dtype=np.uint8)
+    count, at = (1, 208) if kind == "Q6_K" else (2, 0)  # Q6_K: d last; else d, dmin first
+    scales = gen.uniform(2e-5, 3e-4, (rows, cols // values, count)).astype(np.float16)
+    blocks[:, :, at : at + 2 * count] = scales.view(np.uint8)
+    return blocks.reshape(rows, -1)
 
 
 def write_tiny_hf_dir(path: Path, kind: str = "llama", seed: int = 0) -> Path:
@@ -173,22 +233,24 @@ def _llama_cpp_permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, 2, rows // heads // 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-def _gguf_tensor_name(hf_name: str) -> str:
-    from slotserve.artifact.gguf_file import _GLOBAL_NAMES, _LAYER_NAMES
+def _gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
+    from slotserve.artifact.gguf_file import _GEMMA3_LAYER_NAMES, _GLOBAL_NAMES, _LAYER_NAMES
 
     inverse_global = {hf: gg for gg, hf in _GLOBAL_NAMES.items()}
     if hf_name in inverse_global:
         return inverse_global[hf_name]
     _, _, layer, *rest = hf_name.split(".")
     suffix = rest.pop()
-    inverse_layer = {hf: gg for gg, hf in _LAYER_NAMES.items()}
+    names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
+    inverse_layer = {hf: gg for gg, hf in names.items()}
     return f"blk.{layer}.{inverse_layer['.'.join(rest)]}.{suffix}"
 
 
 def write_tiny_gguf(path: Path, kind: str = "llama", qtype: str = "F32", seed: int = 0) -> Path:
-    """Write the tiny model ``kind`` (llama, qwen2 or qwen3) as a GGUF file, its 2-D weights
-    stored as ``qtype`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, ...), laid out as llama.cpp's
-    converter lays them out (Q/K rows permuted for llama)."""
+    """Write the tiny model ``kind`` (llama, qwen2, qwen3 or gemma3) as a GGUF file, its 2-D
+    weights stored as ``qtype`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, ..., or ``Q4_K_M``:
+    llama.cpp's mix of types, `Q4_K_M_TYPES`, with random K-quant blocks), laid out as
+    llama.cpp's converter lays them out (Q/K rows permuted for llama)."""
     import gguf
     import numpy as np
 
@@ -207,17 +269,33 @@ def write_tiny_gguf(path: Path, kind: str = "llama", qtype: str = "F32", seed: i
         writer.add_value_length(config["head_dim"])
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if arch == "gemma3":
+        writer.add_sliding_window(config["sliding_window"])
+        writer.add_uint32(
+            "gemma3.attention.sliding_window_pattern", config["sliding_window_pattern"]
+        )
+        writer.add_float32("gemma3.rope.freq_base_swa", config["rope_local_base_freq"])
     _add_gguf_tokenizer(writer, config["vocab_size"])
-    quant = gguf.GGMLQuantizationType[qtype]
     for name, tensor in random_state_dict(config, seed).items():
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             tensor = _llama_cpp_permute(tensor, heads if "q_proj" in name else kv_heads)
         array = tensor.numpy().astype(np.float32)
-        if array.ndim == 2 and quant != gguf.GGMLQuantizationType.F32:
+        kind_of = qtype
+        if qtype == "Q4_K_M":
+            kind_of = next((t for part, t in Q4_K_M_TYPES.items() if f"{part}." in name), "F32")
+            if array.ndim == 2 and array.shape[1] % 256:  # llama.cpp's fallback types
+                kind_of = K_QUANT_FALLBACK.get(kind_of, kind_of)
+        quant = gguf.GGMLQuantizationType[kind_of]
+        if array.ndim == 2 and kind_of in ("Q4_K", "Q5_K", "Q6_K"):
+            rows = random_gguf_rows(kind_of, array.shape[0], array.shape[1], seed)
+            writer.add_tensor(
+                _gguf_tensor_name(name, arch), rows, raw_shape=rows.shape, raw_dtype=quant
+            )
+        elif array.ndim == 2 and quant != gguf.GGMLQuantizationType.F32:
             data = gguf.quants.quantize(array, quant)
-            writer.add_tensor(_gguf_tensor_name(name), data, raw_dtype=quant)
+            writer.add_tensor(_gguf_tensor_name(name, arch), data, raw_dtype=quant)
         else:
-            writer.add_tensor(_gguf_tensor_name(name), array)
+            writer.add_tensor(_gguf_tensor_name(name, arch), array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

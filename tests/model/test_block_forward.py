@@ -17,11 +17,16 @@ from slotserve.model.llama import EagerHalves
 from slotserve.testing import write_tiny_gguf
 
 
-@pytest.fixture(scope="module", params=["Q4_1", "Q8_0"])
+@pytest.fixture(
+    scope="module",
+    params=[("llama", "Q4_1"), ("llama", "Q8_0"), ("qwen3", "Q8_0"), ("gemma3", "Q4_K_M")],
+    ids=lambda p: "-".join(p),
+)
 def block_model(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> ss.Model:
-    path = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", qtype=request.param)
+    kind, qtype = request.param
+    path = write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf", kind, qtype)
     return ss.load(path, weights="gguf", progress=False)
 
 
@@ -34,7 +39,7 @@ def test_halves_equal_the_eager_halves(block_model: ss.Model) -> None:
     rows = 5
     gen = torch.Generator().manual_seed(0)
     positions = torch.tensor([0, 3, 4, 9, 2])
-    step = StepContext.of(block_model.rope, positions)
+    step = StepContext.of(block_model.rope, positions, block_model.local_rope)
     x = torch.randn(rows, info.dim, generator=gen)
     for layer in range(info.n_layers):
         torch.testing.assert_close(
@@ -47,16 +52,16 @@ def test_halves_equal_the_eager_halves(block_model: ss.Model) -> None:
     torch.testing.assert_close(fused.head(x), eager.head(x), rtol=1e-5, atol=1e-5)
 
 
-def test_it_covers_block_llama_only(tmp_path: Path, block_model: ss.Model) -> None:
+def test_it_covers_every_block_model_without_biases(tmp_path: Path, block_model: ss.Model) -> None:
     assert block_model.halves.kind == "block"
     dense = ss.load(write_tiny_gguf(tmp_path / "f32.gguf", qtype="F32"), progress=False)
     assert dense.halves.kind == "eager"  # dense projections
-    qwen3 = write_tiny_gguf(tmp_path / "qwen3.gguf", kind="qwen3", qtype="Q8_0")
-    model = ss.load(qwen3, weights="gguf", progress=False)
+    qwen2 = write_tiny_gguf(tmp_path / "qwen2.gguf", kind="qwen2", qtype="Q8_0")
+    model = ss.load(qwen2, weights="gguf", progress=False)
     assert model.weights is not None
-    assert BlockHalves.refusal(model.weights, model.info) == "per-head q/k norms"
+    assert BlockHalves.refusal(model.weights, model.info) == "projection biases"
     assert model.halves.kind == "eager"  # still the file's blocks, under eager glue
-    with pytest.raises(ValueError, match="do not cover this model: per-head q/k norms"):
+    with pytest.raises(ValueError, match="do not cover this model: projection biases"):
         BlockHalves(model.weights, model.info, block_model.halves.kernel)
 
 

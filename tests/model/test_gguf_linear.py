@@ -104,8 +104,10 @@ def test_blocks_dequantise_as_gguf_py_does(kind: str) -> None:
 
 
 def test_misshapen_blocks_are_refused() -> None:
-    with pytest.raises(ValueError, match="kind='Q5_K'"):
-        BlockLinear.from_gguf(torch.zeros(2, 20, dtype=torch.uint8), "Q5_K")
+    with pytest.raises(ValueError, match="kind='Q3_K'"):
+        BlockLinear.from_gguf(torch.zeros(2, 20, dtype=torch.uint8), "Q3_K")
+    with pytest.raises(ValueError, match="whole 176-byte blocks"):
+        BlockLinear.from_gguf(torch.zeros(2, 200, dtype=torch.uint8), "Q5_K")
     with pytest.raises(ValueError, match="whole 20-byte blocks"):
         BlockLinear.from_gguf(torch.zeros(2, 30, dtype=torch.uint8), "Q4_1")
     with pytest.raises(ValueError, match="are 40 bytes, got 20"):

@@ -34,4 +34,4 @@ def test_a_drifted_mirror_is_named() -> None:
     class Missing(ctypes.Structure):
         _fields_ = [("blocks", ctypes.c_void_p), ("kind", ctypes.c_int64)]
 
-    assert "size C 24 != ctypes 16" in layout_mismatch(build.load("blocks"), "matrix", Missing)
+    assert "size C 32 != ctypes 16" in layout_mismatch(build.load("blocks"), "matrix", Missing)

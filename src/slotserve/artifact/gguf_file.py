@@ -22,12 +22,19 @@ from slotserve.model.gguf_linear import BlockLinear, to_q4_1
 
 WeightT = TypeVar("WeightT", torch.Tensor, BlockLinear)
 
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 # RoPE tables for the whole context are built at load, so a corrupt context length would
 # allocate without bound; 2**24 positions is beyond every model we read.
 MAX_CONTEXT = 1 << 24
 _MAX_DIMS = 4  # GGML_MAX_DIMS
-SUPPORTED_QUANTS = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q6_K")
+SUPPORTED_QUANTS = (
+    *("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"),
+    *("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"),
+)
+# Gemma 3 runs one local (sliding-window) layer pattern: five local layers to one global,
+# unless the file lists them (llama.cpp's default for the architecture).
+GEMMA3_SWA_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10000.0
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -41,6 +48,14 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# Gemma's layers norm after attention and after the MLP as well: its GGUF ``ffn_norm`` is
+# the norm before the MLP (Hugging Face ``pre_feedforward_layernorm``).
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -169,7 +184,12 @@ def model_info_from_gguf(
     if window is not None:
         window = _count(meta, f"{arch}.attention.sliding_window", path)
     eos = _token_id(meta, "tokenizer.ggml.eos_token_id", vocab_size, path)
-    _token_id(meta, "tokenizer.ggml.eot_token_id", vocab_size, path)
+    eot = _token_id(meta, "tokenizer.ggml.eot_token_id", vocab_size, path)
+    gemma = arch == "gemma3"
+    eos_ids = tuple(dict.fromkeys(t for t in (eos, eot) if t is not None))
+    if gemma and "<end_of_turn>" in tokens:  # llama.cpp ends generation there too
+        eos_ids = tuple(dict.fromkeys((*eos_ids, tokens.index("<end_of_turn>"))))
+    windows = _gemma3_windows(meta, n_layers, window, path) if gemma else None
     return ModelInfo(
         arch=str(arch),
         n_layers=n_layers,
@@ -184,12 +204,37 @@ def model_info_from_gguf(
         rope=_rope_from_gguf(meta, arch, path),
         tied_embeddings="output.weight" not in tensor_names,
         qkv_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3",
-        sliding_window=(window,) * n_layers if window else (),
+        qk_norm=arch in ("qwen3", "gemma3"),
+        sliding_window=windows if windows is not None else (window,) * n_layers if window else (),
         bos_id=_token_id(meta, "tokenizer.ggml.bos_token_id", vocab_size, path),
-        eos_ids=(eos,) if eos is not None else (),
+        eos_ids=eos_ids,
         name=str(meta.get("general.name", path.stem)),
+        rope_local=(
+            RopeConfig(_positive(meta, f"{arch}.rope.freq_base_swa", path, GEMMA3_LOCAL_ROPE_BASE))
+            if gemma and window
+            else None
+        ),
+        post_norms=gemma,
+        activation="gelu_tanh" if gemma else "silu",
+        embed_scale=math.sqrt(dim) if gemma else 1.0,
     )
+
+
+def _gemma3_windows(
+    meta: Mapping[str, Any], n_layers: int, window: int | None, path: Path
+) -> tuple[int | None, ...]:
+    """Each Gemma 3 layer's window: ``sliding_window_pattern`` as a list of booleans (one
+    per layer) or a period N (layer i is local unless i % N == N - 1), default 6."""
+    if window is None:
+        return ()
+    key = "gemma3.attention.sliding_window_pattern"
+    pattern = meta.get(key, GEMMA3_SWA_PATTERN)
+    if isinstance(pattern, list):
+        if len(pattern) != n_layers or not all(isinstance(p, (bool, int)) for p in pattern):
+            raise ArtifactError(path, f"lists {len(pattern)} layers for {n_layers}", key)
+        return tuple(window if p else None for p in pattern)
+    period = _count(meta, key, path, GEMMA3_SWA_PATTERN)
+    return tuple(window if i % period < period - 1 else None for i in range(n_layers))
 
 
 def _count(
@@ -302,21 +347,22 @@ def _rope_from_gguf(meta: Mapping[str, Any], arch: str, path: Path) -> RopeConfi
     return RopeConfig(theta)
 
 
-def hf_tensor_name(name: str, path: Path) -> str:
+def hf_tensor_name(name: str, path: Path, arch: str = "llama") -> str:
     """Map a GGUF tensor name to its Hugging Face name."""
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name]
+    layer_names = _GEMMA3_LAYER_NAMES if arch == "gemma3" else _LAYER_NAMES
     parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    raise ArtifactError(path, "unexpected tensor name for a Llama-family model", name)
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in layer_names:
+        return f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
+    raise ArtifactError(path, f"unexpected tensor name for a {arch} model", name)
 
 
 def iter_tensors(
     reader: GGUFReader, info: ModelInfo, path: Path, *, keep_blocks: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | BlockLinear]]:
     """Yield ``(hf_name, fp32 tensor)`` for every tensor, dequantised and un-permuted. With
-    ``keep_blocks``, the matrices in a type the block kernel multiplies (Q4_0, Q4_1, Q8_0)
+    ``keep_blocks``, the matrices in a type the block kernel multiplies (`BLOCK_KINDS`)
     come as `BlockLinear` on the file's blocks instead (rows un-permuted, Q4_0 as Q4_1)."""
     for tensor in reader.tensors:
         kind = tensor.tensor_type.name
@@ -326,7 +372,7 @@ def iter_tensors(
                 f"tensor type {kind} is not supported; supported: {SUPPORTED_QUANTS}",
                 tensor.name,
             )
-        name = hf_tensor_name(tensor.name, path)
+        name = hf_tensor_name(tensor.name, path, info.arch)
         if keep_blocks and kind in BLOCK_KINDS and len(tensor.shape) == 2:
             yield name, _unpermute(name, _blocks(tensor), info)
             continue
@@ -341,7 +387,7 @@ def iter_tensors(
         yield name, _unpermute(name, torch.from_numpy(array.copy()), info)
 
 
-BLOCK_KINDS = ("Q4_0", "Q4_1", "Q8_0")
+BLOCK_KINDS = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
 
 def has_block_matrices(path: Path) -> bool:
@@ -354,7 +400,7 @@ def has_block_matrices(path: Path) -> bool:
 
 
 def _blocks(tensor: Any) -> BlockLinear:
-    """A 2-D Q4_0/Q4_1/Q8_0 tensor's blocks, copied out of the file's mapping."""
+    """A 2-D tensor's blocks (of a `BLOCK_KINDS` type), copied out of the file's mapping."""
     rows = int(tensor.shape[1])
     data = torch.from_numpy(np.asarray(tensor.data).view(np.uint8).reshape(rows, -1).copy())
     if tensor.tensor_type.name == "Q4_0":

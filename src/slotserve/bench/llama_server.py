@@ -23,7 +23,7 @@ from slotserve.paths import cache_dir
 
 # Pinned, so that a figure measured against llama-server names the llama.cpp it ran.
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
-BINARIES = ("llama-server", "llama-bench")
+BINARIES = ("llama-server", "llama-bench", "llama-quantize")  # the last makes bench files
 # Where a user's own llama-server can be named instead of building one.
 ENV_BINARY = "SLOTSERVE_LLAMA_SERVER"
 CMAKE_FLAGS = (
@@ -115,8 +115,10 @@ def build_llama_server(jobs: int | None = None, console: Console | None = None) 
         ):
             _run(["cmake", "--build", str(build), "--target", *BINARIES, "-j", str(jobs)])
         target.mkdir(parents=True, exist_ok=True)
-        for name in BINARIES:
-            shutil.copy2(build / "bin" / name, target / name)
+        for name in BINARIES:  # beside, then renamed: a running llama-server keeps its file
+            partial = target / f".{name}.{os.getpid()}"
+            shutil.copy2(build / "bin" / name, partial)
+            partial.replace(target / name)
     console.print(f"built {', '.join(BINARIES)} into {target}")
     return target / "llama-server"
 

@@ -1,6 +1,7 @@
-"""The Llama family's fused halves on GGUF block weights: per layer, one kernel call before
-the attention (RMSNorm, the fused Q/K/V product, RoPE) and one after it (the output product
-and residual, RMSNorm, gate/up, SwiGLU, down and residual).
+"""The fused halves on GGUF block weights: per layer, one kernel call before the attention
+(RMSNorm, the fused Q/K/V product, q/k norms, RoPE) and one after it (the output product,
+its norm and residual, RMSNorm, gate/up, SwiGLU or GELU, down, its norm and residual), for
+the Llama, Qwen3 and Gemma 3 layers.
 
 They compute what `slotserve.model.llama.EagerHalves` computes on the same weights (the
 same block products, norms and rotations); they only leave out the dozens of small torch
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from slotserve.info import ModelInfo
-from slotserve.model.gguf_linear import BlockLinear
+from slotserve.model.gguf_linear import BlockLinear, StackedBlocks
 from slotserve.model.halves import HalvesKind, StepContext
 from slotserve.model.llama import EagerHalves
 from slotserve.model.weights import LlamaWeights
@@ -31,6 +32,10 @@ class _Layer:
     o: Matrix
     gate_up: Matrix
     down: Matrix
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    post_attn_norm: torch.Tensor | None
+    post_mlp_norm: torch.Tensor | None
 
 
 class _StepBuffers:
@@ -54,22 +59,27 @@ class BlockHalves(EagerHalves):
         self.kernel = kernel
         self.layers = tuple(
             _Layer(
-                layer.attn_norm.float().contiguous(),
-                layer.mlp_norm.float().contiguous(),
-                *(_matrix(linear) for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)),
+                _floats(layer.attn_norm),
+                _floats(layer.mlp_norm),
+                _matrix(layer.qkv),
+                _matrix(layer.o),
+                _matrix(layer.gate_up),
+                _matrix(layer.down),
+                _maybe_floats(layer.q_norm),
+                _maybe_floats(layer.k_norm),
+                _maybe_floats(layer.post_attn_norm),
+                _maybe_floats(layer.post_mlp_norm),
             )
             for layer in weights.layers
         )
-        self.final_norm = weights.norm.float().contiguous()
+        self.final_norm = _floats(weights.norm)
 
     @staticmethod
     def refusal(weights: LlamaWeights, info: ModelInfo) -> str | None:
         """Why these halves cannot run ``weights`` (None: they can)."""
-        if info.qk_norm:
-            return "per-head q/k norms"
         for layer in weights.layers:
             for linear in (layer.qkv, layer.o, layer.gate_up, layer.down):
-                if not isinstance(linear, BlockLinear):
+                if not isinstance(linear, (BlockLinear, StackedBlocks)):
                     return "projections that are not all GGUF blocks"
                 if linear.bias is not None:
                     return "projection biases"
@@ -80,15 +90,20 @@ class BlockHalves(EagerHalves):
         return "block"
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self._weights.embed[tokens].float().contiguous()
+        rows = self._weights.embed[tokens].float()
+        if self.info.embed_scale != 1.0:
+            rows = rows * self.info.embed_scale
+        return rows.contiguous()
 
     def qkv(self, layer: int, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         info, weights = self.info, self.layers[layer]
         buffers = step.memo(("block", id(self)), lambda: _StepBuffers(x.shape[0], info))
+        cos, sin = step.rotation(info.local_rope(layer))
         args = LayerInArgs(
             x.data_ptr(), x.shape[0], info.dim, weights.attn_norm.data_ptr(), info.norm_eps,
             weights.qkv, buffers.qkv.data_ptr(), info.n_heads + info.n_kv_heads,
-            info.head_dim, step.cos.data_ptr(), step.sin.data_ptr(), buffers.scratch.struct,
+            info.head_dim, cos.data_ptr(), sin.data_ptr(), _address(weights.q_norm),
+            _address(weights.k_norm), info.n_heads, buffers.scratch.struct,
             self.kernel.threads,
         )  # fmt: skip
         self.kernel.layer_in(args)
@@ -104,8 +119,9 @@ class BlockHalves(EagerHalves):
         args = LayerOutArgs(
             x.data_ptr(), x.shape[0], info.dim, attn.data_ptr(), attn.shape[1], weights.o,
             weights.mlp_norm.data_ptr(), info.norm_eps, weights.gate_up,
-            buffers.gate_up.data_ptr(), weights.down, buffers.scratch.struct,
-            self.kernel.threads,
+            buffers.gate_up.data_ptr(), weights.down, _address(weights.post_attn_norm),
+            _address(weights.post_mlp_norm), int(info.activation == "gelu_tanh"),
+            buffers.scratch.struct, self.kernel.threads,
         )  # fmt: skip
         self.kernel.layer_out(args)  # in place
         return x
@@ -117,5 +133,19 @@ class BlockHalves(EagerHalves):
 
 
 def _matrix(linear: object) -> Matrix:
+    if isinstance(linear, StackedBlocks):
+        return Matrix.chain([(part.packed, part.kind) for part in linear.parts])
     assert isinstance(linear, BlockLinear)  # refusal() ran
     return Matrix.of(linear.packed, linear.kind)
+
+
+def _floats(weight: torch.Tensor) -> torch.Tensor:
+    return weight.float().contiguous()
+
+
+def _maybe_floats(weight: torch.Tensor | None) -> torch.Tensor | None:
+    return _floats(weight) if weight is not None else None
+
+
+def _address(weight: torch.Tensor | None) -> int | None:
+    return weight.data_ptr() if weight is not None else None

@@ -1,28 +1,50 @@
-"""Linears and embeddings on a GGUF file's own Q4_1 and Q8_0 blocks: the file's bytes,
-packed in pairs of blocks for the kernel (`slotserve.native.blocks`).
+"""Linears and embeddings on a GGUF file's own weight blocks (Q4_1, Q8_0, Q5_0, Q5_1, Q4_K,
+Q5_K, Q6_K): the file's bytes, Q4_1 and Q8_0 packed in pairs of blocks for the kernel
+(`slotserve.native.blocks`), the other types as the file has them.
 
-Reading the weights is most of a CPU decode step; these read the file's 4.5 or 8.5 bits
+Reading the weights is most of a CPU decode step; these read the file's 4.5 to 8.5 bits
 per weight instead of a 32-bit copy, and multiply the way llama.cpp does (activations in
-int8 blocks of 32 with their own scale, integer dot products per block), so the results
-follow llama.cpp's. The products run on OpenMP threads, one per core. Where the kernel
-cannot be built (no C compiler), `slotserve.load` keeps dequantised weights.
+int8 blocks with their own scale, integer dot products per block), so the results follow
+llama.cpp's. The products run on OpenMP threads, one per core. Where the kernel cannot be
+built (no C compiler), `slotserve.load` keeps dequantised weights.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import gguf
+import numpy as np
 import torch
 
 from slotserve.native import require_block_kernel
-from slotserve.native.blocks import BLOCK, BLOCK_BYTES, padded_blocks, row_bytes
+from slotserve.native.blocks import (
+    BLOCK,
+    BLOCK_BYTES,
+    BLOCK_SIZES,
+    PACKED_KINDS,
+    padded_blocks,
+    row_bytes,
+)
 
-__all__ = ["BLOCK", "BLOCK_BYTES", "BlockEmbedding", "BlockLinear", "pack", "to_q4_1", "unpack"]
+__all__ = [
+    "BLOCK",
+    "BLOCK_BYTES",
+    "BlockEmbedding",
+    "BlockLinear",
+    "StackedBlocks",
+    "pack",
+    "to_q4_1",
+    "unpack",
+]
 
 
 def pack(gguf_rows: torch.Tensor, kind: str) -> torch.Tensor:
-    """A GGUF matrix's rows (``[rows, in / 32 · block bytes]`` uint8, Q4_1 or Q8_0 blocks)
-    in the kernel's packed layout (see the C source): the same bytes, moved."""
+    """A GGUF matrix's rows (``[rows, in / block values · block bytes]`` uint8) in the
+    kernel's layout (see ``csrc/quants.h``): Q4_1 and Q8_0 moved into pairs of blocks, the
+    other types as they are."""
+    if kind not in PACKED_KINDS:
+        return gguf_rows
     rows = gguf_rows.shape[0]
     grouped = gguf_rows.reshape(rows, -1, BLOCK_BYTES[kind])
     if grouped.shape[1] % 2:  # a zero block pads the row to pairs
@@ -38,8 +60,13 @@ def pack(gguf_rows: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 def unpack(packed: torch.Tensor, kind: str, in_features: int) -> torch.Tensor:
-    """The fp32 weights ``[rows, in_features]`` of packed rows."""
+    """The fp32 weights ``[rows, in_features]`` of the kernel's rows (gguf-py dequantises
+    the types that keep the file's blocks)."""
     rows, blocks = packed.shape[0], padded_blocks(in_features)
+    if kind not in PACKED_KINDS:
+        quant = gguf.GGMLQuantizationType[kind]
+        weights = gguf.quants.dequantize(packed.numpy(), quant)
+        return torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32))
     if kind == "Q4_1":
         nibbles = packed[:, : blocks * 16].reshape(rows, blocks, 16)
         halves = packed[:, blocks * 16 :].contiguous().view(torch.float16).float()
@@ -55,8 +82,8 @@ def unpack(packed: torch.Tensor, kind: str, in_features: int) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class BlockLinear:
-    """``y = x @ W.T`` for ``W[out_features, in_features]`` held in a GGUF file's Q4_1 or
-    Q8_0 blocks, packed for the kernel (`pack`; `from_gguf` takes the file's rows, and
+    """``y = x @ W.T`` for ``W[out_features, in_features]`` held in a GGUF file's blocks of
+    one type, in the kernel's layout (`pack`; `from_gguf` takes the file's rows, and
     `to_q4_1` turns Q4_0 rows into Q4_1 ones, exactly)."""
 
     packed: torch.Tensor
@@ -67,8 +94,12 @@ class BlockLinear:
     def __post_init__(self) -> None:
         if self.kind not in BLOCK_BYTES:
             raise ValueError(f"kind={self.kind!r} is not one of {tuple(BLOCK_BYTES)}")
-        if self.in_features <= 0 or self.in_features % BLOCK:
-            raise ValueError(f"in_features={self.in_features} must be a positive multiple of 32")
+        values = BLOCK_SIZES[self.kind][0]
+        if self.in_features <= 0 or self.in_features % values:
+            raise ValueError(
+                f"in_features={self.in_features} must be a positive multiple of {values} "
+                f"for {self.kind}"
+            )
         width = row_bytes(self.kind, self.in_features)
         if self.packed.dtype != torch.uint8 or self.packed.dim() != 2:
             raise ValueError(f"packed rows must be 2-D uint8, got {self.packed.dtype}")
@@ -88,7 +119,7 @@ class BlockLinear:
                 f"{kind} rows are whole {BLOCK_BYTES[kind]}-byte blocks, got "
                 f"{gguf_rows.shape[1]} bytes"
             )
-        in_features = gguf_rows.shape[1] // BLOCK_BYTES[kind] * BLOCK
+        in_features = gguf_rows.shape[1] // BLOCK_BYTES[kind] * BLOCK_SIZES[kind][0]
         return cls(pack(gguf_rows, kind), kind, in_features)
 
     def rows(self, order: torch.Tensor) -> BlockLinear:
@@ -115,6 +146,40 @@ class BlockLinear:
         """The fp32 weights (of ``rows`` only, if given): ``[len(rows), in_features]``."""
         packed = self.packed if rows is None else torch.index_select(self.packed, 0, rows)
         return unpack(packed, self.kind, self.in_features)
+
+
+@dataclass(frozen=True)
+class StackedBlocks:
+    """The rows of several `BlockLinear` of different types one after another, as one
+    projection (llama.cpp's Q4_K_M files mix types inside a layer: a fused Q/K/V whose V
+    rows are Q8_0 and Q/K rows Q5_0). The fused kernel halves run it as one chain of
+    matrices; called directly, each part multiplies in turn."""
+
+    parts: tuple[BlockLinear, ...]
+    bias: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.parts) < 2:
+            raise ValueError(f"a stack needs at least two parts, got {len(self.parts)}")
+        widths = {part.in_features for part in self.parts}
+        if len(widths) != 1 or any(part.bias is not None for part in self.parts):
+            raise ValueError(f"stacked parts share one input width and no biases, got {widths}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(part.shape[0] for part in self.parts), self.parts[0].in_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([part(x) for part in self.parts], dim=-1)
+        return y + self.bias if self.bias is not None else y
+
+    @property
+    def nbytes(self) -> int:
+        bias = self.bias.nbytes if self.bias is not None else 0
+        return sum(part.nbytes for part in self.parts) + bias
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([part.dequantize() for part in self.parts])
 
 
 @dataclass(frozen=True)

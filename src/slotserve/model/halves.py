@@ -36,16 +36,31 @@ T = TypeVar("T")
 class StepContext:
     """What every layer of one step shares: the rotation rows of the step's positions
     (``cos``, ``sin``: ``[T, head_dim]`` contiguous fp32, rotate-half layout, which the C
-    halves read by address), and work space that halves make once a step (`memo`)."""
+    halves read by address; ``local_cos``, ``local_sin`` those of the sliding-window
+    layers where their RoPE differs, as in Gemma 3), and work space that halves make once
+    a step (`memo`)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
+    local_cos: torch.Tensor | None = None
+    local_sin: torch.Tensor | None = None
     _memo: dict[Hashable, object] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def of(cls, rope: RopeTables, positions: torch.Tensor) -> StepContext:
-        cos, sin = rope.cos[positions], rope.sin[positions]
-        return cls(cos.float().contiguous(), sin.float().contiguous())
+    def of(
+        cls, rope: RopeTables, positions: torch.Tensor, local: RopeTables | None = None
+    ) -> StepContext:
+        cos, sin = (t.float().contiguous() for t in rope.rows(positions))
+        if local is None:
+            return cls(cos, sin)
+        local_cos, local_sin = (t.float().contiguous() for t in local.rows(positions))
+        return cls(cos, sin, local_cos, local_sin)
+
+    def rotation(self, local: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` of a layer: its own RoPE's if ``local`` and the model has one."""
+        if local and self.local_cos is not None and self.local_sin is not None:
+            return self.local_cos, self.local_sin
+        return self.cos, self.sin
 
     def memo(self, key: Hashable, make: Callable[[], T]) -> T:
         """``make()``, once per step and ``key``."""
@@ -90,9 +105,10 @@ def run_layers(
     tokens: torch.Tensor,
     batch: StepBatch,
     kv: KVStore,
+    local_rope: RopeTables | None = None,
 ) -> torch.Tensor:
     """The one loop: hidden states ``[T, dim]`` after the last layer (before the head)."""
-    step = StepContext.of(rope, batch.positions)
+    step = StepContext.of(rope, batch.positions, local_rope)
     x = halves.embed(tokens)
     for layer in range(n_layers):
         attn = kv.update_and_attend(layer, halves.qkv(layer, x, step), batch)

@@ -90,23 +90,53 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
     return torch.where(is_medium, blended, scaled)
 
 
-@dataclass(frozen=True)
 class RopeTables:
-    """Precomputed cos/sin for every position up to ``max_positions`` (rotate-half layout)."""
+    """cos/sin rows (rotate-half layout) of positions up to ``max_positions``, computed in
+    chunks of `CHUNK` positions as steps first reach them: a 32k-token context's tables
+    would cost 64 MiB at a head width of 256, and a device serves a few thousand. A chunk
+    is always computed as one tensor, so a position's rows are the same bits whichever step
+    first needed them."""
 
-    cos: torch.Tensor
-    sin: torch.Tensor
+    CHUNK = 1024
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
+        self.inv_freq = rope_inv_freq(rope, head_dim)
+        self.max_positions = max_positions
+        self._chunks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def build(cls, rope: RopeConfig, head_dim: int, max_positions: int) -> RopeTables:
-        inv_freq = rope_inv_freq(rope, head_dim)
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        angles = torch.cat([angles, angles], dim=-1)
-        return cls(cos=angles.cos(), sin=angles.sin())
+        return cls(rope, head_dim, max_positions)
+
+    def _chunk(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if index not in self._chunks:
+            first = index * self.CHUNK
+            positions = torch.arange(first, first + self.CHUNK, dtype=torch.float32)
+            angles = torch.outer(positions, self.inv_freq)
+            angles = torch.cat([angles, angles], dim=-1)
+            self._chunks[index] = (angles.cos().contiguous(), angles.sin().contiguous())
+        return self._chunks[index]
+
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin[T, head_dim]`` of ``positions[T]``."""
+        if positions.numel() == 0:
+            empty = self.inv_freq.new_zeros(0, 2 * self.inv_freq.shape[0])
+            return empty, empty
+        last = int(positions.max())
+        if last >= self.max_positions or int(positions.min()) < 0:
+            raise ValueError(f"position {last} is outside 0 .. {self.max_positions - 1}")
+        low, high = int(positions.min()) // self.CHUNK, last // self.CHUNK
+        chunks = [self._chunk(c) for c in range(low, high + 1)]
+        local = positions - low * self.CHUNK
+        if len(chunks) == 1:
+            return chunks[0][0][local], chunks[0][1][local]
+        cos = torch.cat([c for c, _ in chunks])
+        sin = torch.cat([s for _, s in chunks])
+        return cos[local], sin[local]
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x[T, heads, head_dim]`` by the angles of ``positions[T]``."""
-        return rotate(x, self.cos[positions], self.sin[positions])
+        return rotate(x, *self.rows(positions))
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

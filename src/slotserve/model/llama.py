@@ -1,7 +1,9 @@
 """The Llama family's eager halves: torch ops, a pure function of (weights, inputs).
 
 Covers Llama/SmolLM (GQA, SwiGLU, RMSNorm, RoPE incl. llama3 scaling), Qwen2 (QKV bias),
-Qwen3 (per-head q/k RMSNorm) and per-layer sliding windows (the pool applies them). Every
+Qwen3 (per-head q/k RMSNorm), Gemma 3 (q/k norms, norms after attention and the MLP, a
+GELU-gated MLP, scaled embeddings and a RoPE of its own for sliding-window layers) and
+per-layer sliding windows (the pool applies them). Every
 projection goes through the `Linear` seam, so the same halves run dense, int8 or GGUF
 block weights. This is where a family is written; the fused halves and a bundle's program
 compute the same.
@@ -42,7 +44,8 @@ class EagerHalves:
         return None
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self._weights.embed[tokens]
+        rows = self._weights.embed[tokens]
+        return rows * self.info.embed_scale if self.info.embed_scale != 1.0 else rows
 
     def qkv(self, layer: int, x: torch.Tensor, step: StepContext) -> torch.Tensor:
         """The attention norm, the fused Q/K/V projection, q/k norms and RoPE."""
@@ -55,7 +58,8 @@ class EagerHalves:
         if weights.q_norm is not None and weights.k_norm is not None:
             q = rms_norm(q, weights.q_norm, info.norm_eps)
             k = rms_norm(k, weights.k_norm, info.norm_eps)
-        q, k = rotate(q, step.cos, step.sin), rotate(k, step.cos, step.sin)
+        cos, sin = step.rotation(info.local_rope(layer))
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         return torch.cat([q.flatten(1), k.flatten(1), v], dim=1)
 
     def out(
@@ -63,10 +67,16 @@ class EagerHalves:
     ) -> torch.Tensor:
         """The output projection and residual, then the MLP and its residual."""
         info, weights = self.info, self._weights.layers[layer]
-        x = x + weights.o(attn)
+        x = x + _post_norm(weights.o(attn), weights.post_attn_norm, info.norm_eps)
         gate, up = weights.gate_up(rms_norm(x, weights.mlp_norm, info.norm_eps)).chunk(2, -1)
-        return x + weights.down(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if info.activation == "gelu_tanh" else F.silu(gate)
+        return x + _post_norm(weights.down(act * up), weights.post_mlp_norm, info.norm_eps)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm and the head."""
         return self._weights.lm_head(rms_norm(x, self._weights.norm, self.info.norm_eps))
+
+
+def _post_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Gemma's norm on a block's output before its residual; the identity elsewhere."""
+    return rms_norm(x, weight, eps) if weight is not None else x

@@ -42,7 +42,12 @@ class Model:
         self.halves = halves
         self.source = source
         self.kernels = kernels
-        self.rope = RopeTables.build(info.rope, info.head_dim, info.max_context)
+        self.rope = RopeTables(info.rope, info.head_dim, info.max_context)
+        self.local_rope = (
+            RopeTables(info.rope_local, info.head_dim, info.max_context)
+            if info.rope_local is not None
+            else None
+        )
 
     @classmethod
     def from_weights(
@@ -83,7 +88,9 @@ class Model:
             raise ValueError(
                 f"position {max(batch.ends)} exceeds the model's context {self.info.max_context}"
             )
-        x = run_layers(self.halves, self.info.n_layers, self.rope, tokens, batch, kv)
+        x = run_layers(
+            self.halves, self.info.n_layers, self.rope, tokens, batch, kv, self.local_rope
+        )
         if not all_logits:
             x = x[batch.last_token_rows()]
         return self.halves.head(x).float()

@@ -3,7 +3,8 @@
 Q/K/V and gate/up projections are fused into one matmul each: fewer, larger GEMMs are
 faster on CPU at the small batch sizes of a device. A state dict may hold some matrices as
 a GGUF file's blocks (`BlockLinear`): they stay blocks where all parts of a projection share
-one block type, and are dequantised otherwise.
+one block type, and stack as `StackedBlocks` where their types differ (llama.cpp's
+K-quant mixes give a layer's V rows another type than its Q and K rows).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from slotserve.errors import ArtifactError
 from slotserve.info import ModelInfo
-from slotserve.model.gguf_linear import BlockEmbedding, BlockLinear
+from slotserve.model.gguf_linear import BlockEmbedding, BlockLinear, StackedBlocks
 from slotserve.model.layers import DenseLinear, Linear
 
 Part = torch.Tensor | BlockLinear  # one state-dict entry
@@ -32,6 +33,14 @@ class LayerWeights:
     mlp_norm: torch.Tensor
     gate_up: Linear
     down: Linear
+    post_attn_norm: torch.Tensor | None = None  # Gemma: after attention, before the residual
+    post_mlp_norm: torch.Tensor | None = None  # and after the MLP
+
+    @property
+    def norms(self) -> tuple[torch.Tensor, ...]:
+        """Every norm weight of the layer."""
+        optional = (self.q_norm, self.k_norm, self.post_attn_norm, self.post_mlp_norm)
+        return (self.attn_norm, self.mlp_norm, *(n for n in optional if n is not None))
 
 
 @dataclass(frozen=True)
@@ -49,11 +58,9 @@ class LlamaWeights:
         if not self.tied:
             total += self.lm_head.nbytes
         for layer in self.layers:
-            total += layer.attn_norm.nbytes + layer.mlp_norm.nbytes
+            total += sum(norm.nbytes for norm in layer.norms)
             total += layer.qkv.nbytes + layer.o.nbytes + layer.gate_up.nbytes
             total += layer.down.nbytes
-            for norm in (layer.q_norm, layer.k_norm):
-                total += norm.nbytes if norm is not None else 0
         return total
 
     @property
@@ -62,9 +69,8 @@ class LlamaWeights:
         vocab, dim = self.embed.shape
         total = vocab * dim + dim + (0 if self.tied else _params(self.lm_head))
         for layer in self.layers:
-            total += 2 * dim + sum(_params(x) for x in (layer.qkv, layer.o, layer.gate_up))
-            total += _params(layer.down)
-            total += sum(n.numel() for n in (layer.q_norm, layer.k_norm) if n is not None)
+            total += sum(_params(x) for x in (layer.qkv, layer.o, layer.gate_up))
+            total += _params(layer.down) + sum(norm.numel() for norm in layer.norms)
         return total
 
 
@@ -101,10 +107,21 @@ class _StateDict:
     def linear(self, parts: list[Part], bias: torch.Tensor | None = None) -> Linear:
         """The row-wise concatenation of ``parts`` as one projection."""
         blocks = [part for part in parts if isinstance(part, BlockLinear)]
-        if len(blocks) == len(parts) and len({part.kind for part in blocks}) == 1:
-            packed = _cat([part.packed for part in blocks])
-            return BlockLinear(packed, blocks[0].kind, blocks[0].in_features, bias)
-        return DenseLinear(_cat([self.dense(part) for part in parts]), bias)
+        if len(blocks) < len(parts):
+            return DenseLinear(_cat([self.dense(part) for part in parts]), bias)
+        runs: list[list[BlockLinear]] = []  # neighbours of one type fuse
+        for part in blocks:
+            if runs and runs[-1][0].kind == part.kind:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        fused = [
+            BlockLinear(_cat([p.packed for p in run]), run[0].kind, run[0].in_features)
+            for run in runs
+        ]
+        if len(fused) == 1:
+            return BlockLinear(fused[0].packed, fused[0].kind, fused[0].in_features, bias)
+        return StackedBlocks(tuple(fused), bias)
 
 
 def _cat(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -150,13 +167,22 @@ def _build_layer(info: ModelInfo, sd: _StateDict, i: int) -> LayerWeights:
     qk_shape = (info.head_dim,)
     gate = sd.part(p + "mlp.gate_proj.weight", (info.ffn_dim, dim))
     up = sd.part(p + "mlp.up_proj.weight", (info.ffn_dim, dim))
+    # Llama's norm before the MLP is named "post attention"; Gemma's "pre feedforward",
+    # with its "post attention" norm on the attention's output.
+    mlp_norm = "pre_feedforward_layernorm" if info.post_norms else "post_attention_layernorm"
     return LayerWeights(
         attn_norm=sd.get(p + "input_layernorm.weight", (dim,)),
         qkv=sd.linear([q, k, v], bias),
         q_norm=sd.get(p + "self_attn.q_norm.weight", qk_shape) if info.qk_norm else None,
         k_norm=sd.get(p + "self_attn.k_norm.weight", qk_shape) if info.qk_norm else None,
         o=sd.linear([sd.part(p + "self_attn.o_proj.weight", (dim, q_out))]),
-        mlp_norm=sd.get(p + "post_attention_layernorm.weight", (dim,)),
+        mlp_norm=sd.get(p + mlp_norm + ".weight", (dim,)),
         gate_up=sd.linear([gate, up]),
         down=sd.linear([sd.part(p + "mlp.down_proj.weight", (dim, info.ffn_dim))]),
+        post_attn_norm=(
+            sd.get(p + "post_attention_layernorm.weight", (dim,)) if info.post_norms else None
+        ),
+        post_mlp_norm=(
+            sd.get(p + "post_feedforward_layernorm.weight", (dim,)) if info.post_norms else None
+        ),
     )

@@ -1,6 +1,7 @@
-"""Binding of ``csrc/blocks.c``: products with a GGUF file's Q4_1 and Q8_0 blocks (packed
-in pairs; see the C source), and a Llama-family layer's work around its attention in two
-calls (`BlockKernel.layer_in`, `BlockKernel.layer_out`).
+"""Binding of ``csrc/blocks.c``: products with a GGUF file's weight blocks (Q4_1 and Q8_0
+packed in pairs, the other types as the file has them; see ``csrc/quants.h``), and a
+transformer layer's work around its attention in two calls (`BlockKernel.layer_in`,
+`BlockKernel.layer_out`).
 
 Every call takes one struct (`LinearArgs`, `LayerInArgs`, `LayerOutArgs`, built of
 `Matrix` and `Scratch`), mirrored field for field by the C source; a test compares their
@@ -16,8 +17,19 @@ import torch
 from slotserve.native.abi import layout_mismatch
 
 BLOCK = 32
-BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}
-KIND_CODES = {"Q4_1": 0, "Q8_0": 1}  # the kernel's names for them
+# Each type the kernel multiplies: (values, bytes) of one of its blocks.
+BLOCK_SIZES = {
+    "Q4_1": (32, 20),
+    "Q8_0": (32, 34),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
+}
+BLOCK_BYTES = {kind: size for kind, (_, size) in BLOCK_SIZES.items()}
+KIND_CODES = {kind: code for code, kind in enumerate(BLOCK_SIZES)}  # the kernel's names
+PACKED_KINDS = ("Q4_1", "Q8_0")  # rows repacked in pairs of blocks; the rest as in the file
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -28,23 +40,40 @@ def padded_blocks(in_features: int) -> int:
 
 
 def row_bytes(kind: str, in_features: int) -> int:
-    return padded_blocks(in_features) * BLOCK_BYTES[kind]
+    """Bytes of one weight row of ``in_features`` values as the kernel takes it."""
+    if kind in PACKED_KINDS:
+        return padded_blocks(in_features) * BLOCK_BYTES[kind]
+    values, size = BLOCK_SIZES[kind]
+    return in_features // values * size
 
 
 class Matrix(ctypes.Structure):
-    """A matrix as the kernel takes it: its packed rows, GGUF type code, row count."""
+    """A matrix as the kernel takes it: its rows' blocks, GGUF type code, row count, and
+    ``next``, the address of the matrix holding the rows after these (0: none)."""
 
-    _fields_ = [("blocks", _P), ("kind", _I64), ("rows", _I64)]
+    _fields_ = [("blocks", _P), ("kind", _I64), ("rows", _I64), ("next", _P)]
 
     @classmethod
     def of(cls, packed: torch.Tensor, kind: str) -> Matrix:
-        return cls(packed.data_ptr(), KIND_CODES[kind], packed.shape[0])
+        return cls(packed.data_ptr(), KIND_CODES[kind], packed.shape[0], None)
+
+    @classmethod
+    def chain(cls, parts: list[tuple[torch.Tensor, str]]) -> Matrix:
+        """The rows of ``parts`` (blocks, type) one after another, as one matrix. The head
+        keeps the rest alive: the kernel follows ``next`` by address."""
+        rest = cls.chain(parts[1:]) if len(parts) > 1 else None
+        head = cls.of(*parts[0])
+        if rest is not None:
+            head.next = ctypes.addressof(rest)
+            head.rest = rest
+        return head
 
 
 class Scratch(ctypes.Structure):
-    """A step's work space: ``h[m, widest]`` fp32, ``q[m, widest]`` int8, ``d, s``."""
+    """A step's work space: ``h[m, widest]`` fp32, ``q[m, widest]`` int8, ``d, s`` (a
+    scale a block of 32) and ``sums`` (int16, one per 16 values)."""
 
-    _fields_ = [(name, _P) for name in ("h", "q", "d", "s")]
+    _fields_ = [(name, _P) for name in ("h", "q", "d", "s", "sums")]
 
 
 class LinearArgs(ctypes.Structure):
@@ -58,7 +87,7 @@ class LayerInArgs(ctypes.Structure):
     _fields_ = [
         ("x", _P), ("m", _I64), ("dim", _I64), ("norm", _P), ("eps", _F32), ("qkv_w", Matrix),
         ("qkv", _P), ("rotated", _I64), ("head_dim", _I64), ("cos", _P), ("sin", _P),
-        ("tmp", Scratch), ("threads", _I64),
+        ("q_norm", _P), ("k_norm", _P), ("q_heads", _I64), ("tmp", Scratch), ("threads", _I64),
     ]  # fmt: skip
 
 
@@ -66,7 +95,8 @@ class LayerOutArgs(ctypes.Structure):
     _fields_ = [
         ("x", _P), ("m", _I64), ("dim", _I64), ("attn", _P), ("attn_width", _I64),
         ("o_w", Matrix), ("norm", _P), ("eps", _F32), ("gate_up_w", Matrix), ("gate_up", _P),
-        ("down_w", Matrix), ("tmp", Scratch), ("threads", _I64),
+        ("down_w", Matrix), ("post_attn_norm", _P), ("post_ffn_norm", _P), ("gelu", _I64),
+        ("tmp", Scratch), ("threads", _I64),
     ]  # fmt: skip
 
 
@@ -96,11 +126,13 @@ class ScratchSpace:
         self.h = torch.empty(m, widest) if rows else None
         self.q = torch.empty(m, blocks * BLOCK, dtype=torch.int8)
         self.scales = torch.empty(2, m, blocks)
+        self.sums = torch.empty(m, blocks * 2, dtype=torch.int16)
         self.struct = Scratch(
             self.h.data_ptr() if self.h is not None else None,
             self.q.data_ptr(),
             self.scales[0].data_ptr(),
             self.scales[1].data_ptr(),
+            self.sums.data_ptr(),
         )
 
 
@@ -125,24 +157,29 @@ class BlockKernel:
         self, x: torch.Tensor, kind: str, packed: torch.Tensor, in_features: int
     ) -> torch.Tensor:
         """``x[m, k] @ W.T`` as ``[m, n]`` fp32, for ``W[n, k]`` of GGUF type ``kind`` in
-        packed rows (`slotserve.model.gguf_linear.pack`)."""
-        m, k = x.shape
-        n = packed.shape[0]
+        the kernel's rows (`slotserve.model.gguf_linear.pack`)."""
+        k, n = x.shape[1], packed.shape[0]
         if k != in_features or packed.shape[1] != row_bytes(kind, k):
             raise ValueError(
                 f"packed {kind} rows of shape {tuple(packed.shape)} and {in_features} "
                 f"weights do not fit inputs of width {k}"
             )
+        return self.multiply(x, Matrix.of(packed, kind), n)
+
+    def multiply(self, x: torch.Tensor, matrix: Matrix, out_features: int) -> torch.Tensor:
+        """``x[m, k]`` times a `Matrix` (a chain's parts side by side) of ``out_features``
+        rows in all, as ``[m, out_features]`` fp32."""
         if x.dtype != torch.float32 or x.stride(1) != 1:
             x = x.float().contiguous()
+        m, k = x.shape
         scratch = ScratchSpace(m, k, rows=False)
-        y = torch.empty(m, n)
+        y = torch.empty(m, out_features)
         args = LinearArgs(
-            x.data_ptr(), m, k, x.stride(0), Matrix(packed.data_ptr(), KIND_CODES[kind], n),
-            y.data_ptr(), n, scratch.struct, self.threads,
+            x.data_ptr(), m, k, x.stride(0), matrix, y.data_ptr(), out_features,
+            scratch.struct, self.threads,
         )  # fmt: skip
         if self._linear(ctypes.byref(args)) != 0:
-            raise ValueError(f"linear refused {kind} [{n}, {k}] x [{m}, {k}]")
+            raise ValueError(f"linear refused [{out_features}, {k}] x [{m}, {k}]")
         return y
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

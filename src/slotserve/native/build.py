@@ -1,6 +1,6 @@
 """Building the C kernels: one compiler, one set of flags, one cache, one log line.
 
-A kernel is ``csrc/NAME.c`` (with the shared ``csrc/common.h``), compiled with the system
+A kernel is ``csrc/NAME.c`` (with the headers in ``csrc``), compiled with the system
 C compiler and loaded with ctypes. ``-march=native`` compiles for this CPU, so the library's
 file name carries a digest of the sources, the compiler, its flags and the CPU's feature
 list; it lives in ``cache_dir()/kernels``. A build writes a temporary file and renames it,
@@ -22,7 +22,10 @@ from pathlib import Path
 from slotserve.paths import cache_dir
 
 CSRC = Path(__file__).with_name("csrc")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+# -ffp-contract=off: the operations are the ones written. Left to itself the compiler fuses a
+# multiply and an add in one inlined copy of a loop and not in another (a group of 4 rows
+# against a row alone), and a row's result would depend on its batch.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 _log = logging.getLogger("slotserve")
 
@@ -42,7 +45,8 @@ def source(name: str) -> Path:
 def library_path(name: str, flags: tuple[str, ...] = FLAGS) -> Path:
     """Where the library of kernel ``name`` built with ``flags`` for this CPU lives."""
     digest = hashlib.sha256(source(name).read_bytes())
-    digest.update((CSRC / "common.h").read_bytes())
+    for header in sorted(CSRC.glob("*.h")):
+        digest.update(header.read_bytes())
     digest.update(" ".join((compiler(), *flags)).encode())
     digest.update(_cpu_features().encode())
     return cache_dir() / "kernels" / f"{name}-{digest.hexdigest()[:16]}.so"

@@ -1,0 +1,591 @@
+/* The arithmetic of each GGUF weight type the block products take: how the activations
+ * are quantised for it, and one weight row's dot product with up to ROWS activation rows.
+ * Included by blocks.c (one translation unit), which runs the products and layers.
+ *
+ * Every type follows llama.cpp's arithmetic for it: the activations become int8 with one
+ * scale per block, the block sums are exact integer dot products, and the scales apply
+ * once per block (or super-block):
+ *
+ *   type    weights w                                     activations       per block
+ *   Q4_1    dw * u + mw, u 0..15 (blocks of 32)            Q8 (d, s)         dw da Σuq + mw s
+ *   Q8_0    dw * v, v int8                                 Q8 (d)            dw da Σvq
+ *   Q5_0    dw * (u - 16), u 0..31                         Q8 (d)            dw da Σ(u-16)q
+ *   Q5_1    dw * u + mw, u 0..31                           Q8 (d, s)         dw da Σuq + mw s
+ *   Q4_K    d sc_j u - dmin m_j, u 0..15, 8 sub-blocks     Q8_K (d, bsums)   see dot_q4_k
+ *           of 32 with 6-bit scales sc_j and mins m_j
+ *   Q5_K    as Q4_K with u 0..31                           Q8_K
+ *   Q6_K    d sc_j (u - 32), u 0..63, 16 sub-blocks of     Q8_K              see dot_q6_k
+ *           16 with int8 scales sc_j
+ *
+ * Q8 activations: each run of 32 values is 32 int8 q with d = amax / 127 (rounded half to
+ * even) and s = d Σq. Q8_K (llama.cpp's block_q8_K): each run of 256 values is 256 int8
+ * q = min(127, round(x * -127 / max)), where max is the value of largest magnitude, with
+ * d = max / -127 and bsums, the sums of each 16 q.
+ *
+ * Layouts. Q4_1 and Q8_0 rows are packed in pairs of blocks (gguf_linear.pack; a row is
+ * padded with a zero block to an even count P): Q4_1 row: P x 16 bytes of nibbles (weight
+ * j in the low nibble of byte j, j + 16 in its high nibble), P fp16 dw, P fp16 mw; Q8_0
+ * row: P / 2 x 64 int8 in pair order, P fp16 dw. Pair order, for blocks b0 b1: b0[0:16]
+ * b1[0:16] b0[16:32] b1[16:32]; their activations are quantised into pair order too
+ * (`ACT_PAIRS`). Every other type keeps the file's own blocks, and its activations are in
+ * natural order.
+ *
+ * Each dot computes, for every row, the same operations in the same order whether it runs
+ * with 1 or ROWS rows (the rows only share the weights' decoding): a row's result never
+ * depends on its batch.
+ */
+#ifndef SLOTSERVE_QUANTS_H
+#define SLOTSERVE_QUANTS_H
+
+#include "common.h"
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define BLOCK 32
+#define SUPER 256 /* a K-quant super-block */
+#define ROWS 4    /* activation rows that share one decoding of the weights */
+
+enum { KIND_Q4_1 = 0, KIND_Q8_0 = 1, KIND_Q5_0 = 2, KIND_Q5_1 = 3, KIND_Q4_K = 4, KIND_Q5_K = 5, KIND_Q6_K = 6 };
+enum { ACT_PAIRS = 0, ACT_Q8 = 1, ACT_Q8_K = 2 };
+
+INLINE int64_t padded_blocks(int64_t k) { return (k / BLOCK + 1) / 2 * 2; }
+
+/* The activation format a weight type multiplies against (-1: not a type we take). */
+INLINE int act_format(int64_t kind) {
+    switch (kind) {
+    case KIND_Q4_1: case KIND_Q8_0: return ACT_PAIRS;
+    case KIND_Q5_0: case KIND_Q5_1: return ACT_Q8;
+    case KIND_Q4_K: case KIND_Q5_K: case KIND_Q6_K: return ACT_Q8_K;
+    default: return -1;
+    }
+}
+
+/* Bytes of one weight row of k values. */
+INLINE int64_t weight_row_bytes(int64_t kind, int64_t k) {
+    switch (kind) {
+    case KIND_Q4_1: return padded_blocks(k) * 20;
+    case KIND_Q8_0: return padded_blocks(k) * 34;
+    case KIND_Q5_0: return k / BLOCK * 22;
+    case KIND_Q5_1: return k / BLOCK * 24;
+    case KIND_Q4_K: return k / SUPER * 144;
+    case KIND_Q5_K: return k / SUPER * 176;
+    default: return k / SUPER * 210; /* Q6_K */
+    }
+}
+
+/* Offset of weight e of block b in pair order. */
+INLINE int64_t pair_offset(int64_t b, int e) {
+    return (b / 2) * 64 + (e < 16 ? 0 : 32) + (b % 2) * 16 + (e % 16);
+}
+
+/* ---- activations -------------------------------------------------------------------- */
+
+/* Quantised activation rows: q[row * q_stride ...] int8; d[row * d_stride + block] the
+ * scales; s the Q8 blocks' d Σq; bsums[row * (k / 16) + j] the Q8_K sums of 16. */
+typedef struct {
+    const int8_t *q;
+    const float *d, *s;
+    const int16_t *bsums;
+    int64_t k, q_stride, d_stride;
+} acts;
+
+/* 32 values times `by` as int8 (rounded to nearest even, at most 127) at `low` (values
+ * 0..15) and `high` (16..31); the sums of each half go to sums[0], sums[1]. */
+INLINE void quantize_block(const float *src, float by, int8_t *low, int8_t *high, int sums[2]) {
+#if defined(__AVX2__)
+    __m256i n[4];
+    __m256 scale = _mm256_set1_ps(by);
+    const __m256i top = _mm256_set1_epi32(127);
+    for (int j = 0; j < 4; j++)
+        n[j] = _mm256_min_epi32(top, _mm256_cvtps_epi32(_mm256_round_ps(
+                   _mm256_mul_ps(_mm256_loadu_ps(src + 8 * j), scale),
+                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+    for (int h = 0; h < 2; h++) {
+        __m256i sum = _mm256_add_epi32(n[2 * h], n[2 * h + 1]);
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+        sums[h] = _mm_cvtsi128_si32(s4);
+    }
+    /* packs interleave the 128-bit lanes; the permute puts values 0..31 back in order */
+    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+    bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm_storeu_si128((__m128i *)low, _mm256_castsi256_si128(bytes));
+    _mm_storeu_si128((__m128i *)high, _mm256_extracti128_si256(bytes, 1));
+#else
+    sums[0] = sums[1] = 0;
+    for (int j = 0; j < 16; j++) {
+        int a = (int)nearbyintf(src[j] * by), c = (int)nearbyintf(src[j + 16] * by);
+        a = a > 127 ? 127 : a, c = c > 127 ? 127 : c;
+        low[j] = (int8_t)a, high[j] = (int8_t)c;
+        sums[0] += a, sums[1] += c;
+    }
+#endif
+}
+
+INLINE float block_amax(const float *src, int n) {
+    float amax = 0.0f;
+#pragma omp simd reduction(max : amax)
+    for (int j = 0; j < n; j++) amax = fmaxf(amax, fabsf(src[j]));
+    return amax;
+}
+
+/* Q8 blocks of x[m, k] (row stride ldx): in pair order (q[m, P * 32], d and s [m, P], the
+ * padding block zero) or in natural order (q[m, k], d and s [m, k / 32]). */
+static void quantize_q8(const float *x, int64_t m, int64_t k, int64_t ldx, int pairs, int8_t *q,
+                        float *d, float *s, acts *out) {
+    int64_t nb = k / BLOCK, np = pairs ? padded_blocks(k) : nb;
+    for (int64_t i = 0; i < m; i++) {
+        int8_t *row = q + i * np * BLOCK;
+        for (int64_t b = 0; b < nb; b++) {
+            const float *src = x + i * ldx + b * BLOCK;
+            float scale = block_amax(src, BLOCK) / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+            int sums[2];
+            if (pairs)
+                quantize_block(src, inverse, row + pair_offset(b, 0), row + pair_offset(b, 16), sums);
+            else
+                quantize_block(src, inverse, row + b * BLOCK, row + b * BLOCK + 16, sums);
+            d[i * np + b] = scale;
+            s[i * np + b] = scale * (float)(sums[0] + sums[1]);
+        }
+        if (np > nb) { /* the padding block */
+            memset(row + pair_offset(nb, 0), 0, 16);
+            memset(row + pair_offset(nb, 16), 0, 16);
+            d[i * np + nb] = s[i * np + nb] = 0.0f;
+        }
+    }
+    *out = (acts){q, d, s, NULL, k, np * BLOCK, np};
+}
+
+/* Q8_K super-blocks of x[m, k] (k a multiple of 256): q[m, k], d[m, k / 256], bsums[m, k / 16]. */
+static void quantize_q8_k(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *d,
+                          int16_t *bsums, acts *out) {
+    int64_t nb = k / SUPER;
+    for (int64_t i = 0; i < m; i++) {
+        for (int64_t b = 0; b < nb; b++) {
+            const float *src = x + i * ldx + b * SUPER;
+            int8_t *dst = q + i * k + b * SUPER;
+            int16_t *sums = bsums + i * (k / 16) + b * 16;
+            float amax = block_amax(src, SUPER), max = 0.0f;
+            for (int j = 0; j < SUPER; j++) /* the first value of that magnitude, with its sign */
+                if (fabsf(src[j]) == amax) { max = src[j]; break; }
+            if (amax == 0.0f) {
+                memset(dst, 0, SUPER), memset(sums, 0, 16 * sizeof *sums);
+                d[i * nb + b] = 0.0f;
+                continue;
+            }
+            float by = -127.0f / max;
+            for (int j = 0; j < SUPER / BLOCK; j++) {
+                int half[2];
+                quantize_block(src + j * BLOCK, by, dst + j * BLOCK, dst + j * BLOCK + 16, half);
+                sums[2 * j] = (int16_t)half[0], sums[2 * j + 1] = (int16_t)half[1];
+            }
+            d[i * nb + b] = 1.0f / by;
+        }
+    }
+    *out = (acts){q, d, NULL, bsums, k, k, nb};
+}
+
+/* ---- vector helpers ------------------------------------------------------------------- */
+
+#if defined(__AVX2__)
+/* acc + the 4-product sums of u (unsigned) and v (signed) bytes, in 8 int32 lanes. */
+INLINE __m256i dot_add(__m256i acc, __m256i u, __m256i v) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, v);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, u, v);
+#else /* pair sums fit int16: u <= 128, |v| <= 127 */
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, v), _mm256_set1_epi16(1)));
+#endif
+}
+
+/* acc + the pair sums of a * b (int16 lanes) in 8 int32 lanes. */
+INLINE __m256i madd_add(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, a, b);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
+
+INLINE float hsum(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    x = _mm_add_ss(x, _mm_movehdup_ps(x));
+    return _mm_cvtss_f32(x);
+}
+
+INLINE int hsum_int(__m256i v) {
+    __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4e));
+    x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0xb1));
+    return _mm_cvtsi128_si32(x);
+}
+
+/* Lanes below `count` set: masked loads read no further (nor fault) and give zeros, without
+ * the stall of building a short vector in memory first. */
+INLINE __m256i first_lanes(int64_t count) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* 8 fp16 (or an even count fewer, then zeros) as fp32. */
+INLINE __m256 load_halves(const uint16_t *p, int64_t count) {
+    if (count == 8) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    __m128i mask = _mm256_castsi256_si128(first_lanes(count / 2)); /* 2 halves a lane */
+    return _mm256_cvtph_ps(_mm_maskload_epi32((const int *)p, mask));
+}
+
+INLINE __m256 load_floats(const float *p, int64_t count) {
+    if (count == 8) return _mm256_loadu_ps(p);
+    return _mm256_maskload_ps(p, first_lanes(count));
+}
+
+/* 16 bytes of nibbles as 32 bytes 0..15: the low nibbles, then the high ones. */
+INLINE __m256i nibbles(const uint8_t *p) {
+    __m128i packed = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
+}
+
+/* Byte j is 0xFF where bit j of the 32 bits at p is set. */
+INLINE __m256i bit_bytes(const uint8_t *p) {
+    uint32_t bits;
+    memcpy(&bits, p, sizeof bits);
+    const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
+    const __m256i select = _mm256_set1_epi64x((int64_t)0x8040201008040201);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(bytes, select), select);
+}
+#endif
+
+/* ---- Q4_1 and Q8_0: packed pairs ------------------------------------------------------ */
+
+#if defined(__AVX2__)
+/* acc[r][slot] += the products of the pair of blocks from `first` (lane j of scales[r]
+ * holds block b + j's dw * da, `lane` that of `first`). */
+INLINE void pair_dot(int kind, const uint8_t *w, const acts *a, int64_t i, int rows,
+                     int64_t first, const __m256 *scales, int lane, __m256 acc[][2], int slot) {
+    __m256i u0, u1, w0 = _mm256_setzero_si256(), w1 = _mm256_setzero_si256();
+    if (kind == KIND_Q4_1) {
+        const __m256i low = _mm256_set1_epi8(0x0F);
+        __m256i packed = _mm256_loadu_si256((const __m256i *)(w + first * 16));
+        u0 = _mm256_and_si256(packed, low);
+        u1 = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+    } else { /* |w| as unsigned; its sign moves to the activations */
+        w0 = _mm256_loadu_si256((const __m256i *)(w + first * 32));
+        w1 = _mm256_loadu_si256((const __m256i *)(w + first * 32 + 32));
+        u0 = _mm256_sign_epi8(w0, w0), u1 = _mm256_sign_epi8(w1, w1);
+    }
+    /* lanes 0-3 take the pair's first block's scale, 4-7 the second's */
+    __m256i spread = _mm256_add_epi32(_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_set1_epi32(lane));
+    for (int r = 0; r < rows; r++) {
+        const int8_t *v = a->q + (i + r) * a->q_stride + first * BLOCK;
+        __m256i v0 = _mm256_loadu_si256((const __m256i *)v);
+        __m256i v1 = _mm256_loadu_si256((const __m256i *)(v + 32));
+        if (kind == KIND_Q8_0) v0 = _mm256_sign_epi8(v0, w0), v1 = _mm256_sign_epi8(v1, w1);
+        __m256i sums = dot_add(dot_add(_mm256_setzero_si256(), u0, v0), u1, v1);
+        __m256 scale = _mm256_permutevar8x32_ps(scales[r], spread);
+        acc[r][slot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r][slot]);
+    }
+}
+#endif
+
+/* out[r] = packed Q4_1 or Q8_0 row `w` . activation row (i + r), r < rows. `rows` and
+ * `kind` are constants where this is inlined, so the loops over r unroll. */
+INLINE void dot_pairs(int kind, const uint8_t *w, const acts *a, int64_t i, int rows, float *out) {
+    int64_t np = a->d_stride;
+    const uint16_t *dw = (const uint16_t *)(w + np * (kind == KIND_Q4_1 ? 16 : 32));
+    const uint16_t *mw = dw + np;
+#if defined(__AVX2__)
+    __m256 acc[ROWS][2], offsets[ROWS];
+    for (int r = 0; r < rows; r++)
+        acc[r][0] = acc[r][1] = offsets[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < np; b += 8) { /* 8 blocks (4 pairs) share one scale vector */
+        int64_t count = np - b < 8 ? np - b : 8;
+        __m256 weight_scales = load_halves(dw + b, count), scales[ROWS];
+        __m256 weight_mins = kind == KIND_Q4_1 ? load_halves(mw + b, count) : _mm256_setzero_ps();
+        for (int r = 0; r < rows; r++) {
+            scales[r] = _mm256_mul_ps(weight_scales, load_floats(a->d + (i + r) * np + b, count));
+            if (kind == KIND_Q4_1)
+                offsets[r] = _mm256_fmadd_ps(weight_mins, load_floats(a->s + (i + r) * np + b, count), offsets[r]);
+        }
+        /* Two pairs a turn into two accumulators: one fma chain would wait on itself. */
+        for (int64_t pair = 0; pair < count / 2; pair += 2) {
+            pair_dot(kind, w, a, i, rows, b + 2 * pair, scales, 2 * (int)pair, acc, 0);
+            if (pair + 1 < count / 2)
+                pair_dot(kind, w, a, i, rows, b + 2 * pair + 2, scales, 2 * (int)pair + 2, acc, 1);
+        }
+    }
+    for (int r = 0; r < rows; r++)
+        out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + hsum(offsets[r]);
+#else
+    for (int r = 0; r < rows; r++) {
+        const int8_t *v = a->q + (i + r) * a->q_stride;
+        float total = 0.0f;
+        for (int64_t b = 0; b < np; b++) {
+            int sum = 0;
+            for (int e = 0; e < BLOCK; e++) {
+                int u;
+                if (kind == KIND_Q4_1) {
+                    uint8_t byte = w[b * 16 + e % 16];
+                    u = e < 16 ? (byte & 0x0F) : (byte >> 4);
+                } else {
+                    u = (int8_t)w[pair_offset(b, e)];
+                }
+                sum += u * v[pair_offset(b, e)];
+            }
+            float da = a->d[(i + r) * np + b];
+            total += half_at(dw + b) * da * (float)sum;
+            if (kind == KIND_Q4_1) total += half_at(mw + b) * a->s[(i + r) * np + b];
+        }
+        out[r] = total;
+    }
+#endif
+}
+
+INLINE void dot_q4_1(const uint8_t *w, const acts *a, int64_t i, int rows, float *out) {
+    dot_pairs(KIND_Q4_1, w, a, i, rows, out);
+}
+
+INLINE void dot_q8_0(const uint8_t *w, const acts *a, int64_t i, int rows, float *out) {
+    dot_pairs(KIND_Q8_0, w, a, i, rows, out);
+}
+
+/* ---- Q5_0 and Q5_1: the file's blocks of 32 -------------------------------------------- */
+
+/* Block layout: fp16 d, (Q5_1: fp16 m,) 32 bits qh (bit j: weight j's fifth bit), 16 bytes
+ * of nibbles (weight j low, j + 16 high). `minimum` selects Q5_1. */
+#if defined(__AVX2__)
+/* acc[r][slot] += block b's products for rows i .. i + rows. */
+INLINE void q5_block(int minimum, const uint8_t *w, const acts *a, int64_t i, int rows, int64_t b,
+                     __m256 acc[][2], int slot) {
+    const uint8_t *block = w + b * (minimum ? 24 : 22), *bits = block + (minimum ? 4 : 2);
+    const float dw = half_at((const uint16_t *)block);
+    __m256i low = nibbles(bits + 4), fifth = bit_bytes(bits);
+    __m256i u, sign = _mm256_setzero_si256();
+    if (minimum) { /* u = nibble + 16 * bit, unsigned */
+        u = _mm256_or_si256(low, _mm256_and_si256(fifth, _mm256_set1_epi8(0x10)));
+    } else { /* u - 16 as int8: the nibble, or the nibble - 16 where the bit is clear */
+        sign = _mm256_or_si256(low, _mm256_andnot_si256(fifth, _mm256_set1_epi8((char)0xF0)));
+        u = _mm256_sign_epi8(sign, sign);
+    }
+    for (int r = 0; r < rows; r++) {
+        __m256i v = _mm256_loadu_si256((const __m256i *)(a->q + (i + r) * a->q_stride + b * BLOCK));
+        if (!minimum) v = _mm256_sign_epi8(v, sign);
+        __m256 scale = _mm256_set1_ps(dw * a->d[(i + r) * a->d_stride + b]);
+        __m256 sums = _mm256_cvtepi32_ps(dot_add(_mm256_setzero_si256(), u, v));
+        acc[r][slot] = _mm256_fmadd_ps(sums, scale, acc[r][slot]);
+    }
+}
+#endif
+
+INLINE void dot_q5(int minimum, const uint8_t *w, const acts *a, int64_t i, int rows, float *out) {
+    const int64_t nb = a->k / BLOCK, size = minimum ? 24 : 22;
+    float offsets[ROWS]; /* Q5_1: the mins' share, in block order */
+    for (int r = 0; r < rows; r++) offsets[r] = 0.0f;
+    if (minimum)
+        for (int64_t b = 0; b < nb; b++) {
+            const float mw = half_at((const uint16_t *)(w + b * size + 2));
+            for (int r = 0; r < rows; r++) offsets[r] += mw * a->s[(i + r) * a->d_stride + b];
+        }
+#if defined(__AVX2__)
+    __m256 acc[ROWS][2];
+    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) { /* two accumulators: one fma chain would wait on itself */
+        q5_block(minimum, w, a, i, rows, b, acc, 0);
+        q5_block(minimum, w, a, i, rows, b + 1, acc, 1);
+    }
+    if (b < nb) q5_block(minimum, w, a, i, rows, b, acc, 0);
+    for (int r = 0; r < rows; r++) out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + offsets[r];
+#else
+    for (int r = 0; r < rows; r++) {
+        const int8_t *v = a->q + (i + r) * a->q_stride;
+        float total = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *block = w + b * size, *qs = block + (minimum ? 8 : 6);
+            uint32_t bits;
+            memcpy(&bits, qs - 4, sizeof bits);
+            int sum = 0;
+            for (int e = 0; e < BLOCK; e++) {
+                int u = (e < 16 ? (qs[e] & 0x0F) : (qs[e - 16] >> 4)) | (int)((bits >> e) & 1) << 4;
+                sum += (minimum ? u : u - 16) * v[b * BLOCK + e];
+            }
+            total += half_at((const uint16_t *)block) * a->d[(i + r) * a->d_stride + b] * (float)sum;
+        }
+        out[r] = total + offsets[r];
+    }
+#endif
+}
+
+INLINE void dot_q5_0(const uint8_t *w, const acts *a, int64_t i, int rows, float *out) {
+    dot_q5(0, w, a, i, rows, out);
+}
+
+INLINE void dot_q5_1(const uint8_t *w, const acts *a, int64_t i, int rows, float *out) {
+    dot_q5(1, w, a, i, rows, out);
+}
+
+/* ---- K-quants: the file's super-blocks of 256 ------------------------------------------ */
+
+/* The 6-bit scales and mins of a Q4_K/Q5_K super-block's 8 sub-blocks, from its 12 bytes
+ * (llama.cpp's get_scale_min_k4). */
+INLINE void k_scales(const uint8_t *q, int scale[8], int min[8]) {
+    for (int j = 0; j < 4; j++) {
+        scale[j] = q[j] & 63, min[j] = q[j + 4] & 63;
+        scale[j + 4] = (q[j + 8] & 0x0F) | ((q[j] >> 6) << 4);
+        min[j + 4] = (q[j + 8] >> 4) | ((q[j + 4] >> 6) << 4);
+    }
+}
+
+/* Σ_j min_j (bsums[2j] + bsums[2j + 1]): the mins' share of a super-block's sum. */
+INLINE int k_min_sum(const int min[8], const int16_t *bsums) {
+    int sum = 0;
+    for (int j = 0; j < 8; j++) sum += min[j] * (bsums[2 * j] + bsums[2 * j + 1]);
+    return sum;
+}
+
+/* Q4_K (`fifth` 0; 144 bytes: fp16 d, fp16 dmin, 12 bytes of scales, 128 of nibbles) and
+ * Q5_K (`fifth` 1; 176 bytes: the same with 32 bytes of fifth bits before the nibbles).
+ * Sub-blocks 2j and 2j + 1 are the low and high nibbles of bytes 32j .. 32j + 31; Q5_K's
+ * fifth bit of weight 64j + e (e < 32) is bit 2j of qh[e], of 64j + 32 + e bit 2j + 1.
+ * A super-block's sum is d da Σ_j sc_j Σ u q - dmin da Σ_j m_j bsums_j, its integers
+ * exact. */
+INLINE void dot_k(int fifth, const uint8_t *w, const acts *a, int64_t i, int rows, float *out) {
+    const int64_t nb = a->k / SUPER, size = fifth ? 176 : 144;
+    float total[ROWS];
+    for (int r = 0; r < rows; r++) total[r] = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *block = w + b * size, *qs = block + (fifth ? 48 : 16);
+        const float d = half_at((const uint16_t *)block), dmin = half_at((const uint16_t *)(block + 2));
+        int scale[8], min[8];
+        k_scales(block + 4, scale, min);
+        int sums[ROWS];
+#if defined(__AVX2__)
+        __m256i acc[ROWS];
+        for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_si256();
+        __m256i high = fifth ? _mm256_loadu_si256((const __m256i *)(block + 16)) : _mm256_setzero_si256();
+        const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
+        for (int j = 0; j < 4; j++) {
+            __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
+            __m256i u0 = _mm256_and_si256(packed, low4);
+            __m256i u1 = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+            if (fifth) { /* bits 0 and 1 of each byte of `high` are this j's */
+                u0 = _mm256_or_si256(u0, _mm256_and_si256(_mm256_slli_epi16(high, 4), bit4));
+                u1 = _mm256_or_si256(u1, _mm256_and_si256(_mm256_slli_epi16(high, 3), bit4));
+                high = _mm256_srli_epi16(high, 2);
+            }
+            __m256i s0 = _mm256_set1_epi16((short)scale[2 * j]), s1 = _mm256_set1_epi16((short)scale[2 * j + 1]);
+            for (int r = 0; r < rows; r++) {
+                const int8_t *v = a->q + (i + r) * a->q_stride + b * SUPER + 64 * j;
+                __m256i p0 = _mm256_maddubs_epi16(u0, _mm256_loadu_si256((const __m256i *)v));
+                __m256i p1 = _mm256_maddubs_epi16(u1, _mm256_loadu_si256((const __m256i *)(v + 32)));
+                acc[r] = madd_add(madd_add(acc[r], s0, p0), s1, p1);
+            }
+        }
+        for (int r = 0; r < rows; r++) sums[r] = hsum_int(acc[r]);
+#else
+        for (int r = 0; r < rows; r++) {
+            const int8_t *v = a->q + (i + r) * a->q_stride + b * SUPER;
+            int sum = 0;
+            for (int j = 0; j < 4; j++)
+                for (int e = 0; e < 32; e++) {
+                    int u0 = qs[32 * j + e] & 0x0F, u1 = qs[32 * j + e] >> 4;
+                    if (fifth) {
+                        u0 |= ((block[16 + e] >> (2 * j)) & 1) << 4;
+                        u1 |= ((block[16 + e] >> (2 * j + 1)) & 1) << 4;
+                    }
+                    sum += scale[2 * j] * u0 * v[64 * j + e] + scale[2 * j + 1] * u1 * v[64 * j + 32 + e];
+                }
+            sums[r] = sum;
+        }
+#endif
+        for (int r = 0; r < rows; r++) {
+            const float da = a->d[(i + r) * a->d_stride + b];
+            const int16_t *bsums = a->bsums + (i + r) * (a->k / 16) + b * 16;
+            total[r] += d * da * (float)sums[r] - dmin * da * (float)k_min_sum(min, bsums);
+        }
+    }
+    for (int r = 0; r < rows; r++) out[r] = total[r];
+}
+
+INLINE void dot_q4_k(const uint8_t *w, const acts *a, int64_t i, int rows, float *out) {
+    dot_k(0, w, a, i, rows, out);
+}
+
+INLINE void dot_q5_k(const uint8_t *w, const acts *a, int64_t i, int rows, float *out) {
+    dot_k(1, w, a, i, rows, out);
+}
+
+/* Q6_K (210 bytes: 128 bytes ql, 64 bytes qh, 16 int8 scales, fp16 d). Each half h of 128
+ * weights reads ql[64h ..], qh[32h ..]; for e < 32: weight 128h + e is ql[e] & 15 with qh[e]
+ * bits 0-1 on top, 128h + 32 + e ql[32 + e] & 15 with bits 2-3, 128h + 64 + e ql[e] >> 4
+ * with bits 4-5, 128h + 96 + e ql[32 + e] >> 4 with bits 6-7; weight t has scale t / 16.
+ * A super-block's sum is d da (Σ_j sc_j Σ u q - 32 Σ_j sc_j bsums_j). */
+INLINE void dot_q6_k(const uint8_t *w, const acts *a, int64_t i, int rows, float *out) {
+    const int64_t nb = a->k / SUPER;
+    float total[ROWS];
+    for (int r = 0; r < rows; r++) total[r] = 0.0f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *block = w + b * 210;
+        const int8_t *scale = (const int8_t *)(block + 192);
+        const float d = half_at((const uint16_t *)(block + 208));
+        int sums[ROWS];
+#if defined(__AVX2__)
+        __m256i acc[ROWS];
+        for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_si256();
+        const __m256i low4 = _mm256_set1_epi8(0x0F), bits2 = _mm256_set1_epi8(0x30);
+        for (int h = 0; h < 2; h++) {
+            const uint8_t *ql = block + 64 * h;
+            __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
+            __m256i top = _mm256_loadu_si256((const __m256i *)(block + 128 + 32 * h));
+            __m256i u[4] = {
+                _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(top, 4), bits2)),
+                _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(top, 2), bits2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(top, bits2)),
+                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4), _mm256_and_si256(_mm256_srli_epi16(top, 2), bits2)),
+            };
+            __m256i s[4];
+            for (int g = 0; g < 4; g++) { /* 32 weights: two sub-blocks of 16 */
+                const int8_t *sc = scale + 8 * h + 2 * g;
+                s[g] = _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
+            }
+            for (int r = 0; r < rows; r++) {
+                const int8_t *v = a->q + (i + r) * a->q_stride + b * SUPER + 128 * h;
+                for (int g = 0; g < 4; g++)
+                    acc[r] = madd_add(acc[r], s[g], _mm256_maddubs_epi16(u[g], _mm256_loadu_si256((const __m256i *)(v + 32 * g))));
+            }
+        }
+        for (int r = 0; r < rows; r++) sums[r] = hsum_int(acc[r]);
+#else
+        for (int r = 0; r < rows; r++) {
+            const int8_t *v = a->q + (i + r) * a->q_stride + b * SUPER;
+            int sum = 0;
+            for (int h = 0; h < 2; h++) {
+                const uint8_t *ql = block + 64 * h, *qh = block + 128 + 32 * h;
+                for (int e = 0; e < 32; e++) {
+                    int u[4] = {(ql[e] & 15) | ((qh[e] & 3) << 4), (ql[32 + e] & 15) | (((qh[e] >> 2) & 3) << 4),
+                                (ql[e] >> 4) | (((qh[e] >> 4) & 3) << 4), (ql[32 + e] >> 4) | (((qh[e] >> 6) & 3) << 4)};
+                    for (int g = 0; g < 4; g++) {
+                        int t = 128 * h + 32 * g + e;
+                        sum += scale[t / 16] * u[g] * v[t];
+                    }
+                }
+            }
+            sums[r] = sum;
+        }
+#endif
+        for (int r = 0; r < rows; r++) {
+            const int16_t *bsums = a->bsums + (i + r) * (a->k / 16) + b * 16;
+            int offset = 0;
+            for (int j = 0; j < 16; j++) offset += scale[j] * bsums[j];
+            total[r] += d * a->d[(i + r) * a->d_stride + b] * (float)(sums[r] - 32 * offset);
+        }
+    }
+    for (int r = 0; r < rows; r++) out[r] = total[r];
+}
+
+#endif

@@ -1,0 +1,162 @@
+"""The block products of every weight type compute llama.cpp's arithmetic: the activations
+quantised as llama.cpp quantises them for that type (Q8 blocks of 32, or Q8_K super-blocks
+of 256), times the weights exactly as gguf-py dequantises the file's blocks, summed in
+float64. Random valid blocks of every type, at every instruction-set level, and a row's
+result is bit for bit the same in any batch."""
+
+from __future__ import annotations
+
+import platform
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from slotserve.model.gguf_linear import BlockLinear, StackedBlocks
+from slotserve.native import build, build_kernels
+from slotserve.native.blocks import BLOCK_SIZES, BlockKernel, Matrix
+
+KINDS = ("Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+SUPER_KINDS = ("Q4_K", "Q5_K", "Q6_K")
+LEVELS = {
+    "native": build.FLAGS,
+    "avx2": tuple(f.replace("native", "x86-64-v3") for f in build.FLAGS),
+    "plain-c": tuple(f.replace("native", "x86-64") for f in build.FLAGS),
+}
+on_x86 = pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64"), reason="x86 instruction-set levels"
+)
+
+
+def random_rows(kind: str, rows: int, in_features: int, seed: int) -> torch.Tensor:
+    """Random valid GGUF rows of ``kind``: any bytes, with every fp16 scale finite and
+    modest (gguf-py quantises the 32-value types; the K-quants' bytes are drawn)."""
+    gen = np.random.default_rng(seed)
+    values, size = BLOCK_SIZES[kind]
+    if kind in ("Q4_1", "Q8_0", "Q5_0", "Q5_1"):
+        weight = gen.standard_normal((rows, in_features)) * gen.uniform(0.01, 1, (rows, 1))
+        data = gguf.quants.quantize(weight.astype(np.float32), gguf.GGMLQuantizationType[kind])
+        return torch.from_numpy(data.view(np.uint8).reshape(rows, -1).copy())
+    blocks = gen.integers(0, 256, (rows, in_features // values, size), dtype=np.uint8)
+    scales = gen.uniform(1e-4, 2e-2, (rows, in_features // values, 2)).astype(np.float16)
+    at = {"Q4_K": 0, "Q5_K": 0, "Q6_K": 208}[kind]
+    count = 1 if kind == "Q6_K" else 2  # Q6_K: d; Q4_K/Q5_K: d, dmin
+    blocks[:, :, at : at + 2 * count] = scales[:, :, :count].view(np.uint8)
+    return torch.from_numpy(blocks.reshape(rows, -1))
+
+
+def quantised_activations(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """``x`` as llama.cpp's activation blocks for ``kind`` give it back, in float64."""
+    m, k = x.shape
+    if kind in SUPER_KINDS:  # Q8_K: 256 values, scale from the signed value of largest |x|
+        xb = x.view(m, k // 256, 256)
+        first = xb.abs().argmax(-1, keepdim=True)  # argmax returns the first maximum
+        peak = torch.gather(xb, -1, first)[..., 0]
+        by = torch.where(peak != 0, -127.0 / peak, torch.zeros_like(peak))  # fp32
+        q = torch.round(xb * by[..., None]).clamp(max=127)
+        d = torch.where(peak != 0, 1.0 / by, torch.zeros_like(by))
+        return (q.double() * d.double()[..., None]).view(m, k)
+    xb = x.view(m, k // 32, 32)
+    d = xb.abs().amax(-1) / 127.0
+    inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xb * inverse[..., None])
+    return (q.double() * d.double()[..., None]).view(m, k)
+
+
+def reference(x: torch.Tensor, rows: torch.Tensor, kind: str) -> torch.Tensor:
+    """llama.cpp's product in float64: quantised activations times gguf-py's weights."""
+    weight = gguf.quants.dequantize(rows.numpy(), gguf.GGMLQuantizationType[kind])
+    return quantised_activations(x, kind) @ torch.from_numpy(weight).double().T
+
+
+def check(got: torch.Tensor, expected: torch.Tensor, label: object) -> None:
+    scale = float(expected.abs().max()) or 1.0
+    assert torch.allclose(got.double(), expected, rtol=0, atol=2e-5 * scale), label
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    kind=st.sampled_from(KINDS),
+    rows=st.integers(1, 40),
+    blocks=st.integers(1, 4),
+    m=st.integers(1, 9),
+    threads=st.sampled_from([1, 2, 3]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_every_type_is_llama_cpp_arithmetic(
+    kind: str, rows: int, blocks: int, m: int, threads: int, seed: int
+) -> None:
+    kernel = BlockKernel(build.load("blocks"), threads)
+    in_features = blocks * BLOCK_SIZES[kind][0]
+    data = random_rows(kind, rows, in_features, seed)
+    linear = BlockLinear.from_gguf(data, kind)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, in_features, generator=gen) * torch.rand(m, 1, generator=gen) * 3
+    got = kernel.linear(x, kind, linear.packed, in_features)
+    check(got, reference(x, data, kind), (kind, rows, blocks, m))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_blocks_dequantise_as_gguf_py_does(kind: str) -> None:
+    data = random_rows(kind, 5, 2 * BLOCK_SIZES[kind][0], seed=3)
+    expected = gguf.quants.dequantize(data.numpy(), gguf.GGMLQuantizationType[kind])
+    got = BlockLinear.from_gguf(data, kind).dequantize()
+    assert torch.equal(got, torch.from_numpy(expected).float())
+
+
+@on_x86
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_type_at_every_level(level: str, kind: str) -> None:
+    kernel = BlockKernel(build.load("blocks", LEVELS[level]), threads=2)
+    in_features = 2 * BLOCK_SIZES[kind][0] if kind in SUPER_KINDS else 160
+    data = random_rows(kind, 37, in_features, seed=7)
+    linear = BlockLinear.from_gguf(data, kind)
+    gen = torch.Generator().manual_seed(1)
+    for m in (1, 3, 4, 9):  # one row, the tail rows, a whole group of 4, both
+        x = torch.randn(m, in_features, generator=gen)
+        got = kernel.linear(x, kind, linear.packed, in_features)
+        check(got, reference(x, data, kind), (level, kind, m))
+
+
+@on_x86
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_rows_product_does_not_depend_on_its_batch(level: str, kind: str) -> None:
+    """Row i of a batch (in a group of 4 rows, or among the 1-3 tail rows) is bit for bit
+    the row alone, on every thread count."""
+    in_features = 256 if kind in SUPER_KINDS else 96
+    linear = BlockLinear.from_gguf(random_rows(kind, 33, in_features, seed=11), kind)
+    x = torch.randn(7, in_features, generator=torch.Generator().manual_seed(5))
+    for threads in (1, 2):
+        kernel = BlockKernel(build.load("blocks", LEVELS[level]), threads)
+        batch = kernel.linear(x, kind, linear.packed, in_features)
+        for i in range(x.shape[0]):
+            alone = kernel.linear(x[i : i + 1], kind, linear.packed, in_features)
+            assert torch.equal(batch[i : i + 1], alone), (level, kind, threads, i)
+
+
+def test_a_stack_of_types_is_its_parts_side_by_side() -> None:
+    """A chained matrix (Q5_0 rows, then Q8_0, then Q6_K: as a Q4_K_M file's fused Q/K/V
+    may mix them) gives each part's product in its columns, called directly or chained."""
+    kernel = build_kernels("auto").blocks
+    assert kernel is not None
+    parts = [
+        BlockLinear.from_gguf(random_rows(kind, rows, 256, seed=rows), kind)
+        for kind, rows in (("Q5_0", 12), ("Q8_0", 5), ("Q6_K", 9))
+    ]
+    stack = StackedBlocks(tuple(parts))
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(2))
+    alone = torch.cat([kernel.linear(x, p.kind, p.packed, 256) for p in parts], dim=1)
+    assert stack.shape == (26, 256)
+    assert torch.equal(stack(x), alone)
+    chain = Matrix.chain([(p.packed, p.kind) for p in parts])
+    assert torch.equal(kernel.multiply(x, chain, 26), alone)
+
+
+def test_a_width_that_is_not_whole_super_blocks_is_refused() -> None:
+    with pytest.raises(ValueError, match="multiple of 256"):
+        BlockLinear(torch.zeros(2, 144, dtype=torch.uint8), "Q4_K", 128)
