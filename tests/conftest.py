@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,16 @@ def kernels() -> Kernels:
 @pytest.fixture(scope="session")
 def bundled() -> ss.Model:
     return ss.load("bundled", weights="fp32", progress=False)  # the dequantised reference
+
+
+@pytest.fixture(scope="session")
+def gemma3() -> ss.Model:
+    """Gemma 3 270M (Q4_K_M) on its own blocks; ``make test`` installs it."""
+    from slotserve.artifact.gemma3 import GEMMA3_PACKAGE, INSTALL_HINT
+
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        pytest.skip(f"Gemma 3 270M is not installed: {INSTALL_HINT}")
+    return ss.load("gemma3-270m", progress=False)
 
 
 @pytest.fixture(scope="session")

@@ -14,6 +14,7 @@ from slotserve.artifact.bundled import bundled_gguf_path
 from slotserve.artifact.gguf_file import has_block_matrices
 from slotserve.artifact.gguf_load import load_gguf
 from slotserve.artifact.hf import load_hf_dir
+from slotserve.artifact.named import NAMED_MODELS, model_path
 from slotserve.artifact.program import open_bundle
 from slotserve.errors import ArtifactError
 from slotserve.model import Model
@@ -36,7 +37,8 @@ def load(
     kernels: KernelChoice = "auto",
     bundle_threads: int | None = None,
 ) -> Model:
-    """Load a model: ``"bundled"``, a ``.gguf`` path, a Hugging Face model directory, or a
+    """Load a model: a named one (``"bundled"``, ``"gemma3-270m"``: `NAMED_MODELS`), a
+    ``.gguf`` path, a Hugging Face model directory, or a
     bundle directory (`slotserve export`). A bundle's checks run here (schema, files, then
     the program's methods, delegates and pairing), and its layers are its program's methods.
 
@@ -91,21 +93,19 @@ def weight_format(spec: str | Path, weights: str = "auto", kernels: Kernels | No
 
 
 def _has_block_matrices(spec: str | Path) -> bool:
-    path = bundled_gguf_path() if str(spec) == "bundled" else Path(spec).expanduser()
+    path = model_path(spec)
     return path.suffix == ".gguf" and path.is_file() and has_block_matrices(path)
 
 
 def _gguf_path(spec: str | Path) -> Path:
-    path = bundled_gguf_path() if str(spec) == "bundled" else Path(spec).expanduser()
+    path = model_path(spec)
     if path.suffix != ".gguf":
         raise ValueError(f"weights='gguf' keeps a GGUF file's blocks; {str(spec)!r} is not one")
     return path
 
 
 def _load(spec: str | Path, progress: bool, kernels: Kernels, bundle_threads: int | None) -> Model:
-    if str(spec) == "bundled":
-        return load_gguf(bundled_gguf_path(), progress=progress, kernels=kernels)
-    path = Path(spec).expanduser()
+    path = model_path(spec)
     if is_bundle(path):
         return open_bundle(read_bundle(path), kernels, threads=bundle_threads)
     if path.is_dir():
@@ -113,16 +113,20 @@ def _load(spec: str | Path, progress: bool, kernels: Kernels, bundle_threads: in
     if path.suffix == ".gguf" or path.is_file():
         return load_gguf(path, progress=progress, kernels=kernels)
     raise ArtifactError(
-        path, "no such model; pass 'bundled', a .gguf file or a Hugging Face model directory"
+        path,
+        f"no such model; pass one of {tuple(NAMED_MODELS)}, a .gguf file or a Hugging Face "
+        "model directory",
     )
 
 
 __all__ = [
+    "NAMED_MODELS",
     "WEIGHT_CHOICES",
     "bundled_gguf_path",
     "is_bundle",
     "load",
     "load_gguf",
     "load_hf_dir",
+    "model_path",
     "read_bundle",
 ]

@@ -17,9 +17,9 @@ from slotserve.bench.single import DECODE_TOKENS
 
 
 def _gguf_path(spec: str) -> Path | None:
-    from slotserve.artifact import bundled_gguf_path
+    from slotserve.artifact import model_path
 
-    path = bundled_gguf_path() if spec == "bundled" else Path(spec)
+    path = model_path(spec)
     return path if path.suffix == ".gguf" else None
 
 

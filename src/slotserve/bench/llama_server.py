@@ -5,6 +5,7 @@ vendored in the ``llama-cpp-python`` sdist (the package registry is the only net
 machines reach), for this CPU's instruction sets (`cpu_cmake_flags`, never AMX), statically
 linked, and caches the binaries under the user cache dir. ``make bench-deps`` runs it
 (``python -m slotserve.bench.llama_server``); it took 5 min 18 s on 2 cores (Intel Xeon).
+With ``llama-quantize`` it also makes the bench's Q4_K_M SmolLM2 (`make_q4_k_m`).
 """
 
 from __future__ import annotations
@@ -133,5 +134,36 @@ def _run(command: list[str]) -> None:
         )
 
 
+# The bench's K-quant file: the bundled SmolLM2 requantised by llama.cpp to Q4_K_M, the
+# mix most downloaded GGUFs use (tests/artifact/test_gguf_parity.py reads it too).
+SMOLLM2_Q4_K_M = "SmolLM2-135M-Instruct.Q4_K_M.gguf"
+
+
+def smollm2_q4_k_m_path() -> Path:
+    return cache_dir() / "models" / SMOLLM2_Q4_K_M
+
+
+def make_q4_k_m(console: Console | None = None) -> Path:
+    """``llama-quantize --allow-requantize`` of the bundled model to Q4_K_M, once."""
+    from slotserve.artifact import bundled_gguf_path
+
+    console = console or Console(stderr=True)
+    target = smollm2_q4_k_m_path()
+    if target.is_file():
+        console.print(f"the Q4_K_M SmolLM2 is already made: {target}")
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{os.getpid()}")
+    quantize = binary_dir() / "llama-quantize"
+    with console.status("requantising the bundled SmolLM2 to Q4_K_M (llama-quantize)"):
+        _run(
+            [str(quantize), "--allow-requantize", str(bundled_gguf_path()), str(partial), "Q4_K_M"]
+        )
+    partial.replace(target)
+    console.print(f"made {target}")
+    return target
+
+
 if __name__ == "__main__":
     build_llama_server()
+    make_q4_k_m()

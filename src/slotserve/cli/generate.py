@@ -53,10 +53,12 @@ def _generate(args: argparse.Namespace) -> int:
     model, context = _model_and_context(args)
     runner = TextLLMRunner(model, max_context=context, weights=args.weights)
     runner.load()
-    prompt: str | list[int] = args.prompt
+    tokenizer = runner.model.tokenizer
     if args.chat:
         # Token ids, not rendered text: special-token text the user typed stays text.
-        prompt = runner.model.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+        prompt = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    else:  # with the model's BOS rule, as llama.cpp tokenises a prompt (the runner adds none)
+        prompt = tokenizer.encode(args.prompt)
     callback = None if args.json else print_piece
     result = runner.generate(prompt, generation_config(args), token_callback=callback)
     if args.json:

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from slotserve.artifact.bundle import (
-    BUNDLE_SCHEMA,
     MANIFEST,
     PROGRAM,
+    TIED_EMBEDDING_SCHEMA,
     TOKENIZER,
     WEIGHTS,
     WEIGHTS_TAG,
@@ -39,6 +39,7 @@ from slotserve.export.program import (
     Head,
     Out,
     PairId,
+    TiedEmbed,
     TwoPass,
     check_supported,
     dense_embedding,
@@ -48,6 +49,7 @@ from slotserve.export.program import (
     in_two_passes,
     int4_linears,
     int8_rows_linear,
+    tied_rows,
 )
 from slotserve.model import Model
 
@@ -100,9 +102,9 @@ def load_for_export(spec: str | Path, progress: bool = True) -> Model:
     Q4 blocks exactly; ``fp32`` dequantises them), read once and without building or
     running any kernel (export only reads the weights, and leaves torch's threads alone for
     lowering); any other model in fp32."""
-    from slotserve.artifact import bundled_gguf_path, load, load_gguf
+    from slotserve.artifact import load, load_gguf, model_path
 
-    path = bundled_gguf_path() if str(spec) == "bundled" else Path(spec).expanduser()
+    path = model_path(spec)
     if path.suffix == ".gguf":
         return load_gguf(path, progress=progress, blocks=True)
     return load(spec, progress=progress, weights="fp32", kernels="off")
@@ -125,15 +127,17 @@ def export_bundle(
     pair_id = secrets.token_bytes(16)
     began = time.monotonic()
     modules = _modules(model, options, pair_id)
+    schema = TIED_EMBEDDING_SCHEMA if isinstance(modules["embed"][0], TiedEmbed) else 1
     say(f"built {len(modules)} methods ({options.quant}) in {time.monotonic() - began:.1f} s")
     began = time.monotonic()
     programs = {
-        name: _export(named(name, module, len(inputs)), inputs)
+        name: _export(named(name, module, len(inputs)), inputs, _static_inputs(module))
         for name, (module, inputs) in modules.items()
     }
     say(f"exported {len(programs)} methods in {time.monotonic() - began:.1f} s")
     began = time.monotonic()
-    program = _lower(programs, options, _constant_methods(model, options, max_context, pair_id))
+    constants = _constant_methods(model, options, max_context, pair_id, schema)
+    program = _lower(programs, options, constants)
     say(f"lowered to {options.backend} in {time.monotonic() - began:.1f} s")
     began = time.monotonic()
     staging = out.with_name(out.name + ".partial")
@@ -145,7 +149,8 @@ def export_bundle(
     if not (staging / WEIGHTS).is_file():
         raise RuntimeError(f"ExecuTorch wrote no {WEIGHTS} in {staging}")
     (staging / TOKENIZER).write_text(model.tokenizer.to_json())
-    manifest = _manifest(model, options, max_context, pair_id, modules, staging)
+    tied = _tied_embedding(modules, staging / WEIGHTS)
+    manifest = _manifest(model, options, max_context, pair_id, modules, staging, tied)
     (staging / MANIFEST).write_text(manifest.to_json())
     if out.exists():
         shutil.rmtree(out)
@@ -164,12 +169,15 @@ def _manifest(
     pair_id: bytes,
     modules: dict[str, tuple[nn.Module, Inputs]],
     directory: Path,
+    tied_embedding: dict[str, Any] | None,
 ) -> Manifest:
-    """The manifest of the files written in ``directory``."""
+    """The manifest of the files written in ``directory`` (the oldest schema that describes
+    them: 1, or `TIED_EMBEDDING_SCHEMA` for an embedding read from the head's weights)."""
     info = model.info
     source = Path(model.source)
+    schema = TIED_EMBEDDING_SCHEMA if tied_embedding else 1
     return Manifest(
-        schema=BUNDLE_SCHEMA,
+        schema=schema,
         writer={"slotserve": _version("slotserve"), "executorch": _version("executorch")},
         model={
             "name": info.name,
@@ -187,6 +195,8 @@ def _manifest(
         pair_id=pair_id.hex(),
         files={name: file_digest(directory / name) for name in (PROGRAM, WEIGHTS, TOKENIZER)},
         load_options={"threads": options.threads, "load_order": list(modules)},
+        tied_embedding=tied_embedding,
+        readable_by=(schema,),
     )
 
 
@@ -207,12 +217,17 @@ def _modules(
     if two_passes:
         linears = in_two_passes(linears)
     width = (info.n_heads + 2 * info.n_kv_heads) * info.head_dim
-    modules: dict[str, tuple[nn.Module, Inputs]] = {
-        "embed": (
-            Embed(dense_embedding(weights), quantised),
-            (torch.zeros(tokens, dtype=torch.long),),
-        )
-    }
+    head_weights = head_weight(weights)
+    head_linear = int8_rows_linear(head_weights) if quantised else dense_linear(head_weights)
+    token_ids = torch.zeros(tokens, dtype=torch.long)
+    # A tied embedding is the head's weights, stored once: the embed method reads them as
+    # inputs the runtime maps from weights.ptd (`TiedEmbed`), not as a second table.
+    embed: tuple[nn.Module, Inputs] = (
+        (TiedEmbed(quantised), (token_ids, *tied_rows(head_linear).tensors))
+        if weights.tied
+        else (Embed(dense_embedding(weights), quantised), (token_ids,))
+    )
+    modules: dict[str, tuple[nn.Module, Inputs]] = {"embed": embed}
     for i, layer in enumerate(weights.layers):
         qkv = QKV(info, layer.attn_norm, linears(i, "qkv"))
         rope = (
@@ -231,8 +246,6 @@ def _modules(
         )
         attn = torch.randn(tokens, info.n_heads * info.head_dim)
         modules[f"layer{i}_out"] = (out, (torch.randn(tokens, info.dim), attn))
-    head_weights = head_weight(weights)
-    head_linear = int8_rows_linear(head_weights) if quantised else dense_linear(head_weights)
     head = Head(info, weights.norm, TwoPass(head_linear) if two_passes else head_linear)
     modules["head"] = (head, (torch.randn(min(tokens, HEAD_ROWS), info.dim),))
     modules["weights_id"] = (PairId(pair_id), ())
@@ -280,13 +293,22 @@ def named(name: str, module: nn.Module, arity: int) -> Named:
     return kinds[arity](name, module)
 
 
-def _export(module: nn.Module, inputs: Inputs) -> Any:
-    """``torch.export`` with every input's first axis dynamic (the weights are tagged as
-    external data later, on the edge graph: `_tag_weights`)."""
+def _static_inputs(module: nn.Module) -> tuple[int, ...]:
+    """The inputs of a method module whose shape is fixed (a `TiedEmbed`'s table); every
+    other input's first axis is the step's token count."""
+    static: tuple[int, ...] = getattr(module, "static_inputs", ())
+    return static
+
+
+def _export(module: nn.Module, inputs: Inputs, static: tuple[int, ...] = ()) -> Any:
+    """``torch.export`` with the first axis of every input not in ``static`` dynamic (the
+    weights are tagged as external data later, on the edge graph: `_tag_weights`)."""
     from torch.export import Dim, export
 
     tokens = Dim("tokens", min=1, max=max(2, inputs[0].shape[0])) if inputs else None
-    shapes = tuple({0: tokens} for _ in inputs) if inputs else None
+    shapes = (
+        tuple(None if i in static else {0: tokens} for i in range(len(inputs))) if inputs else None
+    )
     with torch.no_grad():
         return export(module.eval(), inputs, dynamic_shapes=shapes)
 
@@ -327,7 +349,7 @@ def _tag_weights(graph: torch.fx.GraphModule) -> None:
 
 
 def _constant_methods(
-    model: Model, options: ExportOptions, max_context: int, pair_id: bytes
+    model: Model, options: ExportOptions, max_context: int, pair_id: bytes, schema: int
 ) -> dict[str, Any]:
     """ExecuTorch's runner metadata, and the bundle's own (schema, layer count, pairing id)."""
     info = model.info
@@ -340,13 +362,14 @@ def _constant_methods(
         "get_n_layers": info.n_layers,
         "use_kv_cache": True,
         "enable_dynamic_shape": True,
-        "get_bundle_schema": BUNDLE_SCHEMA,
+        "get_bundle_schema": schema,
         "get_pair_id": list(pair_id),
     }
 
 
 def _method_spec(name: str, entry: tuple[nn.Module, Inputs]) -> MethodSpec:
     module, inputs = entry
+    static = _static_inputs(module)
     with torch.no_grad():
         outputs = module(*inputs)
 
@@ -358,10 +381,64 @@ def _method_spec(name: str, entry: tuple[nn.Module, Inputs]) -> MethodSpec:
     dynamic = bool(inputs)
     return MethodSpec(
         name,
-        tuple(shape(t, dynamic) for t in inputs),
+        tuple(shape(t, dynamic and i not in static) for i, t in enumerate(inputs)),
         (shape(outputs, dynamic),),
         tuple(str(t.dtype).removeprefix("torch.") for t in (*inputs, outputs)),
     )
+
+
+def _tied_embedding(
+    modules: dict[str, tuple[nn.Module, Inputs]], weights: Path
+) -> dict[str, Any] | None:
+    """Where in ``weights`` the head's weights that a `TiedEmbed` reads are stored: each
+    tensor's byte offset, dtype and shape (None for a model whose embedding is its own)."""
+    module, inputs = modules["embed"]
+    if not isinstance(module, TiedEmbed):
+        return None
+    found = _locate_tensors(weights, inputs[1:])
+    return dict(zip(("rows", "scales"), found, strict=False))
+
+
+def _locate_tensors(path: Path, tensors: Inputs) -> list[dict[str, Any]]:
+    """Each tensor's place in the ExecuTorch named-data file ``path``: the segment holding
+    exactly its bytes (ExecuTorch stores one segment for identical data)."""
+    from executorch.extension.flat_tensor.serialize.serialize import (
+        _deserialize_to_flat_tensor,
+        _get_extended_header,
+    )
+
+    with path.open("rb") as stream:
+        head = stream.read(4096)
+        header = _get_extended_header(head)
+        if header is None:
+            raise RuntimeError(f"{path} has no flat tensor header")
+        stream.seek(0)
+        flat = _deserialize_to_flat_tensor(
+            stream.read(header.flatbuffer_offset + header.flatbuffer_size)
+        )
+        places = []
+        for tensor in tensors:
+            data = tensor.contiguous().numpy().tobytes()
+            for segment in flat.segments:
+                if int(segment.size) != len(data):
+                    continue
+                offset = header.segment_base_offset + int(segment.offset)
+                stream.seek(offset)
+                if stream.read(len(data)) == data:
+                    break
+            else:
+                raise RuntimeError(
+                    f"the head's weights ({tuple(tensor.shape)} {tensor.dtype}) are not in "
+                    f"{path}: the tied embedding cannot be read from them"
+                )
+            places.append(
+                {
+                    "offset": offset,
+                    "dtype": str(tensor.dtype).removeprefix("torch."),
+                    "shape": list(tensor.shape),
+                }
+            )
+    return places
 
 
 def _version(package: str) -> str:
