@@ -1,18 +1,20 @@
-"""New-user check (issue 14): ask a running server "What is the capital of France?" 20 times
-per setting and count the answers that contain "Paris".
+"""New-user check (issue 14, re-measured for issue 31): ask a running server "What is the
+capital of France?" 20 times per setting, count the answers that contain "Paris", and show
+the most frequent answers (greedy gives one answer 20 times: it is printed once).
 
-    slotserve serve &            # the bundled model, default sampling
-    python tools/new_user_check.py http://127.0.0.1:8000
+    slotserve serve &            # the bundled model (its GGUF blocks), default sampling
+    python tools/new_user_check.py http://127.0.0.1:8000 [RUNS]
 """
 
 from __future__ import annotations
 
 import sys
+from collections import Counter
 
 import httpx
 
 QUESTION = "What is the capital of France?"
-SETTINGS = {
+SETTINGS: dict[str, dict[str, float]] = {
     "server defaults (no temperature sent)": {},
     "temperature 1.0 sent, other defaults applied": {"temperature": 1.0},
     "OpenAI's plain temperature 1.0 (no top-k/top-p/min-p)": {
@@ -23,6 +25,8 @@ SETTINGS = {
     },
     "temperature 0 (greedy)": {"temperature": 0},
 }
+SHOWN = 2  # the most frequent answers printed per setting
+SHOWN_CHARS = 100
 
 
 def ask(url: str, extra: dict[str, float]) -> str:
@@ -38,9 +42,17 @@ def ask(url: str, extra: dict[str, float]) -> str:
 
 def main(url: str, runs: int = 20) -> None:
     for name, extra in SETTINGS.items():
-        hits = sum("Paris" in ask(url, extra) for _ in range(runs))
+        answers = [ask(url, extra) for _ in range(runs)]
+        hits = sum("Paris" in answer for answer in answers)
         print(f"{name}: {hits}/{runs} answers contain 'Paris'")
+        for answer, count in Counter(answers).most_common(SHOWN):
+            text = " ".join(answer.split())
+            shown = text[:SHOWN_CHARS] + ("…" if len(text) > SHOWN_CHARS else "")
+            print(f"    {count}x {shown!r}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:8000")
+    main(
+        sys.argv[1] if len(sys.argv) > 1 else "http://127.0.0.1:8000",
+        int(sys.argv[2]) if len(sys.argv) > 2 else 20,
+    )

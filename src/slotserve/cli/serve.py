@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from slotserve.artifact.named import NAMED_MODELS
 from slotserve.cli.executors import add_executor_args, open_model
 from slotserve.cli.flags import add_engine_args, add_pressure_arg, engine_config, pressure_source
 from slotserve.engine.config import EngineConfig
@@ -21,8 +22,12 @@ if TYPE_CHECKING:
 
 # The share of the KV pool the server's prefix cache may pin by default (cell layout).
 SERVER_PREFIX_SHARE = 0.25
-# The server's default, repeated so that `--help` does not import the HTTP stack.
+# The server's defaults (`HTTPLimits`), repeated so that `--help` does not import the HTTP
+# stack (tests/server/test_connection_limits.py checks that they agree).
 DEFAULT_HEADER_TIMEOUT_S = 5.0
+DEFAULT_BODY_TIMEOUT_S = 10.0
+DEFAULT_MAX_CONNECTIONS = 128
+DEFAULT_MAX_CONNECTIONS_PER_CLIENT = 64
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 log = logging.getLogger("slotserve")
@@ -66,6 +71,27 @@ def register(commands: Any) -> None:
         default=DEFAULT_HEADER_TIMEOUT_S,
         help="seconds a connection may take to send a whole request head "
         f"(default {DEFAULT_HEADER_TIMEOUT_S:g}); slower ones are closed",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a request body may take to arrive after its head "
+        f"(default {DEFAULT_BODY_TIMEOUT_S:g}); slower ones get 408 and are closed",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS,
+        help=f"connections open at once (default {DEFAULT_MAX_CONNECTIONS}); "
+        "the next gets 503 with Retry-After",
+    )
+    parser.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+        help="connections open at once from one client address "
+        f"(default {DEFAULT_MAX_CONNECTIONS_PER_CLIENT}); the next gets 503 with Retry-After",
     )
     parser.add_argument("--log-level", default="warning")
     add_server_args(parser)
@@ -160,9 +186,12 @@ def with_server_prefix_cache(
 
 
 def served_name(spec: str) -> str:
-    """The model id clients must send: the bundled model's name, or the file/dir name."""
+    """The model id clients must send: the bundled model's name, a named model's spec, or
+    the file/dir name."""
     if spec == "bundled":
         return BUNDLED_NAME
+    if spec in NAMED_MODELS:
+        return spec
     path = Path(spec)
     return path.stem if path.suffix == ".gguf" else path.name
 
@@ -187,7 +216,14 @@ def run(args: argparse.Namespace) -> int:
 def _serve(args: argparse.Namespace) -> int:
     from slotserve.engine import Engine
     from slotserve.server import serve
+    from slotserve.server.connections import HTTPLimits
 
+    limits = HTTPLimits(  # checked before the model loads
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        max_connections=args.max_connections,
+        max_connections_per_client=args.max_connections_per_client,
+    )
     template = chat_template_text(args.chat_template)  # read before the model loads
     spec, model, executor = open_model(args)
     if template is not None:
@@ -204,7 +240,7 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_body_bytes=args.max_body_bytes,
         log_level=args.log_level,
-        header_timeout_s=args.header_timeout,
+        limits=limits,
         sampling=sampling_defaults(args),
         metrics_key=args.metrics_key,
         cors_origins=args.cors_origin,

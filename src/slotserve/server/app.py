@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slotserve.engine import Engine
 from slotserve.server import dashboard, page
+from slotserve.server.connections import ConnectionTracker
 from slotserve.server.defaults import SamplingDefaults
 from slotserve.server.errors import (
     APIError,
@@ -36,10 +37,12 @@ def create_app(
     metrics_key: str | None = None,  # required by /metrics when given
     cors_origins: Sequence[str] = (),  # browser origins allowed to call the API
     web: bool = True,
+    connections: ConnectionTracker | None = None,  # the server's, exposed in /metrics
 ) -> FastAPI:
     """The app serving ``engine`` as ``model_name``; closing the app closes the engine.
     ``web``: serve the page at ``/`` and its files (`page`) and its dashboard feed
-    (`dashboard`)."""
+    (`dashboard`). ``connections``: the tracker of the protocol serving the app
+    (`serve`), whose counts /metrics shows."""
     state = ServerState(
         None,
         model_name,
@@ -48,6 +51,7 @@ def create_app(
         created=int(time.time()),
         sampling=sampling or SamplingDefaults(),
         metrics_key=metrics_key,
+        connections=connections,
     )
     if engine is not None:
         state.attach(engine)
@@ -78,7 +82,7 @@ def create_app(
     app.add_exception_handler(RequestValidationError, validation_handler)
     app.add_exception_handler(StarletteHTTPException, http_error_handler)
     app.add_exception_handler(Exception, unexpected_handler)
-    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    app.add_middleware(BodyLimit, limit=max_body_bytes)  # refuses when a route reads
     if cors_origins:
         # Added last, so outermost: preflights are answered before any key check, and
         # error responses (401, 413) carry the CORS headers a browser needs to read them.

@@ -29,7 +29,7 @@ from slotserve.engine import Engine, PoolView, SlotView
 from slotserve.engine.events import Priority
 from slotserve.server.errors import APIError
 from slotserve.server.metrics import PrometheusMetrics
-from slotserve.server.security import require_api_key
+from slotserve.server.security import KeyedRoute, require_api_key
 from slotserve.server.state import ServerState
 
 # Four snapshots a second: smooth enough to watch tokens stream, cheap (see the report in
@@ -37,7 +37,7 @@ from slotserve.server.state import ServerState
 DEFAULT_INTERVAL_S = 0.25
 MIN_INTERVAL_S = 0.05
 
-router = APIRouter(redirect_slashes=False)
+router = APIRouter(redirect_slashes=False, route_class=KeyedRoute)  # the key from the head
 
 
 # -- the snapshot ------------------------------------------------------------------------

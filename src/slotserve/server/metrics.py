@@ -1,5 +1,7 @@
 """Prometheus exposition: request timings observed as requests end (the engine's public
-`Finished` events) and engine state read from `Engine.stats()` at scrape time."""
+`Finished` events), engine state read from `Engine.stats()` at scrape time, and the
+server's connections (open, refused by each cap, closed at each deadline) read from its
+`ConnectionTracker` at scrape time."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from slotserve.engine import EngineStats, Finished, PrefixStats
+from slotserve.server.connections import ConnectionStats
 
 LATENCY_BUCKETS = (
     0.001,
@@ -34,7 +37,11 @@ class PrometheusMetrics:
     """Prometheus exposition of request timings (observed as requests end) and engine
     state (read from ``engine_stats()`` at scrape time). One registry per instance."""
 
-    def __init__(self, engine_stats: Callable[[], EngineStats]) -> None:
+    def __init__(
+        self,
+        engine_stats: Callable[[], EngineStats],
+        connection_stats: Callable[[], ConnectionStats] | None = None,
+    ) -> None:
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
         self.registry = CollectorRegistry()
@@ -54,6 +61,8 @@ class PrometheusMetrics:
             "slotserve_generated_tokens", "Tokens generated", registry=self.registry
         )
         self.registry.register(_EngineCollector(engine_stats))
+        if connection_stats is not None:  # served by `serve` (its protocol counts them)
+            self.registry.register(_ConnectionCollector(connection_stats))
 
     def observe(self, finished: Finished) -> None:
         """Record one request that ended (called on the engine thread)."""
@@ -115,6 +124,36 @@ class _EngineCollector:
         yield finished
         if stats.prefix is not None:  # only with the prefix cache (serve --prefix-cache)
             yield from _prefix_metrics(stats.prefix)
+
+
+class _ConnectionCollector:
+    def __init__(self, connection_stats: Callable[[], ConnectionStats]) -> None:
+        self.connection_stats = connection_stats
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        stats = self.connection_stats()
+        yield GaugeMetricFamily("slotserve_connections_open", "HTTP connections open", stats.open)
+        yield GaugeMetricFamily(
+            "slotserve_max_connections", "The cap on open connections", stats.max_connections
+        )
+        refused = CounterMetricFamily(
+            "slotserve_connections_refused",
+            "Connections answered 503 beyond a cap, by cap",
+            labels=["limit"],
+        )
+        for cap, count in stats.refused.items():
+            refused.add_metric([cap], count)
+        yield refused
+        timed_out = CounterMetricFamily(
+            "slotserve_connections_timed_out",
+            "Connections closed at a deadline (head: --header-timeout, body: --body-timeout)",
+            labels=["deadline"],
+        )
+        for deadline, count in stats.timed_out.items():
+            timed_out.add_metric([deadline], count)
+        yield timed_out
 
 
 def _prefix_metrics(stats: PrefixStats) -> Iterator[Any]:

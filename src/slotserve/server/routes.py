@@ -17,17 +17,18 @@ from slotserve.server.schemas import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from slotserve.server.security import require_api_key, require_metrics_key
+from slotserve.server.security import KeyedRoute, require_api_key, require_metrics_key
 from slotserve.server.state import ServerState
 
 # redirect_slashes=False everywhere: see create_app. `v1` (OpenAI's routes) is mounted both
 # at /v1 and at the root, as the peers do; `guarded` holds live activity and CPU work;
-# health stays open, and metrics too unless --metrics-key is given.
+# health stays open, and metrics too unless --metrics-key is given. KeyedRoute: the keys
+# are checked from the request head, before the body is read.
 _KEY = [Depends(require_api_key)]
 V1_PREFIX = "/v1"
-v1 = APIRouter(dependencies=_KEY, redirect_slashes=False)
-guarded = APIRouter(dependencies=_KEY, redirect_slashes=False)
-plain = APIRouter(redirect_slashes=False)
+v1 = APIRouter(dependencies=_KEY, redirect_slashes=False, route_class=KeyedRoute)
+guarded = APIRouter(dependencies=_KEY, redirect_slashes=False, route_class=KeyedRoute)
+plain = APIRouter(redirect_slashes=False, route_class=KeyedRoute)
 
 
 def state_of(request: Request) -> ServerState:

@@ -20,8 +20,9 @@ import uvicorn
 
 from slotserve.engine import Engine
 from slotserve.server.app import create_app
+from slotserve.server.connections import ConnectionTracker, HTTPLimits
 from slotserve.server.defaults import SamplingDefaults
-from slotserve.server.protocol import DEFAULT_HEADER_TIMEOUT_S, protocol_with_header_timeout
+from slotserve.server.protocol import protocol_for
 from slotserve.server.state import ServerState
 
 log = logging.getLogger("slotserve")
@@ -31,6 +32,8 @@ log = logging.getLogger("slotserve")
 SHUTDOWN_GRACE_S = 1
 # How long an idle kept-alive connection stays open between requests.
 KEEP_ALIVE_S = 5
+# Descriptors the process needs besides its connections (model files, logs, the loop).
+RESERVED_FDS = 64
 
 
 def serve(
@@ -42,7 +45,7 @@ def serve(
     api_key: str | None = None,
     max_body_bytes: int = 1 << 20,
     log_level: str = "warning",
-    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S,
+    limits: HTTPLimits | None = None,
     sampling: SamplingDefaults | None = None,
     metrics_key: str | None = None,
     cors_origins: Sequence[str] = (),
@@ -50,9 +53,12 @@ def serve(
 ) -> int:
     """Serve ``engine`` as ``model_name`` until SIGINT/SIGTERM; returns the exit status (0).
 
-    ``header_timeout_s`` bounds how long a connection may take to send a request head;
-    ``sampling`` fills the fields a request leaves out (logged here, at startup);
-    ``metrics_key`` guards /metrics; ``cors_origins`` may call the API from a browser."""
+    ``limits``: the deadlines on request heads and bodies and the caps on open connections
+    (`HTTPLimits`; its defaults if None); ``sampling`` fills the fields a request leaves
+    out (logged here, at startup); ``metrics_key`` guards /metrics; ``cors_origins`` may
+    call the API from a browser."""
+    limits = limits or HTTPLimits()
+    connections = ConnectionTracker(limits)
     app = create_app(
         engine,
         model_name,
@@ -62,14 +68,16 @@ def serve(
         metrics_key=metrics_key,
         cors_origins=cors_origins,
         web=web,
+        connections=connections,
     )
     warn_if_exposed(host, api_key)
+    warn_if_descriptors_short(limits.max_connections)
     config = uvicorn.Config(
         app,
         host=host,
         port=port,
         log_level=log_level,
-        http=protocol_with_header_timeout(header_timeout_s),
+        http=protocol_for(connections),
         timeout_keep_alive=KEEP_ALIVE_S,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
@@ -114,6 +122,26 @@ def warn_if_exposed(host: str, api_key: str | None) -> bool:
         "--host 127.0.0.1.",
         host,
     )
+    return True
+
+
+def warn_if_descriptors_short(max_connections: int) -> bool:
+    """Warn when the process may not open ``max_connections`` sockets and its own files
+    (the soft ``RLIMIT_NOFILE``); returns whether it warned."""
+    try:
+        import resource
+    except ImportError:  # not a Unix: no such limit to read
+        return False
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or max_connections + RESERVED_FDS <= soft:
+        return False
+    log.warning(
+        "WARNING: --max-connections %d plus %d descriptors of the process's own exceed its "
+        "open-file limit of %d: connections would fail to open before the cap refuses them. "
+        "Raise the limit (ulimit -n %d) or pass --max-connections %d.",
+        max_connections, RESERVED_FDS, soft,
+        max_connections + RESERVED_FDS, max(1, soft - RESERVED_FDS),
+    )  # fmt: skip
     return True
 
 

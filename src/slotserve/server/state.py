@@ -8,6 +8,7 @@ import threading
 from dataclasses import dataclass, field
 
 from slotserve.engine import Engine
+from slotserve.server.connections import ConnectionTracker
 from slotserve.server.defaults import SamplingDefaults
 from slotserve.server.metrics import PrometheusMetrics
 from slotserve.server.structured import GrammarCache
@@ -27,12 +28,15 @@ class ServerState:
     metrics_key: str | None = None
     shutting_down: bool = False
     grammars: GrammarCache | None = None
+    # The connections of the server this app runs in (`serve`); None when served otherwise.
+    connections: ConnectionTracker | None = None
     _closer: threading.Thread | None = field(default=None, repr=False)
 
     def attach(self, engine: Engine) -> None:
         """Serve ``engine``: its finished requests feed the Prometheus metrics."""
         self.engine = engine
-        self.metrics = PrometheusMetrics(engine.stats)
+        connections = self.connections.stats if self.connections is not None else None
+        self.metrics = PrometheusMetrics(engine.stats, connections)
         engine.on_finished = self.metrics.observe
         self.grammars = GrammarCache(engine.model)
 
