@@ -193,10 +193,18 @@ def random_gguf_rows(kind: str, rows: int, cols: int, seed: int = 0) -> Any:
         weight = gen.standard_normal((rows, cols)) * gen.uniform(0.01, 1, (rows, 1))
         data = gguf.quants.quantize(weight.astype(np.float32), quant)
         return data.view(np.uint8).reshape(rows, -1).copy()
-    if kind not in ("Q4_K", "Q5_K", "Q6_K"):
+    # Where each K-quant keeps its fp16 super-block scales: (count, offset).
+    scale_fields = {
+        "Q2_K": (2, 80),
+        "Q3_K": (1, 108),
+        "Q4_K": (2, 0),
+        "Q5_K": (2, 0),
+        "Q6_K": (1, 208),
+    }
+    if kind not in scale_fields:
         raise ValueError(f"no random blocks for {kind}")
     blocks = gen.integers(0, 256, (rows, cols // values, size), dtype=np.uint8)
-    count, at = (1, 208) if kind == "Q6_K" else (2, 0)  # Q6_K: d last; else d, dmin first
+    count, at = scale_fields[kind]
     scales = gen.uniform(2e-5, 3e-4, (rows, cols // values, count)).astype(np.float16)
     blocks[:, :, at : at + 2 * count] = scales.view(np.uint8)
     return blocks.reshape(rows, -1)
@@ -246,11 +254,14 @@ def _gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
     return f"blk.{layer}.{inverse_layer['.'.join(rest)]}.{suffix}"
 
 
-def write_tiny_gguf(path: Path, kind: str = "llama", qtype: str = "F32", seed: int = 0) -> Path:
+def write_tiny_gguf(
+    path: Path, kind: str = "llama", qtype: str = "F32", seed: int = 0, drop: tuple[str, ...] = ()
+) -> Path:
     """Write the tiny model ``kind`` (llama, qwen2, qwen3 or gemma3) as a GGUF file, its 2-D
     weights stored as ``qtype`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, ..., or ``Q4_K_M``:
     llama.cpp's mix of types, `Q4_K_M_TYPES`, with random K-quant blocks), laid out as
-    llama.cpp's converter lays them out (Q/K rows permuted for llama)."""
+    llama.cpp's converter lays them out (Q/K rows permuted for llama). The GGUF tensors
+    named in ``drop`` are left out (a broken file, for tests)."""
     import gguf
     import numpy as np
 
@@ -277,6 +288,8 @@ def write_tiny_gguf(path: Path, kind: str = "llama", qtype: str = "F32", seed: i
         writer.add_float32("gemma3.rope.freq_base_swa", config["rope_local_base_freq"])
     _add_gguf_tokenizer(writer, config["vocab_size"])
     for name, tensor in random_state_dict(config, seed).items():
+        if _gguf_tensor_name(name, arch) in drop:
+            continue
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             tensor = _llama_cpp_permute(tensor, heads if "q_proj" in name else kv_heads)
         array = tensor.numpy().astype(np.float32)
@@ -286,7 +299,7 @@ def write_tiny_gguf(path: Path, kind: str = "llama", qtype: str = "F32", seed: i
             if array.ndim == 2 and array.shape[1] % 256:  # llama.cpp's fallback types
                 kind_of = K_QUANT_FALLBACK.get(kind_of, kind_of)
         quant = gguf.GGMLQuantizationType[kind_of]
-        if array.ndim == 2 and kind_of in ("Q4_K", "Q5_K", "Q6_K"):
+        if array.ndim == 2 and kind_of in ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"):
             rows = random_gguf_rows(kind_of, array.shape[0], array.shape[1], seed)
             writer.add_tensor(
                 _gguf_tensor_name(name, arch), rows, raw_shape=rows.shape, raw_dtype=quant

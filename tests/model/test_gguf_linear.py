@@ -167,3 +167,20 @@ def test_auto_keeps_blocks_where_the_file_has_them(tmp_path: Path) -> None:
     assert not isinstance(f32.weights.layers[0].qkv, BlockLinear)
     with pytest.raises(ValueError, match="weights='int4' is not one of"):
         ss.load(tmp_path / "q.gguf", weights="int4")
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K"])
+def test_types_without_a_kernel_load_exactly_through_dequantisation(
+    tmp_path: Path, qtype: str
+) -> None:
+    """Q2_K and Q3_K (no block kernel) load as gguf-py dequantises them, bit for bit."""
+    path = write_tiny_gguf(tmp_path / "k.gguf", "gemma3", qtype)
+    model = ss.load(path, progress=False)
+    assert model.weights is not None and model.halves.kind == "eager"
+    reader = gguf.GGUFReader(path)
+    tensor = next(t for t in reader.tensors if t.name == "blk.0.ffn_down.weight")
+    assert tensor.tensor_type.name == qtype
+    expected = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    got = model.weights.layers[0].down
+    assert torch.equal(got.weight, torch.from_numpy(np.ascontiguousarray(expected)))
+    assert model.logits([1, 2, 3]).isfinite().all()
