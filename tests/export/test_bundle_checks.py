@@ -60,11 +60,11 @@ def test_a_newer_schema_is_refused_with_the_versions_and_the_fix(
     tiny_bundle: Path, tmp_path: Path
 ) -> None:
     bundle = copy_of(tiny_bundle, tmp_path)
-    edit_manifest(bundle, lambda f: f.update(schema=2, surprise={"new": "field"}))
+    edit_manifest(bundle, lambda f: f.update(schema=3, surprise={"new": "field"}))
     error = refused(bundle, SchemaVersionError)
-    assert isinstance(error, SchemaVersionError) and (error.found, error.readable) == (2, (1,))
+    assert isinstance(error, SchemaVersionError) and (error.found, error.readable) == (3, (1, 2))
     assert str(bundle / MANIFEST) in str(error)
-    assert "bundle schema 2, but this runtime reads schema 1; upgrade slotserve" in str(error)
+    assert "bundle schema 3, but this runtime reads schema 1, 2; upgrade slotserve" in str(error)
 
 
 def test_an_older_schema_is_refused(tiny_bundle: Path, tmp_path: Path) -> None:

@@ -25,10 +25,14 @@ from slotserve.errors import ArtifactError, SchemaVersionError
 from slotserve.info import ModelInfo
 from slotserve.tokenizer import Tokenizer
 
-BUNDLE_SCHEMA = 1
-"""The schema this runtime writes."""
-READABLE_SCHEMAS = (1,)
+BUNDLE_SCHEMA = 2
+"""The newest schema this runtime writes (a bundle records the oldest schema that describes
+it: 1 unless it needs `TIED_EMBEDDING_SCHEMA`)."""
+READABLE_SCHEMAS = (1, 2)
 """The schemas this runtime reads."""
+TIED_EMBEDDING_SCHEMA = 2
+"""Schema 2 adds ``tied_embedding``: a tied embedding stored once, as the head's weights,
+which the runtime maps from the weights file and passes to the ``embed`` method."""
 
 MANIFEST = "manifest.json"
 PROGRAM = "program.pte"
@@ -75,6 +79,9 @@ class Manifest:
     load_options: dict[str, Any] = field(default_factory=dict)
     kv_contract: str = KV_CONTRACT
     readable_by: tuple[int, ...] = READABLE_SCHEMAS
+    tied_embedding: dict[str, Any] | None = None
+    """Schema 2: where the head's weights that ``embed`` reads lie in the weights file,
+    ``{"rows": {"offset", "dtype", "shape"}, "scales": {…}}`` (``scales`` for int8 rows)."""
 
     @property
     def method_names(self) -> tuple[str, ...]:
@@ -83,6 +90,8 @@ class Manifest:
     def to_json(self) -> str:
         fields = asdict(self)
         fields["info"] = json.loads(self.info.to_json())
+        if self.tied_embedding is None:
+            del fields["tied_embedding"]  # a schema-1 manifest, as schema-1 readers read it
         return json.dumps(fields, indent=2) + "\n"
 
     @classmethod
@@ -142,6 +151,7 @@ def read_bundle(directory: str | Path) -> Bundle:
     directory = Path(directory)
     manifest = read_manifest(directory)
     check_files(directory, manifest)
+    check_tied_embedding(directory, manifest)
     tokenizer = Tokenizer.from_json((directory / TOKENIZER).read_text())
     return Bundle(directory, manifest, tokenizer)
 
@@ -205,3 +215,47 @@ def check_files(directory: Path, manifest: Manifest) -> None:
                 f"{expected[:16]}…: the file is damaged or belongs to another export; copy the "
                 "bundle again or export it again",
             )
+
+
+TIED_DTYPES = {"float32": 4, "int8": 1}  # what a tied embedding's rows and scales may be
+
+
+def check_tied_embedding(directory: Path, manifest: Manifest) -> None:
+    """A tied embedding's rows (and int8 rows' scales) lie inside the weights file, as
+    tensors of a known dtype, ``[vocab, dim]`` and ``[vocab]``."""
+    tied = manifest.tied_embedding
+    if tied is None:
+        return
+    where = directory / MANIFEST
+    info = manifest.info
+    size = (directory / WEIGHTS).stat().st_size
+    expected = {"rows": [info.vocab_size, info.dim], "scales": [info.vocab_size]}
+    parts = [part for part in ("rows", "scales") if part in tied]
+    if "rows" not in parts or set(tied) - set(expected):
+        raise ArtifactError(where, f"tied_embedding {sorted(tied)}: expected rows[, scales]")
+    for part in parts:
+        place = tied[part]
+        try:
+            offset, dtype, shape = int(place["offset"]), str(place["dtype"]), list(place["shape"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise ArtifactError(where, f"malformed tied_embedding.{part} ({error})") from error
+        if dtype not in TIED_DTYPES or shape != expected[part]:
+            raise ArtifactError(
+                where,
+                f"tied_embedding.{part} is {dtype} {shape}; expected {expected[part]} of "
+                f"{' or '.join(TIED_DTYPES)}; export the bundle again",
+            )
+        end = offset + TIED_DTYPES[dtype] * _product(shape)
+        if offset < 0 or end > size:
+            raise ArtifactError(
+                directory / WEIGHTS,
+                f"tied_embedding.{part} (bytes {offset}..{end}) lies outside the file "
+                f"({size} bytes) that {where} describes; export the bundle again",
+            )
+
+
+def _product(shape: list[int]) -> int:
+    total = 1
+    for size in shape:
+        total *= int(size)
+    return total

@@ -97,6 +97,7 @@ class ProgramHalves:
         self._max_step_tokens = manifest.max_tokens
         layers = range(manifest.info.n_layers)
         self._embed = methods["embed"]
+        self._tied = map_tied_embedding(bundle)  # the head's weights, for a tied embedding
         self._qkv = [methods[f"layer{i}_qkv"] for i in layers]
         self._out = [methods[f"layer{i}_out"] for i in layers]
         self._head = methods["head"]
@@ -126,7 +127,7 @@ class ProgramHalves:
                 f"program was lowered for; serve with --max-batch-tokens "
                 f"{self._max_step_tokens} or export again with a larger --max-batch-tokens"
             )
-        (x,) = self._embed.execute([tokens.to(torch.long).contiguous()])
+        (x,) = self._embed.execute([tokens.to(torch.long).contiguous(), *self._tied])
         return x  # type: ignore[no-any-return]
 
     def qkv(self, layer: int, x: torch.Tensor, step: StepContext) -> torch.Tensor:
@@ -147,6 +148,34 @@ class ProgramHalves:
             self._head.execute([rows.contiguous()])[0] for rows in torch.split(x, self._head_rows)
         ]
         return chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+
+
+def map_tied_embedding(bundle: Bundle) -> tuple[torch.Tensor, ...]:
+    """A tied embedding's tables (the head's rows, and their scales for int8 rows), mapped
+    read-only from the weights file where the manifest says they are (`read_bundle`
+    checked the places): the ``embed`` method reads them in place, so only the pages of the
+    rows it looks up are read, and the table is resident once (as the head's packed
+    weights). Empty for a bundle whose ``embed`` holds its own table."""
+    import numpy as np
+
+    tied = bundle.manifest.tied_embedding
+    if tied is None:
+        return ()
+    tables = []
+    for part in ("rows", "scales"):
+        if part in tied:
+            place = tied[part]
+            # Copy-on-write: a writable array (torch wants one) that never writes the file;
+            # its pages are the file's until written, and the method only reads them.
+            array = np.memmap(
+                bundle.weights,
+                dtype=np.dtype(place["dtype"]),
+                mode="c",
+                offset=int(place["offset"]),
+                shape=tuple(place["shape"]),
+            )
+            tables.append(torch.from_numpy(array))
+    return tuple(tables)
 
 
 def open_bundle(bundle: Bundle, kernels: Kernels, **load_options: Any) -> Model:

@@ -3,8 +3,9 @@ program, its weights as a separate file, the tokenizer and a manifest.
 
 Stages (each timed and reported): build the method modules (`slotserve.export.program`),
 `torch.export` each with a dynamic token count, tag every weight as external data, lower
-(XNNPACK, or the portable kernels), serialise ``program.pte`` and ``weights.ptd``, then write
-the manifest last, so a directory with a manifest is a complete bundle.
+(XNNPACK, or the portable kernels), serialise ``program.pte`` and ``weights.ptd``, find where
+the head's weights lie in it when a tied embedding reads them (`Manifest.tied_embedding`),
+then write the manifest last, so a directory with a manifest is a complete bundle.
 """
 
 from __future__ import annotations
@@ -68,8 +69,9 @@ DELEGATE_IDS: dict[str, tuple[str, ...]] = {"xnnpack": ("XnnpackBackend",), "por
 class ExportOptions:
     """``backend``: ``xnnpack`` (XNNPACK kernels) or ``portable`` (ExecuTorch's portable
     kernels, fp32 only). ``quant``: ``fp32``, or ``8da4w`` (int4 weights in groups of 32: the
-    blocks of a Q4_0/Q4_1 GGUF loaded with them kept exactly; int8 blocks for the embedding,
-    int8 rows for the head; int8 dynamic activations per token), or ``8da4w-2pass`` (the
+    blocks of a Q4_0/Q4_1 GGUF loaded with them kept exactly; int8 rows for the head, int8
+    blocks for an untied embedding, and the head's rows for a tied one; int8 dynamic
+    activations per token), or ``8da4w-2pass`` (the
     same, with every projection and the head in two passes, `TwoPass`: closer to the fp32
     model, at a cost in step time and planned memory; docs/EXECUTORCH-NOTES.md).
     ``max_tokens``: the largest step (decode tokens plus a prefill chunk) the methods take;

@@ -2,7 +2,9 @@
 
 Methods (``T`` tokens, dynamic up to the bundle's ``max_tokens``; one step mixes prefill
 chunks and decode tokens on this axis):
-- ``embed(tokens[T]) -> x[T, dim]``;
+- ``embed(tokens[T]) -> x[T, dim]`` (`Embed`), or for a tied embedding
+  ``embed(tokens[T], rows[vocab, dim][, scales[vocab]]) -> x[T, dim]`` (`TiedEmbed`: the
+  head's stored weights, passed in by the runtime, so the table is stored once);
 - ``layer{i}_qkv(x[T, dim], cos[T, W], sin[T, W]) -> qkv[T, W]`` (``W = (H + 2·KVH)·hd``):
   the attention norm, the fused Q/K/V projection and RoPE (see `QKV` and
   `slotserve.model.layers.fused_rope_rows`);
@@ -15,13 +17,15 @@ unchanged and no method owns KV state. How a projection is represented is the `L
 builder's choice: fp32 (`dense_linears`), or int4 weights with int8 dynamic activations
 (`int4_linears`), which stores the Q4 blocks of a GGUF file loaded with them exactly
 (`Q4BlockLinear`, from the model's `BlockLinear` weights), optionally in two passes
-(`TwoPass`). Norms, the embedding and the head are read dense (blocks dequantised).
+(`TwoPass`). Norms, the embedding and the head are read dense (blocks dequantised); a
+tied embedding is then stored only as the head's weights (fp32, or its int8 rows).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, TypeGuard
 
@@ -207,6 +211,61 @@ class Embed(nn.Module):
         scales = self.scale[tokens].float().unsqueeze(-1)
         rows: torch.Tensor = (blocks * scales).view(tokens.shape[0], -1)
         return rows
+
+
+class TiedEmbed(nn.Module):
+    """Token rows of a tied embedding, read from the head's own weights: the runtime maps
+    the head's weights in ``weights.ptd`` and passes them in, and the method reads them in
+    place (its inputs are not copied), so the table is stored and resident once. ``rows`` is
+    the head's ``[vocab, dim]`` fp32 weight, or (``int8=True``) its int8 rows with one scale
+    each (the head's XNNPACK weights, `int8_rows_linear`). Inputs 1 and 2 are static
+    (`static_inputs`): only the token axis is dynamic."""
+
+    static_inputs = (1, 2)
+
+    def __init__(self, int8: bool) -> None:
+        super().__init__()
+        self.int8 = int8
+
+    def forward(
+        self, tokens: torch.Tensor, rows: torch.Tensor, scales: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        picked = rows[tokens]
+        if scales is None:
+            return picked
+        scaled: torch.Tensor = picked.float() * scales[tokens].unsqueeze(-1)
+        return scaled
+
+
+@dataclass(frozen=True)
+class TiedRows:
+    """The tensors a tied embedding is read from (the head's weights, as stored): fp32
+    ``rows``, or int8 ``rows`` and fp32 ``scales`` (one a row)."""
+
+    rows: torch.Tensor
+    scales: torch.Tensor | None = None
+
+    @property
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.rows,) if self.scales is None else (self.rows, self.scales)
+
+
+def tied_rows(head: nn.Module) -> TiedRows:
+    """The stored weights of a head built by `dense_linear` or `int8_rows_linear` (inside a
+    `TwoPass` or not): what `TiedEmbed` reads."""
+    while isinstance(head, TwoPass):
+        head = head.inner
+    assert isinstance(head, nn.Linear), head
+    weight = head.weight
+    qdata = getattr(weight, "qdata", None)
+    if qdata is None:
+        return TiedRows(weight.detach().float().contiguous())
+    scale: torch.Tensor = weight.scale  # type: ignore[attr-defined]  # torchao's tensor
+    scale = scale.detach().float().reshape(-1).contiguous()
+    zero = getattr(weight, "zero_point", None)
+    if zero is not None and bool(zero.any()):
+        raise ValueError("a tied head's int8 rows must be symmetric (zero point 0)")
+    return TiedRows(qdata.detach().to(torch.int8).contiguous(), scale)
 
 
 class QKV(nn.Module):

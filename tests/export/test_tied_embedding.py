@@ -1,0 +1,181 @@
+"""A tied embedding is stored and resident once: the head's weights in ``weights.ptd``, which
+the runtime maps and hands to the ``embed`` method (schema 2, `Manifest.tied_embedding`),
+instead of a second table for ``embed`` (int8 blocks beside the head's int8 rows, or an
+fp32 table mlocked beside the head's packed copy).
+
+The model is a tiny random Llama with a tied embedding large enough (32768 x 256) to
+dominate its weights, so a second copy shows in the file and in the resident set.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import slotserve as ss
+from slotserve.artifact.bundle import MANIFEST, WEIGHTS, read_bundle
+from slotserve.errors import ArtifactError
+from slotserve.export import ExportOptions, export_bundle
+from slotserve.kv import KVConfig, KVPool, StepBatch
+from slotserve.testing import random_state_dict, tiny_config, write_tiny_hf_dir
+
+VOCAB, DIM = 32768, 256
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory: pytest.TempPathFactory) -> ss.Model:
+    path = write_tiny_hf_dir(tmp_path_factory.mktemp("tied") / "hf", "llama")
+    config = {
+        **tiny_config("llama"),
+        "tie_word_embeddings": True,
+        "vocab_size": VOCAB,
+        "hidden_size": DIM,
+        "intermediate_size": 2 * DIM,
+        "num_hidden_layers": 2,
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(random_state_dict(config, 0), str(path / "model.safetensors"))
+    model = ss.load(path)
+    assert model.weights is not None and model.weights.tied
+    return model
+
+
+@pytest.fixture(scope="module")
+def bundles(tied: ss.Model, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The tied model as an fp32 and an 8da4w bundle (about a minute on 2 cores)."""
+    root = tmp_path_factory.mktemp("tied-bundles")
+    out = {}
+    for quant in ("fp32", "8da4w"):
+        out[quant] = root / quant
+        export_bundle(tied, out[quant], ExportOptions(quant=quant, max_tokens=64))  # type: ignore[arg-type]
+    return out
+
+
+def embedding_bytes(quant: str) -> int:
+    return VOCAB * DIM * (4 if quant == "fp32" else 1)
+
+
+@pytest.mark.parametrize("quant", ["fp32", "8da4w"])
+def test_the_manifest_says_where_the_heads_rows_are(bundles: dict[str, Path], quant: str) -> None:
+    manifest = read_bundle(bundles[quant]).manifest
+    assert manifest.schema == 2 and manifest.readable_by == (2,)
+    tied = manifest.tied_embedding
+    assert tied is not None
+    rows = tied["rows"]
+    assert (rows["dtype"], rows["shape"]) == (
+        "float32" if quant == "fp32" else "int8",
+        [VOCAB, DIM],
+    )
+    if quant == "fp32":
+        assert "scales" not in tied
+    else:
+        assert (tied["scales"]["dtype"], tied["scales"]["shape"]) == ("float32", [VOCAB])
+    embed = next(m for m in manifest.methods if m.name == "embed")
+    assert embed.inputs[:2] == (("T",), (VOCAB, DIM))
+    assert embed.outputs == (("T", DIM),)
+
+
+@pytest.mark.parametrize("quant", ["fp32", "8da4w"])
+def test_the_weights_file_holds_the_embedding_once(
+    tied: ss.Model, bundles: dict[str, Path], quant: str
+) -> None:
+    stored = (bundles[quant] / WEIGHTS).stat().st_size
+    rest = tied.weight_bytes - VOCAB * DIM * 4  # the layers' fp32 bytes
+    # One table, plus the layers (fp32, or int4 with their scales), never a second table.
+    assert stored < embedding_bytes(quant) + (1.1 if quant == "fp32" else 0.5) * rest + MiB
+
+
+RSS_PROBE = """
+import json, sys
+import slotserve as ss
+from slotserve.memory import rss_bytes
+
+def serve(path):
+    model = ss.load(path)
+    with ss.Engine(model, ss.EngineConfig(max_seqs=1, max_context=64)) as engine:
+        engine.submit(list(range(3, 60)), ss.SamplingParams(max_new_tokens=1)).result()
+    return model
+
+warm = serve(sys.argv[1])  # the runtime, kernels and engine paths, once
+before = rss_bytes()
+model = serve(sys.argv[2])
+print(json.dumps({"growth": rss_bytes() - before}))
+"""
+
+
+@pytest.mark.parametrize("quant", ["fp32", "8da4w"])
+def test_loading_every_method_costs_one_copy_of_the_weights(
+    tiny_bundle: Path, bundles: dict[str, Path], quant: str
+) -> None:
+    """The design's shipping check: cross-method weight sharing reduces resident memory,
+    never duplicates it. In a fresh process (after a warm-up bundle), loading the bundle
+    and prefilling a prompt grows the RSS by about its weights file, plus the head's
+    planned logits (32 rows x the vocabulary) and the step's activations. (The embedding
+    rows a step looks up are read from the file's pages: clean page cache, a few MiB here,
+    where the old layout held a second table, mlocked, beside the head's packed copy.)"""
+    probe = subprocess.run(
+        [sys.executable, "-c", RSS_PROBE, str(tiny_bundle), str(bundles[quant])],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    growth = json.loads(probe.stdout.strip().splitlines()[-1])["growth"]
+    stored = (bundles[quant] / WEIGHTS).stat().st_size
+    planned = 32 * VOCAB * 4  # the head's logits
+    assert growth < 1.15 * stored + planned + 2 * MiB, (growth / MiB, stored / MiB)
+
+
+def logits_of(bundle: Path, model: ss.Model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    served = ss.load(bundle)
+    pool = KVPool(model.info, KVConfig(layout="flat", max_seqs=1, max_context=64))
+    pool.reserve(0, 64)
+    batch = StepBatch.single(0, len(ids))
+    pool.begin_step(batch)
+    ours = served.forward(torch.tensor(ids), batch, pool)[0]
+    return ours, model.logits(ids)[-1]
+
+
+def test_an_fp32_tied_bundle_gives_the_eager_logits(
+    tied: ss.Model, bundles: dict[str, Path]
+) -> None:
+    for ids in ([5], [5, 6, 7, 8, 9, 10, 11], list(range(3, 43))):
+        ours, expected = logits_of(bundles["fp32"], tied, ids)
+        torch.testing.assert_close(ours, expected, rtol=1e-3, atol=1e-3)  # float rounding
+
+
+def test_an_8da4w_tied_embedding_is_the_heads_int8_rows(
+    tied: ss.Model, bundles: dict[str, Path]
+) -> None:
+    """The embed method reads the head's int8 rows and their scales: each row within half a
+    step of per-row symmetric int8 of the eager table, rows near both ends of the table."""
+    assert tied.weights is not None and isinstance(tied.weights.embed, torch.Tensor)
+    tokens = torch.tensor([5, 6, 200, 12345, VOCAB - 1])
+    rows = ss.load(bundles["8da4w"]).halves.embed(tokens)
+    table = tied.weights.embed[tokens].float()
+    half_step = table.abs().amax(-1, keepdim=True) / 127 / 2
+    assert rows.shape == table.shape
+    assert bool(((rows - table).abs() <= half_step * 1.001 + 1e-7).all())
+
+
+def test_a_tied_embedding_outside_the_weights_file_is_refused(
+    bundles: dict[str, Path], tmp_path: Path
+) -> None:
+    bundle = Path(shutil.copytree(bundles["8da4w"], tmp_path / "bundle"))
+    fields = json.loads((bundle / MANIFEST).read_text())
+    fields["tied_embedding"]["scales"]["offset"] = (bundle / WEIGHTS).stat().st_size - 8
+    (bundle / MANIFEST).write_text(json.dumps(fields))
+    with pytest.raises(ArtifactError, match="lies outside the file"):
+        ss.load(bundle)
+    fields["tied_embedding"]["rows"]["shape"] = [VOCAB, DIM + 1]
+    (bundle / MANIFEST).write_text(json.dumps(fields))
+    with pytest.raises(ArtifactError, match=r"tied_embedding.rows is int8 \[32768, 257\]"):
+        ss.load(bundle)
