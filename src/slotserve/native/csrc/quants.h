@@ -454,6 +454,32 @@ INLINE int k_min_sum(const int min[8], const int16_t *bsums) {
  * fifth bit of weight 64j + e (e < 32) is bit 2j of qh[e], of 64j + 32 + e bit 2j + 1.
  * A super-block's sum is d da Σ_j sc_j Σ u q - dmin da Σ_j m_j bsums_j, its integers
  * exact. */
+#if defined(__AVX2__)
+/* The 8 scales (int16 lanes 0-7) and 8 mins (lanes 8-15) of a Q4_K/Q5_K super-block, from
+ * its 12 bytes: k_scales, eight at a time. */
+INLINE __m256i k_scales_vector(const uint8_t *q) {
+    uint32_t u[3], packed[4];
+    memcpy(u, q, sizeof u);
+    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+    packed[0] = u[0] & low6;                                      /* scales 0-3 */
+    packed[1] = (u[2] & low4) | (((u[0] >> 6) & top2) << 4);      /* scales 4-7 */
+    packed[2] = u[1] & low6;                                      /* mins 0-3 */
+    packed[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & top2) << 4); /* mins 4-7 */
+    return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)packed));
+}
+
+/* Lane j of `pairs` (8 int16 in each 128-bit half) broadcast over all 16 int16 lanes. */
+INLINE __m256i spread_lane(__m256i pairs, int j) {
+    return _mm256_shuffle_epi8(pairs, _mm256_set1_epi16((short)((2 * j + 1) << 8 | 2 * j)));
+}
+#endif
+
+/* Q4_K (`fifth` 0; 144 bytes: fp16 d, fp16 dmin, 12 bytes of scales, 128 of nibbles) and
+ * Q5_K (`fifth` 1; 176 bytes: the same with 32 bytes of fifth bits before the nibbles).
+ * Sub-blocks 2j and 2j + 1 are the low and high nibbles of bytes 32j .. 32j + 31; Q5_K's
+ * fifth bit of weight 64j + e (e < 32) is bit 2j of qh[e], of 64j + 32 + e bit 2j + 1.
+ * A super-block's sum is d da Σ_j sc_j Σ u q - dmin da Σ_j m_j bsums_j, its integers
+ * exact. */
 INLINE void dot_k(int fifth, const uint8_t *w, const acts *a, int64_t i, int rows, float *out) {
     const int64_t nb = a->k / SUPER, size = fifth ? 176 : 144;
     float total[ROWS];
@@ -461,12 +487,22 @@ INLINE void dot_k(int fifth, const uint8_t *w, const acts *a, int64_t i, int row
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *block = w + b * size, *qs = block + (fifth ? 48 : 16);
         const float d = half_at((const uint16_t *)block), dmin = half_at((const uint16_t *)(block + 2));
-        int scale[8], min[8];
-        k_scales(block + 4, scale, min);
-        int sums[ROWS];
+        int sums[ROWS], mins[ROWS];
 #if defined(__AVX2__)
+        const __m256i both = k_scales_vector(block + 4);
+        const __m128i min16 = _mm256_extracti128_si256(both, 1);
+        const __m256i scales = _mm256_permute2x128_si256(both, both, 0x00); /* scales in each half */
         __m256i acc[ROWS];
-        for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_si256();
+        for (int r = 0; r < rows; r++) {
+            const int16_t *bsums = a->bsums + (i + r) * (a->k / 16) + b * 16;
+            __m256i q8sums = _mm256_loadu_si256((const __m256i *)bsums);
+            __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(q8sums), _mm256_extracti128_si256(q8sums, 1));
+            __m128i m4 = _mm_madd_epi16(min16, pairs);
+            m4 = _mm_add_epi32(m4, _mm_shuffle_epi32(m4, 0x4e));
+            m4 = _mm_add_epi32(m4, _mm_shuffle_epi32(m4, 0xb1));
+            mins[r] = _mm_cvtsi128_si32(m4);
+            acc[r] = _mm256_setzero_si256();
+        }
         __m256i high = fifth ? _mm256_loadu_si256((const __m256i *)(block + 16)) : _mm256_setzero_si256();
         const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
         for (int j = 0; j < 4; j++) {
@@ -478,7 +514,7 @@ INLINE void dot_k(int fifth, const uint8_t *w, const acts *a, int64_t i, int row
                 u1 = _mm256_or_si256(u1, _mm256_and_si256(_mm256_slli_epi16(high, 3), bit4));
                 high = _mm256_srli_epi16(high, 2);
             }
-            __m256i s0 = _mm256_set1_epi16((short)scale[2 * j]), s1 = _mm256_set1_epi16((short)scale[2 * j + 1]);
+            __m256i s0 = spread_lane(scales, 2 * j), s1 = spread_lane(scales, 2 * j + 1);
             for (int r = 0; r < rows; r++) {
                 const int8_t *v = a->q + (i + r) * a->q_stride + b * SUPER + 64 * j;
                 __m256i p0 = _mm256_maddubs_epi16(u0, _mm256_loadu_si256((const __m256i *)v));
@@ -488,6 +524,8 @@ INLINE void dot_k(int fifth, const uint8_t *w, const acts *a, int64_t i, int row
         }
         for (int r = 0; r < rows; r++) sums[r] = hsum_int(acc[r]);
 #else
+        int scale[8], min[8];
+        k_scales(block + 4, scale, min);
         for (int r = 0; r < rows; r++) {
             const int8_t *v = a->q + (i + r) * a->q_stride + b * SUPER;
             int sum = 0;
@@ -501,12 +539,12 @@ INLINE void dot_k(int fifth, const uint8_t *w, const acts *a, int64_t i, int row
                     sum += scale[2 * j] * u0 * v[64 * j + e] + scale[2 * j + 1] * u1 * v[64 * j + 32 + e];
                 }
             sums[r] = sum;
+            mins[r] = k_min_sum(min, a->bsums + (i + r) * (a->k / 16) + b * 16);
         }
 #endif
         for (int r = 0; r < rows; r++) {
             const float da = a->d[(i + r) * a->d_stride + b];
-            const int16_t *bsums = a->bsums + (i + r) * (a->k / 16) + b * 16;
-            total[r] += d * da * (float)sums[r] - dmin * da * (float)k_min_sum(min, bsums);
+            total[r] += d * da * (float)sums[r] - dmin * da * (float)mins[r];
         }
     }
     for (int r = 0; r < rows; r++) out[r] = total[r];
@@ -533,10 +571,15 @@ INLINE void dot_q6_k(const uint8_t *w, const acts *a, int64_t i, int rows, float
         const uint8_t *block = w + b * 210;
         const int8_t *scale = (const int8_t *)(block + 192);
         const float d = half_at((const uint16_t *)(block + 208));
-        int sums[ROWS];
+        int sums[ROWS], offsets[ROWS];
 #if defined(__AVX2__)
+        const __m256i scale16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scale));
         __m256i acc[ROWS];
-        for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_si256();
+        for (int r = 0; r < rows; r++) {
+            const int16_t *bsums = a->bsums + (i + r) * (a->k / 16) + b * 16;
+            offsets[r] = hsum_int(_mm256_madd_epi16(scale16, _mm256_loadu_si256((const __m256i *)bsums)));
+            acc[r] = _mm256_setzero_si256();
+        }
         const __m256i low4 = _mm256_set1_epi8(0x0F), bits2 = _mm256_set1_epi8(0x30);
         for (int h = 0; h < 2; h++) {
             const uint8_t *ql = block + 64 * h;
@@ -548,11 +591,11 @@ INLINE void dot_q6_k(const uint8_t *w, const acts *a, int64_t i, int rows, float
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(top, bits2)),
                 _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4), _mm256_and_si256(_mm256_srli_epi16(top, 2), bits2)),
             };
-            __m256i s[4];
-            for (int g = 0; g < 4; g++) { /* 32 weights: two sub-blocks of 16 */
-                const int8_t *sc = scale + 8 * h + 2 * g;
-                s[g] = _mm256_set_m128i(_mm_set1_epi16(sc[1]), _mm_set1_epi16(sc[0]));
-            }
+            __m256i s[4]; /* 32 weights: two sub-blocks of 16, scales 8h + 2g and 8h + 2g + 1 */
+            const __m256i half8 = h ? _mm256_permute2x128_si256(scale16, scale16, 0x11)
+                                    : _mm256_permute2x128_si256(scale16, scale16, 0x00);
+            for (int g = 0; g < 4; g++)
+                s[g] = _mm256_blend_epi32(spread_lane(half8, 2 * g), spread_lane(half8, 2 * g + 1), 0xF0);
             for (int r = 0; r < rows; r++) {
                 const int8_t *v = a->q + (i + r) * a->q_stride + b * SUPER + 128 * h;
                 for (int g = 0; g < 4; g++)
@@ -576,14 +619,14 @@ INLINE void dot_q6_k(const uint8_t *w, const acts *a, int64_t i, int rows, float
                 }
             }
             sums[r] = sum;
-        }
-#endif
-        for (int r = 0; r < rows; r++) {
             const int16_t *bsums = a->bsums + (i + r) * (a->k / 16) + b * 16;
             int offset = 0;
             for (int j = 0; j < 16; j++) offset += scale[j] * bsums[j];
-            total[r] += d * a->d[(i + r) * a->d_stride + b] * (float)(sums[r] - 32 * offset);
+            offsets[r] = offset;
         }
+#endif
+        for (int r = 0; r < rows; r++)
+            total[r] += d * a->d[(i + r) * a->d_stride + b] * (float)(sums[r] - 32 * offsets[r]);
     }
     for (int r = 0; r < rows; r++) out[r] = total[r];
 }
