@@ -232,8 +232,6 @@ def test_text_parts_are_joined_with_a_newline(tiny_server: ServerProcess) -> Non
 SPEC = Path(__file__).parents[1] / "data" / "openai-openapi-subset.yaml"
 # A value for each refused field that asks for something this server does not do.
 REFUSED_VALUES: dict[str, Any] = {
-    "tools": [{"type": "function", "function": {"name": "lookup"}}],
-    "tool_choice": "required",
     "functions": [{"name": "lookup"}],
     "function_call": {"name": "lookup"},
     "audio": {"voice": "alloy", "format": "wav"},

@@ -22,19 +22,27 @@ from slotserve.server.generation import collect, merged, submit_all
 from slotserve.server.schemas import ChatMessage, CompletionRequest, SamplingFields
 from slotserve.server.state import ServerState
 from slotserve.server.structured import logit_bias, response_grammar
+from slotserve.server.tools import ToolPlan, template_input
 from slotserve.tokenizer import ChatTemplateMissing
 
 
 def chat_tokens(
-    engine: Engine, messages: list[ChatMessage], *, add_generation_prompt: bool
+    engine: Engine,
+    messages: list[ChatMessage],
+    *,
+    add_generation_prompt: bool,
+    tools: ToolPlan | None = None,
 ) -> list[int]:
     """``messages`` through the chat template, as token ids: the template's markers are
     special tokens, special-token text a client typed stays text. Any failure is the
-    caller's (400)."""
+    caller's (400). ``tools``: the tools the prompt offers (`tools.ToolPlan`); calls and
+    tool results in ``messages`` are rendered either way (`tools.template_input`)."""
+    tokenizer = engine.model.tokenizer
+    rendered = template_input(tokenizer, messages, tools)  # its own 400s name the message
     try:
-        plain = [{"role": m.role, "content": m.text()} for m in messages]
-        tokenizer = engine.model.tokenizer
-        return tokenizer.encode_chat(plain, add_generation_prompt=add_generation_prompt)
+        return tokenizer.encode_chat(
+            rendered.messages, add_generation_prompt=add_generation_prompt, tools=rendered.tools
+        )
     except ChatTemplateMissing as exc:  # the model's, not the messages': say what fixes it
         raise APIError(
             400, str(exc), "invalid_request_error", code="chat_template_missing"

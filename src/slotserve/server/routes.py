@@ -19,6 +19,8 @@ from slotserve.server.schemas import (
 )
 from slotserve.server.security import KeyedRoute, require_api_key, require_metrics_key
 from slotserve.server.state import ServerState
+from slotserve.server.tool_calls import generate_with_tools
+from slotserve.server.tools import plan_tools
 
 # redirect_slashes=False everywhere: see create_app. `v1` (OpenAI's routes) is mounted both
 # at /v1 and at the root, as the peers do; `guarded` holds live activity and CPU work;
@@ -61,7 +63,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     state = state_of(request)
     engine = live_engine(state)
     check_model(state, body.model)
-    prompt = chat_tokens(engine, body.messages, add_generation_prompt=True)
+    tools = plan_tools(engine.model.tokenizer, body)
+    prompt = chat_tokens(engine, body.messages, add_generation_prompt=True, tools=tools)
+    if tools is not None:
+        return await generate_with_tools(state, engine, body, request, prompt, tools)
     return await generate(state, engine, body, request, prompt, "chat")
 
 

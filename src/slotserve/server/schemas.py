@@ -2,7 +2,7 @@
 
 Fields of OpenAI's request schemas that the server does not implement are refused (400
 ``unsupported_parameter`` naming the field; `UNSUPPORTED` is the one list), unless their
-value asks for nothing (``tools: []``, ``modalities: ["text"]``). Fields that change nothing
+value asks for nothing (``functions: []``, ``modalities: ["text"]``). Fields that change nothing
 here (`NO_OPS`: ``user``, ``store``, ``metadata`` …) are accepted. Fields no schema knows
 are ignored (clients send more than we use). Every known field is checked with a message
 that names it and its limit. Every string a known field carries must be
@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from slotserve.engine.events import Priority
+from slotserve.server.tool_specs import ToolCall, ToolChoice, ToolSpec
 
 UNSUPPORTED_PARAMETER = "unsupported_parameter"
 
@@ -50,9 +51,7 @@ def _default_verbosity(value: Any, body: dict[str, Any]) -> bool:
 # unsupported_parameter naming the field. tests/server/test_unsupported.py checks that every
 # field of the spec is implemented, in NO_OPS, or here.
 UNSUPPORTED: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
-    "tools": _empty,
-    "tool_choice": _no_tool_call,  # "auto" without tools calls none
-    "functions": _empty,
+    "functions": _empty,  # the deprecated form of tools
     "function_call": _no_tool_call,
     "audio": _empty,
     "modalities": _text_only,
@@ -64,8 +63,8 @@ UNSUPPORTED: dict[str, Callable[[Any, dict[str, Any]], bool]] = {
     "best_of": _one_per_choice,  # best_of == n is plain sampling
 }
 # Fields accepted whatever their value, because honouring them changes no output: tags and
-# storage (we store nothing), billing and caching hints, tool-call parallelism without tools,
-# and a prediction (it only speeds up a response whose content stays the same).
+# storage (we store nothing), billing and caching hints, and a prediction (it only speeds
+# up a response whose content stays the same).
 NO_OPS = frozenset(
     {
         "user",
@@ -76,7 +75,6 @@ NO_OPS = frozenset(
         "prompt_cache_key",
         "prompt_cache_options",
         "prompt_cache_retention",
-        "parallel_tool_calls",
         "prediction",
     }
 )
@@ -247,6 +245,9 @@ class ContentPart(Body):
 class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls (`tools` renders them)
+    tool_call_id: str | None = None  # the call a tool message answers
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -262,6 +263,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    tools: list[ToolSpec] | None = None  # tool calling: `tools.plan_tools`
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:

@@ -126,7 +126,11 @@ class Tokenizer:
         return self._with_bos(self._codec.encode(text), add_bos)
 
     def encode_chat(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[int]:
         """Token ids of ``messages`` rendered with the chat template, for the model to read.
 
@@ -134,10 +138,14 @@ class Tokenizer:
         special tokens; special-token text inside the messages (content, names, any string
         a client sent) is encoded as the plain text it is. For messages without such text
         the result equals ``encode(render_chat(messages))``. The BOS rule is `encode`'s.
+        ``tools`` (the template's ``tools`` variable) is escaped as the messages are.
         """
         nonce = secrets.token_hex(8)
         escaped = [_escape_specials(message, self._special_pattern, nonce) for message in messages]
-        rendered = self.render_chat(escaped, add_generation_prompt=add_generation_prompt)
+        offered = None if tools is None else _escape_specials(tools, self._special_pattern, nonce)
+        rendered = self.render_chat(
+            escaped, add_generation_prompt=add_generation_prompt, tools=offered
+        )
         ids: list[int] = []
         for index, piece in enumerate(_split_keeping(self._special_pattern, rendered)):
             if index % 2:  # a special token the template wrote
@@ -167,20 +175,27 @@ class Tokenizer:
         return self._codec.decode(ids, skip_special=skip_special)
 
     def render_chat(
-        self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
     ) -> str:
-        """Render ``messages`` with the model's chat template (as transformers does).
-        Raises `ChatTemplateMissing` when the model has none."""
+        """Render ``messages`` with the model's chat template (as transformers does), with
+        ``tools`` as its ``tools`` variable when given (left undefined otherwise, as
+        transformers leaves it). Raises `ChatTemplateMissing` when the model has none."""
         if not self.chat_template:
             raise ChatTemplateMissing
         template = _jinja_env().from_string(self.chat_template)
         bos = self.decode([self.bos_id]) if self.bos_id is not None else ""
         eos = self.decode([self.eos_ids[0]]) if self.eos_ids else ""
+        offered = {} if tools is None else {"tools": list(tools)}
         return template.render(
             messages=list(messages),
             add_generation_prompt=add_generation_prompt,
             bos_token=bos,
             eos_token=eos,
+            **offered,
         )
 
     def stream_decoder(self, *, skip_special: bool = True) -> StreamDecoder:
