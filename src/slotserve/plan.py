@@ -102,12 +102,18 @@ class CapacityPlan:
     memory_budget: int | None = None
     memory_map: MemoryMap | None = None
     prefix_cache_bytes: int = 0
+    # The grammars arena (a server's compiled grammars, every one alive counted: serve
+    # --grammar-cache-bytes); 0 where nothing compiles grammars. A memory map has no budget
+    # for it: it counts in the total, and is not checked per arena.
+    grammar_cache_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None and self.memory_map is not None:
             raise ValueError("give memory_budget or memory_map, not both")
         if self.prefix_cache_bytes < 0:
             raise ValueError(f"prefix_cache_bytes={self.prefix_cache_bytes} must be >= 0")
+        if self.grammar_cache_bytes < 0:
+            raise ValueError(f"grammar_cache_bytes={self.grammar_cache_bytes} must be >= 0")
         if self.max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens={self.max_batch_tokens} must be >= 1")
 
@@ -129,12 +135,25 @@ class CapacityPlan:
         )
 
     @property
+    def prefix_copy_bytes(self) -> int:
+        """The most the prefix cache's snapshots copy out of the pool: with flat rows or
+        rings to copy (every layout but an all-cell one), its whole budget (the cache
+        evicts before its copies and pinned blocks pass it); 0 otherwise, its snapshots
+        then only share blocks inside the pool."""
+        copies = any(kind != "cell" for kind, _ in layer_rules(self.info, self.kv))
+        return self.prefix_cache_bytes if copies else 0
+
+    @property
     def arenas(self) -> dict[str, int]:
-        return {
+        """``kv`` is the pool plus the prefix cache's copies (`prefix_copy_bytes`)."""
+        arenas = {
             "weights": self.weight_bytes,
-            "kv": self.kv_bytes,
+            "kv": self.kv_bytes + self.prefix_copy_bytes,
             "activations": activation_bytes(self.info, self.kv, self.max_batch_tokens),
         }
+        if self.grammar_cache_bytes:
+            arenas["grammars"] = self.grammar_cache_bytes
+        return arenas
 
     @property
     def worst_case_bytes(self) -> int:
@@ -144,7 +163,7 @@ class CapacityPlan:
     def fits(self) -> bool:
         if self.memory_map is not None:
             limits = dataclasses.asdict(self.memory_map)
-            return all(used <= limits[name] for name, used in self.arenas.items())
+            return all(used <= limits.get(name, used) for name, used in self.arenas.items())
         return self.memory_budget is None or self.worst_case_bytes <= self.memory_budget
 
     @property
@@ -155,8 +174,9 @@ class CapacityPlan:
         at most ``pinnable_bytes`` (``pool_fraction`` of the pool, whole blocks) are held
         while idle, and a request admitted at ``max_seqs`` worst case makes it yield. A
         model with sliding-window layers (or the ring layout, whose snapshots hold no
-        blocks) also copies its ring rows into each snapshot (``ring_copy_bytes`` each,
-        outside the pool, inside the same budget)."""
+        blocks) also copies its ring rows into each snapshot (``ring_copy_bytes`` each), and
+        the flat layout a snapshot's positions: outside the pool, inside the same budget,
+        which the plan counts in the ``kv`` arena (`prefix_copy_bytes`)."""
         if not self.prefix_cache_bytes:
             return None
         pool = self.kv_bytes
@@ -170,6 +190,7 @@ class CapacityPlan:
         )  # fmt: skip
         return {
             "ring_copy_bytes": ring_copy,
+            "copy_bytes": self.prefix_copy_bytes,
             "budget_bytes": self.prefix_cache_bytes,
             "pinnable_bytes": pinnable,
             "pool_fraction": pinnable / pool if pool else 0.0,
@@ -214,6 +235,12 @@ class CapacityPlan:
             f"{limit}. Largest max_seqs that fits at max_context={self.kv.max_context}: "
             f"{self.max_seqs_that_fit()}; largest max_context that fits at "
             f"max_seqs={self.kv.max_seqs}: {self.max_context_that_fits()}."
+            + (
+                f" Or lower the grammars arena, {format_bytes(self.grammar_cache_bytes)} "
+                "(serve --grammar-cache-bytes)."
+                if self.grammar_cache_bytes
+                else ""
+            )
         )
 
     def to_dict(self) -> dict[str, Any]:

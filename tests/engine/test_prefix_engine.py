@@ -128,9 +128,8 @@ def test_close_empties_the_cache_and_returns_the_pool_to_baseline(
 def test_configurations_that_could_serve_a_stale_prefix_are_refused(
     tiny_dirs: dict[str, Path],
 ) -> None:
-    with pytest.raises(ValueError, match=r"kv_layout='cell'.*'flat'"):
-        ss.EngineConfig(kv_layout="flat", prefix_cache_bytes=1 << 20)
-    # The ring layout is served under the retention rule (test_the_ring_layout_...).
+    # The ring layout is served under the retention rule (test_the_ring_layout_...), the
+    # flat layout by copies of the rows (test_the_flat_layout_...).
     with pytest.raises(ValueError):
         ss.EngineConfig(kv_layout="cell", prefix_cache_bytes=-1)
     ss.EngineConfig(kv_layout="flat")  # off by default, any layout
@@ -216,6 +215,35 @@ def test_the_ring_layout_after_it_has_wrapped(make_engine: Callable[..., ss.Engi
     first = engine.submit(prompts[0], GREEDY, publish_completion=True).result()
     turn = [*prompts[0], *first.tokens[:-1], 60, 61]
     expected = make_engine(**ring).submit(turn, GREEDY).result()
+    followed = engine.submit(turn, GREEDY).result()
+    assert followed.tokens == expected.tokens
+    assert followed.usage.cached_tokens == len(prompts[0]) + len(first.tokens) - 1
+
+
+def test_the_flat_layout_reuses_prefixes_by_copying_rows(
+    tiny_dirs: dict[str, Path], make_engine: Callable[..., ss.Engine]
+) -> None:
+    """A flat pool's snapshot copies the positions it keeps; a restore copies them into
+    the new slot: cache on = cache off, the copies counted in the budget and the plan."""
+    model = ss.load(tiny_dirs["llama"])
+    flat = {"kv_layout": "flat", "max_seqs": 2, "max_context": 160}
+    prompts = family([5 + (i * 37) % 200 for i in range(61)])
+    off = run_all(make_engine(model, **flat), prompts)
+    engine = make_engine(model, **flat, prefix_cache_bytes="1MiB")
+    on = run_all(engine, prompts)
+    assert [f.tokens for f in on] == [f.tokens for f in off]
+    assert [f.usage.cached_tokens for f in on] == [0, 61, 61, 61, 63, 60, 30]
+    stats = prefix_stats(engine)
+    per_position = engine.pool.snapshot_position_nbytes
+    assert per_position > 0 and 0 < stats.bytes_pinned <= 1 << 20
+    assert stats.bytes_pinned % per_position == 0
+    plan = engine.config.plan(model.info, model.weight_bytes)
+    assert plan.arenas["kv"] == engine.pool.nbytes + (1 << 20)  # the copies' budget
+    # A conversation's next turn restores its whole history (the single-chat case).
+    first = on[0]
+    turn = [*prompts[0], *first.tokens[:-1], 60, 61]
+    expected = make_engine(model, **flat).submit(turn, GREEDY).result()
+    engine.submit(prompts[0], GREEDY, publish_completion=True).result()
     followed = engine.submit(turn, GREEDY).result()
     assert followed.tokens == expected.tokens
     assert followed.usage.cached_tokens == len(prompts[0]) + len(first.tokens) - 1

@@ -1,6 +1,6 @@
 """The engine with a prefix cache under random requests (some keeping their completion in
 the cache) and cancellations, on a full-attention model and on one with sliding-window
-layers (hypothesis state machine): engine, pool and cache invariants hold after every
+layers, in the cell and the flat layout (hypothesis state machine): engine, pool and cache invariants hold after every
 step, nothing stays pinned, finished requests count restored + computed = prompt, and
 closing returns the pool to its baseline with the cache emptied."""
 
@@ -32,11 +32,12 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 
 class PrefixEngineMachine(RuleBasedStateMachine):
     model: ss.Model
+    layout = "cell"
 
     def __init__(self) -> None:
         super().__init__()
         config = ss.EngineConfig(
-            kv_layout="cell", block_size=4, num_blocks=40, max_seqs=3, max_context=64,
+            kv_layout=self.layout, block_size=4, num_blocks=40, max_seqs=3, max_context=64,
             queue_depth=4, prefill_chunk=8, prefix_cache_bytes=12 * 4 * 2 * 2 * 2 * 32 * 4,
         )  # fmt: skip
         self.engine = ss.Engine(self.model, config)
@@ -82,8 +83,11 @@ class PrefixEngineMachine(RuleBasedStateMachine):
         assert (stats.kv_blocks_used, stats.prefix.snapshots, stats.slots_in_use) == (0, 0, 0)
 
 
-def test_prefix_engine_state_machine(model: ss.Model) -> None:
-    PrefixEngineMachine.model = model
+@pytest.mark.parametrize("layout", ["cell", "flat"])
+def test_prefix_engine_state_machine(model: ss.Model, layout: str) -> None:
+    """The cell layout shares blocks; the flat one copies a snapshot's rows."""
+    PrefixEngineMachine.model, PrefixEngineMachine.layout = model, layout
     machine = PrefixEngineMachine.TestCase
-    machine.settings = settings(max_examples=30, stateful_step_count=25, deadline=None)
+    examples = 30 if layout == "cell" else 12  # the flat copies share the cell paths' rules
+    machine.settings = settings(max_examples=examples, stateful_step_count=25, deadline=None)
     machine().runTest()

@@ -201,6 +201,8 @@ class Admission:
         before the pool refuses."""
         if self.prefix is None:
             self.pool.reserve(request.request_id, request.reservation)
+        elif request.pooling == "mean":  # every prompt row is pooled: none may be restored
+            self.prefix.bind(request.request_id, (), request.reservation)
         else:
             self._bind_restoring(request, self.prefix)
         request.state = "running"

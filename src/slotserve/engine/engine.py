@@ -34,7 +34,13 @@ from collections.abc import Callable
 from slotserve.engine.admission import Admission, build_request
 from slotserve.engine.cancel_bound import CancelBound, declare_cancel_bound, largest_step_tokens
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.events import CancelAck, Finished, FinishReason, check_priority
+from slotserve.engine.events import (
+    CancelAck,
+    Finished,
+    FinishReason,
+    Pooling,
+    check_priority,
+)
 from slotserve.engine.handle import RequestHandle
 from slotserve.engine.pressure import PressureSource
 from slotserve.engine.request import Request
@@ -43,7 +49,7 @@ from slotserve.engine.stepper import Stepper, Work
 from slotserve.engine.timings import EngineCounters
 from slotserve.engine.views import EngineStats, PoolView, PrefixStats, SlotView
 from slotserve.errors import AdmissionRefused
-from slotserve.executor import Executor, executor_for
+from slotserve.executor import Executor, HiddenStates, executor_for
 from slotserve.kv.batch import StepBatch
 from slotserve.kv.pool import KVPool
 from slotserve.model import Model
@@ -120,14 +126,19 @@ class Engine:
         *,
         queue: bool = True,
         publish_completion: bool = False,
+        pooling: Pooling | None = None,
     ) -> RequestHandle:
         """Admit a request, queue it (``queue`` and room in the queue), or raise
         `AdmissionRefused`. ``prompt`` is text (tokenised here) or token ids. Returns the
         handle to iterate for its events. With ``publish_completion`` and the prefix cache
         on, the request's prompt and completion stay cached when it ends (unless it fails),
         so a next turn that continues the conversation restores them instead of computing
-        them again."""
+        them again. With ``pooling`` it is an embedding request: prefill only
+        (``max_new_tokens=0``), admitted and scheduled as any other, its final hidden states
+        pooled into ``Finished.embedding``."""
         params = params or SamplingParams()
+        if pooling is not None:
+            self._check_embedding(params)
         try:
             request = build_request(
                 next(self._ids),
@@ -143,11 +154,30 @@ class Engine:
                 self.counters.refusals[refusal.reason] += 1
             raise
         request.publish_completion = publish_completion
+        request.pooling = pooling
         with self._lock:
             self._admission.admit(request, queue)
             self._known[request.request_id] = request
             self._lock.notify_all()
         return RequestHandle(request.request_id, request.sink, self._cancel)
+
+    @property
+    def embeds(self) -> bool:
+        """Whether this engine's executor gives final hidden states (embedding requests)."""
+        executor = self._stepper.executor
+        return isinstance(executor, HiddenStates) and executor.embeds
+
+    def _check_embedding(self, params: SamplingParams) -> None:
+        if params.max_new_tokens != 0:
+            raise ValueError(
+                f"an embedding request generates nothing: max_new_tokens must be 0, "
+                f"not {params.max_new_tokens}"
+            )
+        if not self.embeds:
+            raise ValueError(
+                "this model cannot embed: its executor gives no final hidden states (a "
+                "bundle's final norm lives in its program)"
+            )
 
     def _cancel(self, request_id: int, wait: bool, timeout: float | None) -> CancelAck | None:
         with self._lock:

@@ -14,11 +14,18 @@ sliding-window layers of a cell pool keep a ring row per slot, not blocks: a sna
 a copy of its session's ring rows (outside the pool's storage), and `retains` says whether
 those rows still hold what a restore from a given position needs (a ring that has wrapped
 past it does not; `reserve_from` refuses it).
+
+A snapshot's payload, for the prefix cache's disk tier: `payload_parts` names its tensors
+and their shapes, `payload_of` captures a snapshot's block table and row copies (by whoever
+drives the pool), `read_payload` copies its cells out (from another thread too: a
+snapshot's blocks are never written while it holds them), and `load_payload` writes one
+into a freshly reserved session.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +36,7 @@ from slotserve.kv.allocator import BlockAllocator
 from slotserve.kv.batch import StepBatch
 from slotserve.kv.config import KVConfig
 from slotserve.kv.holdings import Holding, PoolHoldings, RowGroup, row_cells
-from slotserve.kv.layouts import CellGroup, RingGroup
+from slotserve.kv.layouts import CellGroup, FlatGroup, LayerGroup, RingGroup
 from slotserve.kv.placement import build_groups
 from slotserve.kv.session import SessionKV
 from slotserve.kv.storage import KVStorage
@@ -45,6 +52,34 @@ class PoolUsage:
     used: int
 
 
+@dataclass(frozen=True)
+class PayloadPart:
+    """One tensor of a snapshot's payload (`KVPool.payload_parts`), in payload order:
+    ``name`` (layer, K or V, ``.scales`` for int8 scales), its dtype (``torch.float32``,
+    ...) and its shape: ``(positions, *tail)`` for a cell or flat layer (one row a
+    position), ``(rows, *tail)`` for a ring (the snapshot's copy of its whole row)."""
+
+    name: str
+    dtype: str
+    rows: int | None  # None: one row a position
+    tail: tuple[int, ...]
+
+    def shape(self, length: int) -> tuple[int, ...]:
+        return (length if self.rows is None else self.rows, *self.tail)
+
+
+@dataclass(frozen=True)
+class SnapshotPayload:
+    """What `KVPool.read_payload` copies out of one snapshot, as `KVPool.payload_of`
+    captured it: its length and high-water mark, its block table and its row copies
+    (tensors the pool never writes)."""
+
+    length: int
+    high_water: int
+    table: tuple[int, ...]
+    rows: tuple[torch.Tensor, ...]
+
+
 class KVPool:
     """K/V storage for up to ``max_seqs`` sessions of up to ``max_context`` positions."""
 
@@ -56,12 +91,14 @@ class KVPool:
         self._group_of = {layer: g for g in self.groups for layer in g.layers}
         self._cells = [g for g in self.groups if isinstance(g, CellGroup)]
         self._rings = [g for g in self.groups if isinstance(g, RingGroup)]
+        self._flats = [g for g in self.groups if isinstance(g, FlatGroup)]
         self.blocks = BlockAllocator(config.total_blocks if self._cells else 0)
         self.sessions: dict[int, SessionKV] = {}
         # Read-only snapshots (slot -1): block holders that no step can name or write.
         self.snapshots: dict[int, SessionKV] = {}
-        # Each snapshot's copy of its session's ring rows (sliding-window layers), one
-        # (data, int8 scales) pair per ring storage, in `_ring_storages` order.
+        # Each snapshot's copy of its session's rows in the row groups: a ring's whole row
+        # (sliding-window layers), a flat row's first `length` positions; one (data, int8
+        # scales) pair per storage, in `_row_storages` order.
         self._snapshot_rings: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self._free_slots = list(range(config.max_seqs - 1, -1, -1))
 
@@ -193,16 +230,27 @@ class KVPool:
 
     @property
     def supports_snapshots(self) -> bool:
-        """True when every layer is in cells or rings: a snapshot is block references
-        (cell layers) plus a copy of its session's ring rows (sliding-window layers, or
-        every layer of the ring layout). Flat rows hold a whole context per slot and are
-        not frozen."""
-        return bool(self.groups) and all(isinstance(g, CellGroup | RingGroup) for g in self.groups)
+        """True for every layout with layers: a snapshot is block references (cell layers)
+        plus a copy of its session's ring rows (sliding-window layers, or every layer of
+        the ring layout) and of the positions it keeps of its flat rows."""
+        return bool(self.groups)
 
     @property
     def snapshot_ring_nbytes(self) -> int:
         """Bytes of the ring rows one snapshot copies (0 without sliding-window layers)."""
         return sum(g.nbytes for g in self._rings) // max(self.config.max_seqs, 1)
+
+    @property
+    def snapshot_position_nbytes(self) -> int:
+        """Bytes one position of a snapshot copies from the flat rows (0 without them)."""
+        return sum(g.nbytes for g in self._flats) // max(
+            self.config.max_seqs * self.config.max_context, 1
+        )
+
+    def snapshot_nbytes(self, n_tokens: int) -> int:
+        """Bytes a snapshot of ``n_tokens`` positions copies (its cell blocks are shared,
+        not copied: see `block_nbytes`)."""
+        return self.snapshot_ring_nbytes + n_tokens * self.snapshot_position_nbytes
 
     def retains(self, snapshot: int, upto: int) -> bool:
         """Whether every layer of ``snapshot`` still holds what a session restored from its
@@ -235,7 +283,7 @@ class KVPool:
         self._check_cow_room(self.sessions, {**self.snapshots, into: snapshot})
         self.blocks.share(shared)
         self.snapshots[into] = snapshot
-        self._freeze_rings(source, into)
+        self._freeze_rings(source, into, upto)
 
     def reserve_from(
         self, session: int, n_tokens: int, snapshot: int, upto: int, *, consume: bool = False
@@ -277,7 +325,7 @@ class KVPool:
         if fresh > spare:
             raise KVExhausted("KV blocks", fresh, max(spare, 0), "release sessions or add blocks")
         self.blocks.share(shared)
-        self._thaw_rings(snapshot, bound)
+        self._thaw_rings(snapshot, bound, upto)
         if consume:
             self.drop_snapshot(snapshot)
         bound.table.extend(self.blocks.allocate(fresh))
@@ -306,7 +354,7 @@ class KVPool:
         source = self._snapshot_source(session, upto, into, "release_into")
         kept = source.table[: self._blocks_for(upto)]
         self.blocks.share(kept)
-        self._freeze_rings(source, into)
+        self._freeze_rings(source, into, upto)
         self.release(session)
         self.snapshots[into] = SessionKV(-1, upto, upto, list(kept), source.high_water)
 
@@ -317,25 +365,151 @@ class KVPool:
         self._snapshot_rings.pop(snapshot, None)
         self.blocks.drop(frozen.table)
 
-    def _ring_storages(self) -> list[tuple[RingGroup, KVStorage]]:
-        return [(g, s) for g in self._rings for s in (*g.keys.values(), *g.values.values())]
+    # -- snapshot payloads (the prefix cache's disk tier) ------------------------------
 
-    def _freeze_rings(self, source: SessionKV, into: int) -> None:
-        """Keep a copy of ``source``'s ring rows as snapshot ``into``'s."""
-        if not self._rings:
+    def kv_identity(self) -> dict[str, object]:
+        """What a payload's bytes mean besides the model's: the layout, the storage dtype,
+        the block size and every layer group's placement (JSON-able)."""
+        groups = [
+            {
+                "kind": g.kind,
+                "layers": list(g.layers),
+                "window": getattr(g, "window", None),
+                "sinks": getattr(g, "sinks", 0),
+            }
+            for g in self.groups
+        ]
+        return {
+            "layout": self.config.layout,
+            "dtype": self.config.dtype,
+            "block_size": self.config.block_size,
+            "kv_heads": self.info.n_kv_heads,
+            "head_dim": self.info.head_dim,
+            "groups": groups,
+        }
+
+    def _payload_storages(self) -> list[tuple[str, KVStorage, LayerGroup | None]]:
+        """Every storage of a payload in order: each cell layer's K then V (group None:
+        read through the block table), then the row groups' storages (`_row_storages`
+        order, the order of a snapshot's row copies) with their group."""
+        named: list[tuple[str, KVStorage, LayerGroup | None]] = []
+        for cells in self._cells:
+            for layer in cells.layers:
+                named += [(f"L{layer}.k", cells.keys[layer], None)]
+                named += [(f"L{layer}.v", cells.values[layer], None)]
+        names = {
+            id(s): f"L{layer}.{kv}"
+            for g in self.groups
+            for kv, storages in (("k", g.keys), ("v", g.values))
+            for layer, s in storages.items()
+        }
+        named += [(names[id(s)], s, g) for g, s in self._row_storages()]
+        return named
+
+    def payload_parts(self) -> list[PayloadPart]:
+        """The tensors of a snapshot's payload, in order (int8 scales after their data)."""
+        parts = []
+        for name, storage, group in self._payload_storages():
+            rows = group.row if isinstance(group, RingGroup) else None
+            tensors = [("", storage.data), (".scales", storage.scales)]
+            for suffix, tensor in tensors:
+                if tensor is not None:
+                    tail = tuple(int(d) for d in tensor.shape[1:])
+                    parts.append(PayloadPart(name + suffix, str(tensor.dtype), rows, tail))
+        return parts
+
+    def payload_of(self, snapshot: int) -> SnapshotPayload:
+        """Capture what `read_payload` needs of ``snapshot`` (by whoever drives the pool)."""
+        frozen = self._get_snapshot(snapshot)
+        copies = [t for pair in self._snapshot_rings.get(snapshot, []) for t in pair]
+        rows = tuple(t for t in copies if t is not None)
+        return SnapshotPayload(frozen.length, frozen.high_water, tuple(frozen.table), rows)
+
+    def read_payload(self, payload: SnapshotPayload) -> list[torch.Tensor]:
+        """Copies of the tensors of ``payload``, in `payload_parts` order. Safe from
+        another thread while the snapshot lives (its blocks are never written); once it is
+        dropped its blocks may be reused, so what a read overlapping that holds is void."""
+        out: list[torch.Tensor] = []
+        if self._cells:
+            cells = self._block_cells(list(payload.table), payload.length)
+            for _name, storage, group in self._payload_storages():
+                if group is None:
+                    out.append(storage.data[cells])
+                    if storage.scales is not None:
+                        out.append(storage.scales[cells])
+        return [*out, *payload.rows]
+
+    def load_payload(
+        self, session: int, upto: int, high_water: int, parts: Iterable[torch.Tensor]
+    ) -> None:
+        """Write the first ``upto`` positions of a payload (and its ring rows) into
+        ``session``, reserved and still empty, then commit them: its length becomes
+        ``upto``, its high-water mark ``high_water`` (with rings; else ``upto``). If
+        ``parts`` raises or does not match, nothing is committed (the session stays empty;
+        what was written into its own cells is never read)."""
+        bound = self._get(session)
+        if bound.length or not 0 < upto <= bound.capacity:
+            raise SessionError(
+                f"load_payload upto={upto} into session {session} (length {bound.length}, "
+                f"capacity {bound.capacity}): it must be empty and hold upto positions"
+            )
+        cells = self._block_cells(bound.table, upto) if self._cells else None
+        items = iter(parts)
+        for _name, storage, group in self._payload_storages():
+            if group is None:
+                assert cells is not None
+                where = cells
+            else:
+                assert isinstance(group, RingGroup | FlatGroup)
+                where = self._copied_cells(group, bound.slot, upto)
+            storage.data.index_copy_(0, where, next(items)[: len(where)])
+            if storage.scales is not None:
+                storage.scales.index_copy_(0, where, next(items)[: len(where)])
+        if next(items, None) is not None:
+            raise SessionError("load_payload: more parts than this pool's payload holds")
+        bound.length = upto
+        bound.high_water = high_water if self._rings else upto
+
+    def retains_from(self, high_water: int, upto: int) -> bool:
+        """`retains` for a snapshot written up to ``high_water`` that this pool does not
+        hold (a stored one): whether every ring still holds what a restore from ``upto``
+        needs."""
+        return all(ring.can_truncate(high_water, upto) for ring in self._rings)
+
+    def _block_cells(self, table: list[int], length: int) -> torch.Tensor:
+        """The cells of positions ``0 .. length - 1`` through block ``table``."""
+        positions, bs = torch.arange(length), self.config.block_size
+        return torch.tensor(table, dtype=torch.long)[positions // bs] * bs + positions % bs
+
+    def _row_storages(self) -> list[tuple[RingGroup | FlatGroup, KVStorage]]:
+        groups: list[RingGroup | FlatGroup] = [*self._rings, *self._flats]
+        return [(g, s) for g in groups for s in (*g.keys.values(), *g.values.values())]
+
+    def _copied_cells(self, group: RingGroup | FlatGroup, slot: int, length: int) -> torch.Tensor:
+        """The cells of ``slot`` a snapshot of ``length`` positions copies in ``group``."""
+        if isinstance(group, RingGroup):  # the whole ring: which cells are live is its state
+            return torch.arange(slot * group.row, (slot + 1) * group.row)
+        return torch.arange(slot * group.max_context, slot * group.max_context + length)
+
+    def _freeze_rings(self, source: SessionKV, into: int, upto: int) -> None:
+        """Keep a copy of ``source``'s row-group cells (rings whole, flat rows' first
+        ``upto`` positions) as snapshot ``into``'s."""
+        if not self._rings and not self._flats:
             return
         copies = []
-        for ring, storage in self._ring_storages():
-            cells = torch.arange(source.slot * ring.row, (source.slot + 1) * ring.row)
+        for group, storage in self._row_storages():
+            cells = self._copied_cells(group, source.slot, upto)
             scales = None if storage.scales is None else storage.scales[cells].clone()
             copies.append((storage.data[cells].clone(), scales))
         self._snapshot_rings[into] = copies
 
-    def _thaw_rings(self, snapshot: int, bound: SessionKV) -> None:
-        """Write snapshot ``snapshot``'s ring rows into ``bound``'s slot."""
+    def _thaw_rings(self, snapshot: int, bound: SessionKV, upto: int) -> None:
+        """Write snapshot ``snapshot``'s row copies into ``bound``'s slot (a flat row's
+        first ``upto`` positions)."""
         copies = self._snapshot_rings.get(snapshot, [])
-        for (ring, storage), (data, scales) in zip(self._ring_storages(), copies, strict=True):
-            cells = torch.arange(bound.slot * ring.row, (bound.slot + 1) * ring.row)
+        for (group, storage), (data, scales) in zip(self._row_storages(), copies, strict=True):
+            cells = self._copied_cells(group, bound.slot, upto)
+            data, scales = data[: len(cells)], None if scales is None else scales[: len(cells)]
             storage.data.index_copy_(0, cells, data)
             if scales is not None:
                 assert storage.scales is not None
@@ -348,10 +522,7 @@ class KVPool:
 
     def _check_snapshots_supported(self) -> None:
         if not self.supports_snapshots:
-            raise SessionError(
-                "snapshots need every layer in the cell layout or a ring (kv_layout='cell', "
-                "or 'ring' with a window shorter than max_context)"
-            )
+            raise SessionError("snapshots need a pool with layers")
 
     # -- the step --------------------------------------------------------------------
 
@@ -473,9 +644,13 @@ class KVPool:
             assert frozen.slot == -1, f"snapshot {sid} holds a slot"
             assert 0 < frozen.length == frozen.capacity, f"snapshot {sid} length"
             assert len(frozen.table) == self._blocks_for(frozen.capacity), f"table size {sid}"
-        assert not self.snapshots or self.supports_snapshots, "snapshot in a non-cell pool"
-        expected_rings = set(self.snapshots) if self._rings else set()
-        assert set(self._snapshot_rings) == expected_rings, "snapshot ring copies drifted"
+        assert not self.snapshots or self.supports_snapshots, "snapshot in a pool without layers"
+        expected = set(self.snapshots) if self._rings or self._flats else set()
+        assert set(self._snapshot_rings) == expected, "snapshot row copies drifted"
+        for sid, copies in self._snapshot_rings.items():  # a flat copy holds its length
+            for (group, _), (data, _) in zip(self._row_storages(), copies, strict=True):
+                size = self.snapshots[sid].length if isinstance(group, FlatGroup) else group.row
+                assert data.shape[0] == size, f"snapshot {sid} copies {data.shape[0]} rows"
         tables = [s.table for s in (*self.sessions.values(), *self.snapshots.values())]
         self.blocks.check_integrity(tables)
         assert self._cow_needed(self.sessions) <= self.blocks.n_free, "copy-on-write overcommitted"
