@@ -17,6 +17,7 @@ first first-token to the last token). Build llama-server with ``make bench-deps`
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -119,6 +120,30 @@ def _prompts(model: Model, level: int, seed: int) -> list[list[int]]:
     return prompts
 
 
+# A conversation's next turns: a shared 36-token history, then a 4-token user turn of its
+# own, sent one after another (each server may reuse the history it computed: llama-server
+# keeps each slot's prompt, slotserve's prefix cache its snapshots).
+HISTORY_TOKENS, TURN_TOKENS, TURNS = 36, 4, 8
+
+
+def _turns(model: Model) -> list[list[int]]:
+    history = model.tokenizer.encode(f"Chat log. {PASSAGE}")[:HISTORY_TOKENS]
+    turns = []
+    for i in range(TURNS + 1):  # the first computes the history: a warm-up
+        turn = model.tokenizer.encode(f" Question {i}: why?", add_bos=False)[:TURN_TOKENS]
+        turns.append(history + turn)
+    return turns
+
+
+def repeated_prompt_ttft(client: Any, model: str, prompts: list[list[int]]) -> list[float]:
+    """Each prompt's time to first token, sent one at a time (the first is a warm-up)."""
+    times = []
+    for prompt in prompts:
+        done = stream_completion(client, model, prompt, threading.Barrier(1), 2)
+        times.append(done.ttft)
+    return times[1:]
+
+
 def _gguf_of(model: Model, reference: Model | None) -> Path:
     """The GGUF llama-server runs: the reference's, the model's own, or the bundle's source."""
     from slotserve.bench.executors import reference_of
@@ -181,6 +206,10 @@ def run_servers(
                         if repeat:
                             streams.setdefault((name, level), []).append(done)
                             progress.advance(task)
+        turns = _turns(model)
+        repeated = {
+            name: repeated_prompt_ttft(clients[name], names[name], turns) for name in servers
+        }
         rss = {name: rss_bytes(server.process.pid) for name, server in servers.items()}
     finally:
         for server in servers.values():
@@ -195,6 +224,9 @@ def run_servers(
         "repeats": repeats,
         "rss_bytes": rss,
         "rows": [_row(level, streams) for level in levels],
+        "repeated_prompt_ttft_ms": {
+            name: statistics.median(times) * 1000 for name, times in repeated.items()
+        },
     }
 
 
@@ -234,4 +266,17 @@ def servers_section(r: dict[str, Any]) -> list[str]:
         [str(x["streams"]), *comparison_cells(x, "slotserve", "llama-server")] for x in r["rows"]
     ]
     header = ["streams", "slotserve decode tok/s", "llama-server decode tok/s", *COMPARISON_COLUMNS]
-    return lines + markdown_table(header, rows)
+    table = markdown_table(header, rows)
+    if "repeated_prompt_ttft_ms" not in r:
+        return lines + table
+    ttft = r["repeated_prompt_ttft_ms"]
+    return [
+        *lines,
+        *table,
+        "",
+        f"A repeated {HISTORY_TOKENS + TURN_TOKENS}-token prompt ({HISTORY_TOKENS} tokens of "
+        f"shared history, then a {TURN_TOKENS}-token turn of its own, {TURNS} turns one at a "
+        f"time): median TTFT slotserve {ttft['slotserve']:.1f} ms, llama-server "
+        f"{ttft['llama-server']:.1f} ms ({ttft['slotserve'] / ttft['llama-server']:.2f}×).",
+        "",
+    ]
