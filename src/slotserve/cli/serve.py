@@ -28,6 +28,13 @@ DEFAULT_HEADER_TIMEOUT_S = 5.0
 DEFAULT_BODY_TIMEOUT_S = 10.0
 DEFAULT_MAX_CONNECTIONS = 128
 DEFAULT_MAX_CONNECTIONS_PER_CLIENT = 64
+# The grammar bounds' defaults (`GrammarConfig`), repeated for the same reason
+# (tests/server/test_grammar_bounds.py checks that they agree).
+DEFAULT_GRAMMAR_TIMEOUT_S = 10.0
+DEFAULT_GRAMMAR_MAX_BYTES = "32MiB"
+DEFAULT_GRAMMAR_CACHE_BYTES = "128MiB"
+DEFAULT_GRAMMAR_WORKERS = 1
+DEFAULT_GRAMMAR_QUEUE_TIMEOUT_S = 30.0
 
 BUNDLED_NAME = "SmolLM2-135M-Instruct"
 log = logging.getLogger("slotserve")
@@ -95,6 +102,7 @@ def register(commands: Any) -> None:
     )
     parser.add_argument("--log-level", default="warning")
     add_server_args(parser)
+    add_grammar_args(parser)
     parser.add_argument("--no-web", action="store_true", help="no web page at / (chat, dashboard)")
     parser.add_argument(
         "--no-prefix-cache",
@@ -129,6 +137,94 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="let a browser page from ORIGIN (e.g. http://localhost:5173) call the API; "
         "repeat for more; off by default",
     )
+
+
+def add_grammar_args(parser: argparse.ArgumentParser) -> None:
+    """The bounds on compiling response_format schemas (read by `grammar_config`)."""
+    group = parser.add_argument_group(
+        "structured outputs",
+        "each JSON schema a client sends compiles in a worker process at the lowest CPU "
+        "priority, killed past these bounds (the request gets 400 naming the bound)",
+    )
+    group.add_argument(
+        "--grammar-timeout",
+        type=float,
+        default=DEFAULT_GRAMMAR_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"seconds one schema may take to compile (default {DEFAULT_GRAMMAR_TIMEOUT_S:g})",
+    )
+    group.add_argument(
+        "--grammar-max-bytes",
+        default=DEFAULT_GRAMMAR_MAX_BYTES,
+        metavar="BYTES",
+        help="memory one grammar may take, compiling and kept (default "
+        f"{DEFAULT_GRAMMAR_MAX_BYTES})",
+    )
+    group.add_argument(
+        "--grammar-cache-bytes",
+        default=DEFAULT_GRAMMAR_CACHE_BYTES,
+        metavar="BYTES",
+        help="the grammars arena of the memory plan: every compiled grammar alive, cached or "
+        f"in use (default {DEFAULT_GRAMMAR_CACHE_BYTES})",
+    )
+    group.add_argument(
+        "--grammar-workers",
+        type=int,
+        default=DEFAULT_GRAMMAR_WORKERS,
+        help=f"schemas compiled at once (default {DEFAULT_GRAMMAR_WORKERS})",
+    )
+    group.add_argument(
+        "--grammar-queue-timeout",
+        type=float,
+        default=DEFAULT_GRAMMAR_QUEUE_TIMEOUT_S,
+        metavar="SECONDS",
+        help="seconds a schema may wait for a worker (default "
+        f"{DEFAULT_GRAMMAR_QUEUE_TIMEOUT_S:g}); then 429 with Retry-After",
+    )
+
+
+def grammar_config(args: argparse.Namespace) -> Any:
+    """The `GrammarConfig` of the --grammar-* flags (ValueError naming a bad one)."""
+    from slotserve.plan import parse_bytes
+    from slotserve.sampling.grammar import GrammarConfig
+
+    return GrammarConfig(
+        timeout_s=args.grammar_timeout,
+        max_bytes=parse_bytes(args.grammar_max_bytes),
+        cache_bytes=parse_bytes(args.grammar_cache_bytes),
+        workers=args.grammar_workers,
+        queue_timeout_s=args.grammar_queue_timeout,
+    )
+
+
+def with_grammar_arena(engine: Any, cache_bytes: int) -> None:
+    """Count the grammars arena in ``engine``'s plan; `PlanError` if the budget then does
+    not fit (naming --grammar-cache-bytes among the levers)."""
+    plan = dataclasses.replace(engine.plan, grammar_cache_bytes=cache_bytes)
+    plan.check()
+    engine.plan = plan
+
+
+def warn_if_template_fails(tokenizer: Any, source: object) -> bool:
+    """Warn, loudly, when the chat template (of ``source``: the model, or the
+    --chat-template file) cannot render a one-message conversation: every chat request
+    would then get 500 template_error. The server still starts (text completions work);
+    returns whether it warned."""
+    from slotserve.tokenizer import ChatTemplateMissing
+
+    try:
+        tokenizer.render_chat([{"role": "user", "content": "Hello"}])
+    except ChatTemplateMissing:
+        return False  # said per request: 400 chat_template_missing
+    except Exception as exc:
+        log.warning(
+            "WARNING: the chat template of %s cannot render a one-message conversation "
+            "(%s: %s): chat requests will get 500 template_error. Fix it, or pass "
+            "--chat-template FILE.",
+            source, type(exc).__name__, exc,
+        )  # fmt: skip
+        return True
+    return False
 
 
 def sampling_defaults(args: argparse.Namespace) -> SamplingDefaults:
@@ -225,13 +321,23 @@ def _serve(args: argparse.Namespace) -> int:
         max_connections_per_client=args.max_connections_per_client,
     )
     template = chat_template_text(args.chat_template)  # read before the model loads
+    grammars = grammar_config(args)  # checked before the model loads
     spec, model, executor = open_model(args)
     if template is not None:
         model.tokenizer.chat_template = template
+    warn_if_template_fails(model.tokenizer, args.chat_template or spec)
     config = engine_config(args, model)  # with --preset: sized for this model
     config = with_server_queue(config, args)
     config = with_server_prefix_cache(config, args, model)
     engine = Engine(model, config, pressure=pressure_source(args), executor=executor)
+    try:
+        with_grammar_arena(engine, grammars.cache_bytes)
+    except BaseException:
+        engine.close()
+        raise
+    from slotserve.server import structured
+
+    structured.configure(grammars)
     return serve(
         engine,
         args.served_model_name or served_name(spec),

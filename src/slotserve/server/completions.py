@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
 
+import jinja2
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -21,9 +22,13 @@ from slotserve.server.errors import CONTEXT_LENGTH_EXCEEDED, APIError, error_bod
 from slotserve.server.generation import collect, merged, submit_all
 from slotserve.server.schemas import ChatMessage, CompletionRequest, SamplingFields
 from slotserve.server.state import ServerState
-from slotserve.server.structured import logit_bias, response_grammar
+from slotserve.server.structured import logit_bias, output_refusal, response_grammar
 from slotserve.server.tools import ToolPlan, template_input
 from slotserve.tokenizer import ChatTemplateMissing
+
+# What a chat template raises on purpose (its raise_exception()) to refuse a conversation:
+# the client's to fix. Anything else a template raises is the template's fault.
+TEMPLATE_REFUSAL = jinja2.TemplateError
 
 
 def chat_tokens(
@@ -34,9 +39,11 @@ def chat_tokens(
     tools: ToolPlan | None = None,
 ) -> list[int]:
     """``messages`` through the chat template, as token ids: the template's markers are
-    special tokens, special-token text a client typed stays text. Any failure is the
-    caller's (400). ``tools``: the tools the prompt offers (`tools.ToolPlan`); calls and
-    tool results in ``messages`` are rendered either way (`tools.template_input`)."""
+    special tokens, special-token text a client typed stays text. A conversation the
+    template refuses on purpose (``raise_exception``) is the caller's (400); a template that
+    fails otherwise (a type error, an undefined name, a syntax error) is the model's, 500
+    ``template_error`` naming it. ``tools``: the tools the prompt offers (`tools.ToolPlan`);
+    calls and tool results in ``messages`` are rendered either way (`tools.template_input`)."""
     tokenizer = engine.model.tokenizer
     rendered = template_input(tokenizer, messages, tools)  # its own 400s name the message
     try:
@@ -47,8 +54,17 @@ def chat_tokens(
         raise APIError(
             400, str(exc), "invalid_request_error", code="chat_template_missing"
         ) from None
-    except Exception as exc:  # template errors come in many types; all are the caller's
-        raise APIError(400, f"messages: {exc}", "invalid_request_error", param="messages") from None
+    except Exception as exc:
+        if type(exc) is TEMPLATE_REFUSAL:
+            message = f"messages: {exc}"
+            raise APIError(400, message, "invalid_request_error", param="messages") from None
+        raise APIError(
+            500,
+            f"the model's chat template failed to render these messages "
+            f"({type(exc).__name__}: {exc}); fix the template (serve --chat-template FILE)",
+            "server_error",
+            code="template_error",
+        ) from None
 
 
 def prompt_tokens(engine: Engine, prompt: str | list[int], param: str) -> list[int]:
@@ -137,7 +153,7 @@ async def generate(
     param = "messages" if kind == "chat" else "prompt"
     tokens = prompt_tokens(engine, prompt, param)
     room = engine.config.max_context - len(tokens)
-    grammar = await response_grammar(state.grammars_of(engine), body)
+    grammar = await response_grammar(state.grammars_of(engine), body, request)
     bias = logit_bias(engine, body)
     params = [sampling_params(body, room, i, state.sampling, grammar, bias) for i in range(n)]
     handles = submit_all(
@@ -147,10 +163,13 @@ async def generate(
     created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        stream = _stream(state, engine, handles, kind, request_id, created, include_usage, body)
+        stream = _stream(
+            state, engine, handles, kind, request_id, created, include_usage, body, grammar
+        )
         return StreamingResponse(stream, media_type="text/event-stream")
     outcomes = await collect(handles, request)
-    return JSONResponse(_complete(state, engine, outcomes, kind, request_id, created, body))
+    complete = _complete(state, engine, outcomes, kind, request_id, created, body, grammar)
+    return JSONResponse(complete)
 
 
 def check_finish(final: Finished) -> None:
@@ -173,11 +192,15 @@ def _complete(
     request_id: str,
     created: int,
     body: SamplingFields,
+    grammar: Grammar | None = None,
 ) -> dict[str, Any]:
     tokenizer = engine.model.tokenizer
     finals: list[Finished] = [o.final for o in outcomes]
     for final in finals:
         check_finish(final)
+        refusal = output_refusal(grammar, final)
+        if refusal is not None:
+            raise refusal
     wants_logprobs = body.logprobs_count() is not None
     choices = []
     for index, outcome in enumerate(outcomes):
@@ -210,6 +233,7 @@ async def _stream(
     created: int,
     include_usage: bool,
     body: SamplingFields,
+    grammar: Grammar | None = None,
 ) -> AsyncIterator[str]:
     tokenizer = engine.model.tokenizer
     kind_name = "chat.completion.chunk" if kind == "chat" else "text_completion"
@@ -231,6 +255,9 @@ async def _stream(
             async for index, event in events:
                 if isinstance(event, Finished):
                     check_finish(event)  # a cut-short stream ends with an error event instead
+                    refusal = output_refusal(grammar, event)
+                    if refusal is not None:  # never "stop" on a document the grammar refuses
+                        raise refusal
                     finals.append(event)
                     reason = fmt.FINISH_REASONS[event.reason]
                     choice = _chunk_choice(kind, index, {}, reason, None)

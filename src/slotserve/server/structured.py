@@ -1,59 +1,192 @@
 """What a request asks of the sampler beyond the plain numbers: ``response_format`` as a
 `Grammar` (structured outputs) and ``logit_bias`` checked against the vocabulary.
 
-Grammars are compiled off the event loop (a large schema takes milliseconds to compile, the
-first one for a model also builds its tokenizer's index) and kept in a small LRU by schema,
-so a client that sends the same schema again pays nothing. The server state owns one cache
-for its model, with one `GrammarCompiler`, so the tokenizer index is built once.
+A schema from a client is compiled in the compiler's bounded pool (`GrammarCompiler.submit`:
+a worker process that is killed past ``--grammar-timeout`` or ``--grammar-max-bytes``, one
+compile at a time by default, queued behind ``--grammar-queue-timeout``), never on the
+event loop and never at the engine's priority; a client that goes away while its schema
+waits or compiles cancels it. Grammars are kept in an LRU by schema text, bounded in bytes
+(``--grammar-cache-bytes``, the grammars arena of the memory plan): every grammar alive,
+cached or still used by a running request, is counted until it is freed. The server state
+owns one cache for its model, with one `GrammarCompiler`, so the tokenizer index is built
+once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
+import time
+import weakref
 from collections import OrderedDict
+from concurrent.futures import Future
 from typing import Any
 
-from slotserve.engine import Engine
+from fastapi import Request
+
+from slotserve.engine import Engine, Finished
 from slotserve.model import Model
 from slotserve.sampling import Grammar, GrammarCompiler, GrammarError
-from slotserve.server.errors import APIError
+from slotserve.sampling.grammar import (
+    CompileJob,
+    GrammarBusy,
+    GrammarCancelled,
+    GrammarConfig,
+    GrammarLimitError,
+    schema_text,
+)
+from slotserve.server.errors import RETRY_AFTER_S, APIError
 from slotserve.server.schemas import SamplingFields
 
-GRAMMAR_CACHE_SIZE = 32
+GRAMMAR_CACHE_SIZE = 32  # grammars kept at most, whatever their bytes
+REFUSED_CACHE_SIZE = 256  # schemas remembered as refused, so a repeat costs no compile
 SCHEMA_PARAM = "response_format.json_schema.schema"
+DISCONNECT_POLL_S = 0.05
+
+_configured = GrammarConfig()
+
+
+def configure(config: GrammarConfig) -> None:
+    """The `GrammarConfig` of the grammar caches made from now on in this process (the
+    ``serve`` command's ``--grammar-*`` flags; the server state makes its cache itself)."""
+    global _configured
+    _configured = config
+
+
+def configured() -> GrammarConfig:
+    return _configured
+
+
+class _Pending:
+    """A compile some requests wait for; cancelled when the last of them leaves."""
+
+    def __init__(self, job: CompileJob) -> None:
+        self.job = job
+        self.waiters = 1
 
 
 class GrammarCache:
     """One served model's grammars by schema text, least recently used dropped first, all
-    compiled by its one `GrammarCompiler` (one tokenizer index). Owned by the server state;
-    any thread may call `get` (compiling happens outside the lock)."""
+    compiled by its one `GrammarCompiler` (one tokenizer index). Bounded by ``size``
+    grammars and by ``config.cache_bytes``: each grammar is charged its measured bytes
+    (`Grammar.nbytes`) from before it is built here until it is freed, so one that a
+    running request still uses after eviction stays counted. Owned by the server state; any
+    thread may call `get` or `lookup`."""
 
-    def __init__(self, model: Model, size: int = GRAMMAR_CACHE_SIZE) -> None:
+    def __init__(
+        self, model: Model, size: int = GRAMMAR_CACHE_SIZE, config: GrammarConfig | None = None
+    ) -> None:
         self.size = size
-        self.compiler = GrammarCompiler(model.tokenizer, model.info.vocab_size)
+        self.config = config or configured()
+        self.compiler = GrammarCompiler(model.tokenizer, model.info.vocab_size, self.config)
         self._grammars: OrderedDict[str, Grammar] = OrderedDict()
-        self._lock = threading.Lock()
+        self._refused: OrderedDict[str, GrammarError] = OrderedDict()
+        self._pending: dict[str, _Pending] = {}
+        self._lock = threading.RLock()  # a grammar's finalizer may run inside an eviction
+        self.live_bytes = 0  # every grammar alive or reserved, cached or in use
 
     def get(self, schema: dict[str, Any] | None) -> Grammar:
-        """The grammar for ``schema`` (None: any JSON object); raises `GrammarError`."""
-        key = json.dumps(schema, sort_keys=True)
+        """The grammar for ``schema`` (None: any JSON object), waiting for its compile;
+        raises `GrammarError`, `GrammarBusy` or `GrammarCancelled`."""
+        found = self.lookup(schema)
+        if isinstance(found, Grammar):
+            return found
+        try:
+            return found.job.result()
+        except GrammarBusy:
+            self.leave(found)
+            raise
+
+    def lookup(self, schema: dict[str, Any] | None) -> Grammar | _Pending:
+        """The cached grammar, or the compile to wait for (joined when one for the same
+        schema is under way; `leave` it when no longer waiting). Raises `GrammarError` at
+        once for a schema refused before."""
+        key = schema_text(schema)
         with self._lock:
             if key in self._grammars:
                 self._grammars.move_to_end(key)
                 return self._grammars[key]
-        grammar = self.compiler.json_schema(schema)
+            if key in self._refused:
+                raise self._refused[key]
+            pending = self._pending.get(key)
+            if pending is not None and not pending.job.future.cancelled():
+                pending.waiters += 1
+                return pending
+            reserved = [0]
+            job = self.compiler.submit(schema, lambda nbytes: self._reserve(nbytes, reserved))
+            pending = self._pending[key] = _Pending(job)
+        # The callback holds no reference to the job: a cycle through the future would keep
+        # its grammar alive after eviction until the cyclic collector ran.
+        job.future.add_done_callback(lambda future: self._finish(key, future, reserved))
+        return pending
+
+    def leave(self, pending: _Pending) -> None:
+        """One waiter of ``pending`` went away; the last one cancels the compile."""
         with self._lock:
+            pending.waiters -= 1
+            last = pending.waiters <= 0
+        if last:
+            pending.job.cancel()
+
+    def close(self) -> None:
+        """Stop every compile (their workers are killed); returns at once."""
+        self.compiler.close()
+
+    @property
+    def cached(self) -> int:
+        with self._lock:
+            return len(self._grammars)
+
+    def _reserve(self, nbytes: int, reserved: list[int]) -> None:
+        """Room for a grammar of ``nbytes``: evict the least recently used until it fits;
+        `GrammarBusy` if the grammars that running requests hold leave no room."""
+        budget = self.config.cache_bytes
+        with self._lock:
+            while self._grammars and self.live_bytes + nbytes > budget:
+                self._grammars.popitem(last=False)  # freed (and uncounted) once unused
+            if self.live_bytes + nbytes > budget:
+                raise GrammarBusy(
+                    f"the grammars running requests use hold {self.live_bytes / 2**20:.1f} MiB "
+                    f"of --grammar-cache-bytes {budget / 2**20:.0f} MiB, and this one needs "
+                    f"{nbytes / 2**20:.1f} MiB; retry when they finish, or raise "
+                    "--grammar-cache-bytes"
+                )
+            self.live_bytes += nbytes
+            reserved[0] = nbytes
+
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self.live_bytes -= nbytes
+
+    def _finish(self, key: str, future: Future[Grammar], reserved: list[int]) -> None:
+        """A compile ended (any thread): cache its grammar, remember a refusal, or give back
+        what it reserved."""
+        with self._lock:
+            pending = self._pending.get(key)
+            if pending is not None and pending.job.future is future:
+                del self._pending[key]
+            error = None if future.cancelled() else future.exception()
+            if future.cancelled() or error is not None:
+                if reserved[0]:
+                    self.live_bytes -= reserved[0]
+                if isinstance(error, GrammarError):
+                    self._refused[key] = error
+                    while len(self._refused) > REFUSED_CACHE_SIZE:
+                        self._refused.popitem(last=False)
+                return
+            grammar = future.result()
+            weakref.finalize(grammar, self._release, reserved[0])
             self._grammars[key] = grammar
             while len(self._grammars) > self.size:
                 self._grammars.popitem(last=False)
-        return grammar
 
 
-async def response_grammar(grammars: GrammarCache, body: SamplingFields) -> Grammar | None:
+async def response_grammar(
+    grammars: GrammarCache, body: SamplingFields, request: Request | None = None
+) -> Grammar | None:
     """The grammar ``response_format`` asks for (None for text); a schema the grammar
-    engine cannot honour is a 400 that names what it does not support."""
+    engine cannot honour, or one past a compile bound, is a 400 that names what it does not
+    support or the bound. While it compiles, a client that disconnects cancels it."""
     response_format = body.response_format
     if response_format is None or response_format.type == "text":
         return None
@@ -69,16 +202,84 @@ async def response_grammar(grammars: GrammarCache, body: SamplingFields) -> Gram
     if response_format.type == "json_schema":
         assert response_format.json_schema is not None  # ResponseFormat checks it
         schema = response_format.json_schema.schema_ or {}
+    param = SCHEMA_PARAM if schema is not None else "response_format"
     try:
-        return await asyncio.to_thread(grammars.get, schema)
+        found = grammars.lookup(schema)
+        if isinstance(found, Grammar):
+            return found
+        return await _wait(grammars, found, request)
+    except GrammarLimitError as exc:
+        raise APIError(
+            400, f"{param}: {exc}", "invalid_request_error", param=param, code="schema_too_complex"
+        ) from None
     except GrammarError as exc:
         raise APIError(
-            400,
-            f"{SCHEMA_PARAM}: {exc}",
-            "invalid_request_error",
-            param=SCHEMA_PARAM if schema is not None else "response_format",
-            code="unsupported_schema",
+            400, f"{param}: {exc}", "invalid_request_error", param=param, code="unsupported_schema"
         ) from None
+    except GrammarBusy as exc:
+        raise APIError(
+            429,
+            f"{param}: {exc}",
+            "rate_limit_error",
+            param=param,
+            code="grammar_busy",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        ) from None
+    except GrammarCancelled:
+        raise APIError(
+            503, "the request was cancelled: the server is shutting down", "server_error"
+        ) from None
+
+
+async def _wait(grammars: GrammarCache, pending: _Pending, request: Request | None) -> Grammar:
+    """Wait for ``pending`` without blocking the event loop or cancelling it for others:
+    up to the queue's deadline for a worker (then `GrammarBusy`), then as long as its
+    bounds allow; leave it if the client disconnects, the server shuts down (503 at once:
+    shutdown never waits for a compile) or this task is cancelled."""
+    job = pending.job
+    future = asyncio.wrap_future(job.future)
+    server = getattr(request.app.state, "server", None) if request is not None else None
+    try:
+        while not future.done():
+            await asyncio.wait({future}, timeout=DISCONNECT_POLL_S)
+            if future.done():
+                break
+            if getattr(server, "shutting_down", False):
+                raise GrammarCancelled("the server is shutting down")
+            if request is not None and await request.is_disconnected():
+                raise APIError(499, "client disconnected", "client_closed")
+            if time.monotonic() > job.deadline and job.expire():
+                raise GrammarBusy(job.busy_message())
+        if future.cancelled():
+            raise GrammarBusy(job.busy_message())  # expired by another waiter
+        return future.result()
+    except BaseException:
+        # Whatever the compile ends with, nobody here reads it any more.
+        future.add_done_callback(lambda done: done.cancelled() or done.exception())
+        grammars.leave(pending)
+        raise
+
+
+def output_refusal(grammar: Grammar | None, final: Finished) -> APIError | None:
+    """The error for a constrained choice that ended on end-of-sequence with output the
+    grammar does not accept (its matcher went into error mid-document, and the sampler
+    then allowed only end-of-sequence): never reported as a finished ("stop") document.
+    None when the output is complete, or did not end on end-of-sequence (a stop string or
+    the token budget cut it, as the finish reason says)."""
+    if grammar is None or final.reason != "stop" or final.eos_token is None:
+        return None
+    reason = grammar.refusal(final.tokens)
+    if reason is None:
+        return None
+    return APIError(
+        500,
+        f"{SCHEMA_PARAM}: the grammar engine could not enforce the schema to the end of the "
+        f"document ({reason}), so the output is not valid; simplify the schema (fewer "
+        "properties or alternatives)",
+        "server_error",
+        param=SCHEMA_PARAM,
+        code="grammar_failed",
+    )
 
 
 def logit_bias(engine: Engine, body: SamplingFields) -> tuple[tuple[int, float], ...]:
