@@ -11,6 +11,9 @@ from slotserve.engine.timings import RequestTimings
 Priority = Literal["interactive", "normal", "background"]
 PRIORITIES: tuple[Priority, ...] = get_args(Priority)  # highest class first
 FinishReason = Literal["stop", "length", "cancelled", "error"]
+# How an embedding request pools its prompt's final hidden states into one vector.
+Pooling = Literal["mean", "last"]
+POOLINGS: tuple[Pooling, ...] = get_args(Pooling)
 
 
 def check_priority(value: str) -> Priority:
@@ -48,7 +51,8 @@ class Usage:
 
 @dataclass(frozen=True)
 class Finished:
-    """The one terminal event of a request that ran (``priority``: its class)."""
+    """The one terminal event of a request that ran (``priority``: its class;
+    ``embedding``: an embedding request's pooled, L2-normalised vector)."""
 
     reason: FinishReason
     usage: Usage
@@ -58,6 +62,7 @@ class Finished:
     error: str | None = None
     eos_token: int | None = None  # the end-of-sequence token that ended it, if any
     priority: Priority = "normal"
+    embedding: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)

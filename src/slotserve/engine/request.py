@@ -11,7 +11,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Literal
 
-from slotserve.engine.events import Finished, FinishReason, Priority, TokenEvent, Usage
+import torch
+
+from slotserve.engine.events import Finished, FinishReason, Pooling, Priority, TokenEvent, Usage
 from slotserve.engine.sink import EventSink
 from slotserve.engine.timings import RequestTimings
 from slotserve.sampling import RequestSampler, SamplingParams, StopMatcher
@@ -46,6 +48,10 @@ class Request:
     publish_completion: bool = False  # at the end, keep prompt + completion in the cache
     cancelled: threading.Event = field(default_factory=threading.Event)
     released: threading.Event = field(default_factory=threading.Event)
+    # An embedding request (prefill only): how its final hidden states are pooled, and
+    # what has been pooled so far (`pool_rows`).
+    pooling: Pooling | None = None
+    pooled: torch.Tensor | None = None
 
     @property
     def max_new_tokens(self) -> int:
@@ -76,6 +82,24 @@ class Request:
         self.sink.put(TokenEvent(token, piece, index, now, logprob, top_logprobs))
         return stopped or len(self.generated) >= self.max_new_tokens
 
+    def pool_rows(self, hidden: torch.Tensor) -> None:
+        """Pool the final hidden states ``[n, dim]`` of the prompt chunk just computed: their
+        sum (mean pooling, float64) or the last row (last-token pooling)."""
+        if self.pooling == "last":
+            self.pooled = hidden[-1].double()
+        else:
+            total = hidden.double().sum(dim=0)
+            self.pooled = total if self.pooled is None else self.pooled + total
+
+    def embedding(self) -> tuple[float, ...] | None:
+        """The pooled vector, L2-normalised (None: not an embedding request, or it did not
+        complete its prompt)."""
+        if self.pooled is None or self.in_prefill:
+            return None
+        vector = self.pooled / len(self.prompt) if self.pooling == "mean" else self.pooled
+        norm = float(vector.norm())
+        return tuple((vector / norm if norm > 0 else vector).float().tolist())
+
     def finish(self, reason: FinishReason, now: float, error: str | None = None) -> Finished:
         """Flush held-back text, send the terminal event and return it."""
         if not self.stops.stopped and reason != "error":
@@ -94,6 +118,7 @@ class Request:
             error=error,
             eos_token=self.eos_token,
             priority=self.priority,
+            embedding=self.embedding() if reason != "error" else None,
         )
         self.sink.put(finished)
         return finished

@@ -14,7 +14,7 @@ import torch
 
 from slotserve.engine.events import FinishReason
 from slotserve.engine.request import Request
-from slotserve.executor import Executor
+from slotserve.executor import Executor, HiddenStates
 from slotserve.kv.batch import StepBatch
 from slotserve.kv.store import KVStore
 from slotserve.sampling import sample_batch, token_logprobs
@@ -38,8 +38,23 @@ class Stepper:
             else:
                 assert request.pending_token is not None
                 feeds.append(request.pending_token)
-        logits = self.executor.step(torch.tensor(feeds), batch, self.kv)
+        if any(request.pooling is not None for request, _ in work):
+            logits = self._step_pooling(work, torch.tensor(feeds), batch)
+        else:
+            logits = self.executor.step(torch.tensor(feeds), batch, self.kv)
         return self._sample_and_stream(work, logits)
+
+    def _step_pooling(self, work: Work, feeds: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        """The step, with the final hidden states of each embedding request's rows pooled
+        into it (its rows on the step's axis follow the work's order)."""
+        assert isinstance(self.executor, HiddenStates)  # Engine.submit checks it
+        logits, hidden = self.executor.hidden_step(feeds, batch, self.kv)
+        row = 0
+        for request, n in work:
+            if request.pooling is not None:
+                request.pool_rows(hidden[row : row + n])
+            row += n
+        return logits
 
     def _sample_and_stream(
         self, work: Work, logits: torch.Tensor

@@ -6,7 +6,7 @@ methods on ExecuTorch (the halves `slotserve.load` picked). `executor_for` gives
 loaded model needs.
 """
 
-from slotserve.executor.base import Executor
+from slotserve.executor.base import Executor, HiddenStates
 from slotserve.executor.torch_executor import TorchExecutor, executor_for
 
-__all__ = ["Executor", "TorchExecutor", "executor_for"]
+__all__ = ["Executor", "HiddenStates", "TorchExecutor", "executor_for"]

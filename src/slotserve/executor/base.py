@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -25,3 +25,17 @@ class Executor(Protocol):
     def max_step_tokens(self) -> int | None: ...
 
     def step(self, tokens: torch.Tensor, batch: StepBatch, kv: KVStore) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class HiddenStates(Protocol):
+    """An executor that can also return a step's final hidden states (embedding requests):
+    ``hidden_step`` runs the step as ``step`` does and returns its logits ``[B, vocab]`` and
+    the final-norm hidden states ``[T, dim]`` of every token on the step's axis."""
+
+    @property
+    def embeds(self) -> bool: ...  # whether hidden_step can run for this model
+
+    def hidden_step(
+        self, tokens: torch.Tensor, batch: StepBatch, kv: KVStore
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...

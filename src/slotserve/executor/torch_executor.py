@@ -8,6 +8,8 @@ from slotserve.executor.base import Executor
 from slotserve.kv.batch import StepBatch
 from slotserve.kv.store import KVStore
 from slotserve.model import Model
+from slotserve.model.halves import run_layers
+from slotserve.model.layers import rms_norm
 
 
 class TorchExecutor:
@@ -29,6 +31,28 @@ class TorchExecutor:
 
     def step(self, tokens: torch.Tensor, batch: StepBatch, kv: KVStore) -> torch.Tensor:
         return self.model.forward(tokens, batch, kv)
+
+    @property
+    def embeds(self) -> bool:
+        """Whether `hidden_step` can run: the final norm's weights are at hand (a bundle's
+        live inside its head method)."""
+        return self.model.weights is not None
+
+    @torch.inference_mode()
+    def hidden_step(
+        self, tokens: torch.Tensor, batch: StepBatch, kv: KVStore
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`step`'s logits, and the final-norm hidden states ``[T, dim]`` of every token
+        (`executor.base.HiddenStates`): the one loop, then the final norm of every row and
+        the head of each sequence's last row, as `Model.forward` computes them."""
+        model, weights = self.model, self.model.weights
+        if weights is None:
+            raise ValueError("this model's final norm lives in its program: it cannot embed")
+        hidden = run_layers(
+            model.halves, model.info.n_layers, model.rope, tokens, batch, kv, model.local_rope
+        )
+        logits = model.halves.head(hidden[batch.last_token_rows()]).float()
+        return logits, rms_norm(hidden, weights.norm, model.info.norm_eps).float()
 
 
 def executor_for(model: Model) -> Executor:

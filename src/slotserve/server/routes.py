@@ -1,5 +1,5 @@
-"""The HTTP routes: OpenAI's chat/completions/models, plus health, metrics, slots and
-tokenize/detokenize."""
+"""The HTTP routes: OpenAI's chat/completions/embeddings/models, plus health, metrics,
+slots and tokenize/detokenize."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from fastapi.responses import JSONResponse, Response
 
 from slotserve.engine import Engine
 from slotserve.server.completions import chat_tokens, generate
+from slotserve.server.embeddings import EmbeddingRequest, embed
 from slotserve.server.errors import APIError
 from slotserve.server.schemas import (
     ChatCompletionRequest,
@@ -76,6 +77,14 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     engine = live_engine(state)
     check_model(state, body.model)
     return await generate(state, engine, body, request, body.prompt_input(), "text")
+
+
+@v1.post("/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
+    state = state_of(request)
+    engine = live_engine(state)
+    check_model(state, body.model)
+    return await embed(state, engine, body, request)
 
 
 @v1.get("/models")

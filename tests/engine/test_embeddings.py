@@ -1,0 +1,87 @@
+"""Embedding requests through the engine: prefill only, admitted like any request, their
+final hidden states pooled and normalised; against transformers' ``last_hidden_state`` on
+the same tiny directories, and the same vector batched or alone, cached or not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import slotserve as ss
+from slotserve.engine.events import Pooling
+from slotserve.sampling import SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+PROMPTS = [[5, 9, 40, 41, 42, 100, 7], [70, 71], list(range(3, 60))]
+EMBED = SamplingParams(max_new_tokens=0)
+
+
+def reference(path: Path, ids: list[int], pooling: Pooling) -> torch.Tensor:
+    model = transformers.AutoModel.from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        hidden = model(torch.tensor([ids])).last_hidden_state[0]
+    vector = hidden.mean(dim=0) if pooling == "mean" else hidden[-1]
+    return torch.nn.functional.normalize(vector, dim=0)
+
+
+def embed(engine: ss.Engine, prompts: list[list[int]], pooling: Pooling) -> list[torch.Tensor]:
+    handles = [engine.submit(p, EMBED, pooling=pooling) for p in prompts]
+    finals = [handle.result() for handle in handles]
+    for final in finals:
+        assert final.embedding is not None and not final.tokens  # nothing generated
+    return [torch.tensor(f.embedding) for f in finals if f.embedding is not None]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("pooling", ["mean", "last"])
+def test_pooled_hidden_states_match_transformers(
+    tiny_dirs: dict[str, Path], kind: str, pooling: Pooling
+) -> None:
+    engine = ss.Engine(ss.load(tiny_dirs[kind]), ss.EngineConfig(max_seqs=4, max_context=128))
+    try:
+        for prompt, ours in zip(PROMPTS, embed(engine, PROMPTS, pooling), strict=True):
+            expected = reference(tiny_dirs[kind], prompt, pooling)
+            torch.testing.assert_close(ours, expected, rtol=0, atol=1e-4)
+            assert float(ours.norm()) == pytest.approx(1.0, abs=1e-5)
+    finally:
+        engine.close()
+
+
+def test_batched_equals_alone_and_admission_counts(make_engine: object) -> None:
+    engine = make_engine(max_seqs=4, max_context=128, max_batch_tokens=32)  # type: ignore[operator]
+    together = embed(engine, PROMPTS, "mean")  # co-batched, the long one in chunks
+    alone = [embed(engine, [p], "mean")[0] for p in PROMPTS]
+    for a, b in zip(together, alone, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    stats = engine.stats()
+    assert stats.admitted == 2 * len(PROMPTS) and stats.finished["length"] == 2 * len(PROMPTS)
+    engine.check_integrity()
+
+
+def test_with_the_prefix_cache_mean_pooling_restores_nothing(make_engine: object) -> None:
+    engine = make_engine(  # type: ignore[operator]
+        max_seqs=2, max_context=128, kv_layout="cell", prefix_cache_bytes=1 << 20
+    )
+    prompt = PROMPTS[2]
+    text = engine.submit(prompt, SamplingParams(max_new_tokens=2, temperature=0))
+    text.result()  # its prompt is now in the cache
+    first, second = embed(engine, [prompt], "mean")[0], embed(engine, [prompt], "mean")[0]
+    torch.testing.assert_close(first, second, rtol=0, atol=1e-6)
+    last = engine.submit(prompt, EMBED, pooling="last").result()
+    assert last.usage.cached_tokens == len(prompt) - 1  # the last row is always computed
+    mean = engine.submit(prompt, EMBED, pooling="mean").result()
+    assert mean.usage.cached_tokens == 0
+
+
+def test_an_embedding_request_generates_nothing(make_engine: object) -> None:
+    engine = make_engine(max_seqs=2, max_context=64)  # type: ignore[operator]
+    with pytest.raises(ValueError, match="max_new_tokens must be 0"):
+        engine.submit([5, 6], SamplingParams(max_new_tokens=3), pooling="mean")
+    assert engine.embeds
+    plain = engine.submit([5, 6], SamplingParams(max_new_tokens=2)).result()
+    assert plain.embedding is None
