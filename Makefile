@@ -57,7 +57,8 @@ bench: $(STAMP)
 
 # llama.cpp's llama-server for `slotserve bench servers` (and llama-cpp-python for the
 # `single --baselines` in-process baseline), built from the package registry's sdists for
-# this CPU; about 20 min on 2 cores (llama-server alone: 6 min). The binaries are cached under the user cache dir.
+# this CPU; about 20 min on 2 cores (llama-server alone: 6 min). The binaries are cached under the user cache dir,
+# with llama-quantize's Q4_K_M of the bundled SmolLM2 (the bench's and the parity test's K-quant file).
 bench-deps: $(STAMP)
 	$(BIN)/python -m slotserve.bench.llama_server
 	$(BIN)/python -m pip install llama-cpp-python
