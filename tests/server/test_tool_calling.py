@@ -66,13 +66,17 @@ Call a function as <tool_call>{"name": ..., "arguments": ...}</tool_call>. Funct
 {% endif %}"""
 
 
-@pytest.fixture(scope="module")
-def long_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def write_long_tiny(root: Path) -> Path:
     """The tiny Llama with room for the tools' instruction (every byte is a token)."""
-    path = write_tiny_hf_dir(tmp_path_factory.mktemp("tools") / "llama", "llama")
+    path = write_tiny_hf_dir(root / "llama", "llama")
     config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2048}))
     return path
+
+
+@pytest.fixture(scope="module")
+def long_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_long_tiny(tmp_path_factory.mktemp("tools"))
 
 
 def serve(model: Path, *flags: str) -> ServerProcess:

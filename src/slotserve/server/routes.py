@@ -1,5 +1,5 @@
-"""The HTTP routes: OpenAI's chat/completions/embeddings/models, plus health, metrics,
-slots and tokenize/detokenize."""
+"""The HTTP routes: OpenAI's chat/completions/embeddings/responses/models, plus health,
+metrics, slots and tokenize/detokenize."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from slotserve.engine import Engine
 from slotserve.server.completions import chat_tokens, generate
 from slotserve.server.embeddings import EmbeddingRequest, embed
 from slotserve.server.errors import APIError
+from slotserve.server.responses_api import ResponsesRequest, create_response
 from slotserve.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -85,6 +86,23 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]
     engine = live_engine(state)
     check_model(state, body.model)
     return await embed(state, engine, body, request)
+
+
+@v1.post("/responses")
+async def responses(body: ResponsesRequest, request: Request) -> Response:
+    state = state_of(request)
+    engine = live_engine(state)
+    check_model(state, body.model)
+    return await create_response(state, engine, body, request)
+
+
+@v1.get("/responses/{response_id}")
+async def retrieve_response(response_id: str, request: Request) -> dict[str, Any]:
+    stored = state_of(request).responses.get(response_id)
+    if stored is None:
+        message = f"no stored response has id {response_id!r}"
+        raise APIError(404, message, "invalid_request_error", param="response_id")
+    return stored.response
 
 
 @v1.get("/models")

@@ -11,6 +11,7 @@ from slotserve.engine import Engine
 from slotserve.server.connections import ConnectionTracker
 from slotserve.server.defaults import SamplingDefaults
 from slotserve.server.metrics import PrometheusMetrics
+from slotserve.server.response_store import ResponseStore
 from slotserve.server.structured import GrammarCache
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
@@ -28,6 +29,7 @@ class ServerState:
     metrics_key: str | None = None
     shutting_down: bool = False
     grammars: GrammarCache | None = None
+    responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's
     # The connections of the server this app runs in (`serve`); None when served otherwise.
     connections: ConnectionTracker | None = None
     _closer: threading.Thread | None = field(default=None, repr=False)

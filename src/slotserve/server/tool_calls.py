@@ -86,28 +86,31 @@ def _finish_reason(final: Finished, called: bool) -> str:
     return "tool_calls" if called and final.reason == "stop" else fmt.FINISH_REASONS[final.reason]
 
 
-def _message(syntax: CallSyntax, text: str) -> dict[str, Any]:
-    """The assistant message of a whole reply: its calls when all of them are whole, else
-    its text as content (a reply cut short by the token budget, or one the grammar did not
-    write)."""
+def parse_reply(syntax: CallSyntax, text: str) -> tuple[str, list[tuple[str, str]]]:
+    """A whole reply's content and calls ((name, arguments JSON) pairs): its calls when all
+    of them are whole, else none and its text as content (a reply cut short by the token
+    budget, or one the grammar did not write)."""
     found = scan(syntax, text, final=True)
     whole = found.calls and not found.broken and all(call.complete for call in found.calls)
     if not whole:
-        content = text if found.broken or found.calls else found.content
+        return (text if found.broken or found.calls else found.content), []
+    return found.content, [(str(call.name), call.arguments) for call in found.calls]
+
+
+def _message(syntax: CallSyntax, text: str) -> dict[str, Any]:
+    """The assistant message of a whole reply (`parse_reply`)."""
+    content, calls = parse_reply(syntax, text)
+    if not calls:
         return {"role": "assistant", "content": content, "refusal": None}
-    calls = [
-        {
-            "id": call_id(syntax),
-            "type": "function",
-            "function": {"name": call.name, "arguments": call.arguments},
-        }
-        for call in found.calls
+    tool_calls = [
+        {"id": call_id(syntax), "type": "function", "function": {"name": n, "arguments": a}}
+        for n, a in calls
     ]
     return {
         "role": "assistant",
-        "content": found.content or None,
+        "content": content or None,
         "refusal": None,
-        "tool_calls": calls,
+        "tool_calls": tool_calls,
     }
 
 
