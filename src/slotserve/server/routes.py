@@ -1,5 +1,5 @@
-"""The HTTP routes: OpenAI's chat/completions/embeddings/responses/models, plus health,
-metrics, slots and tokenize/detokenize."""
+"""The HTTP routes: OpenAI's chat/completions/embeddings/responses/models, Anthropic's
+messages, plus health, metrics, slots and tokenize/detokenize."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from slotserve.engine import Engine
+from slotserve.server import anthropic
 from slotserve.server.completions import chat_tokens, generate
 from slotserve.server.embeddings import EmbeddingRequest, embed
 from slotserve.server.errors import APIError
@@ -103,6 +104,31 @@ async def retrieve_response(response_id: str, request: Request) -> dict[str, Any
         message = f"no stored response has id {response_id!r}"
         raise APIError(404, message, "invalid_request_error", param="response_id")
     return stored.response
+
+
+@v1.post("/messages")
+async def messages(request: Request) -> Response:
+    """Anthropic's Messages API; every error in its own shape (`anthropic.error_response`)."""
+    try:
+        state = state_of(request)
+        engine = live_engine(state)
+        body = await anthropic.parsed(request, anthropic.MessagesRequest)
+        check_model(state, body.model)
+        return await anthropic.create_message(state, engine, body, request)
+    except APIError as exc:
+        return anthropic.error_response(exc.status, exc.message, exc.headers)
+
+
+@v1.post("/messages/count_tokens")
+async def count_tokens(request: Request) -> Response:
+    try:
+        state = state_of(request)
+        engine = live_engine(state)
+        body = await anthropic.parsed(request, anthropic.CountTokensRequest)
+        check_model(state, body.model)
+        return JSONResponse(await anthropic.count_tokens(engine, body))
+    except APIError as exc:
+        return anthropic.error_response(exc.status, exc.message, exc.headers)
 
 
 @v1.get("/models")
