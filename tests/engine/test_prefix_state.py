@@ -1,8 +1,8 @@
 """The engine with a prefix cache under random requests (some keeping their completion in
 the cache) and cancellations, on a full-attention model and on one with sliding-window
-layers, in the cell and the flat layout (hypothesis state machine): engine, pool and cache invariants hold after every
-step, nothing stays pinned, finished requests count restored + computed = prompt, and
-closing returns the pool to its baseline with the cache emptied."""
+layers, in the cell and the flat layout (hypothesis state machine): engine, pool and cache
+invariants hold after every step, nothing stays pinned, finished requests count restored +
+computed = prompt, and closing returns the pool to its baseline with the cache emptied."""
 
 from __future__ import annotations
 

@@ -103,11 +103,21 @@ def test_copy_on_write_room_counts_snapshot_holders() -> None:
     pool.check_integrity()
 
 
-def test_snapshots_need_an_all_cell_pool() -> None:
+def test_a_flat_snapshot_copies_the_positions_it_keeps() -> None:
+    """A flat pool's snapshot holds a copy of its first positions (no blocks): it outlives
+    its source's later writes and release, and a restore writes it into the new slot."""
     config = KVConfig(layout="flat", max_seqs=2, max_context=32)
     flat = KVPool(INFO, config, attention=build_kernels().attention)
     flat.reserve(0, 8)
-    write(flat, 0, 2, 1.0)
-    assert not flat.supports_snapshots
-    with pytest.raises(SessionError, match="cell layout"):
-        flat.publish(0, 2, into=-1)
+    write(flat, 0, 3, 1.0)
+    flat.publish(0, 3, into=-1)
+    write(flat, 0, 2, 5.0)
+    flat.release(0)
+    flat.check_integrity()
+    flat.reserve_from(1, 10, snapshot=-1, upto=2)
+    assert flat.length(1) == 2
+    assert torch.equal(keys(flat, 1, 2), torch.ones(2))
+    write(flat, 1, 1, 7.0)
+    assert torch.equal(keys(flat, 1, 3), torch.tensor([1.0, 1.0, 7.0]))
+    assert flat.snapshot_nbytes(3) == 3 * flat.snapshot_position_nbytes > 0
+    flat.check_integrity()
