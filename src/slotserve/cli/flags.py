@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from slotserve.engine.config import EngineConfig
+from slotserve.engine.config import DEFAULT_PREFIX_STORE_BYTES, EngineConfig
 from slotserve.engine.presets import PRESET_NAMES, PresetChoice, choose_preset
 from slotserve.engine.pressure import PRESSURE_SPELLINGS, PressureSource, pressure_from
 from slotserve.plan import MemoryMap, parse_bytes
@@ -106,6 +106,42 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         metavar="W,K,A",
         help="per-arena budgets: weights,kv,activations (e.g. 600MiB,256MiB,128MiB)",
     )
+
+
+def add_prefix_store_args(parser: argparse.ArgumentParser) -> None:
+    """``--prefix-store DIR`` and ``--prefix-store-bytes`` (read by `with_prefix_store`)."""
+    parser.add_argument(
+        "--prefix-store",
+        default=None,
+        metavar="DIR",
+        help="the prefix cache's disk tier: snapshots written to DIR in the background, "
+        "checked (model, numerics, KV layout, checksum) and restored after a restart; "
+        "needs the prefix cache on. A DIR that cannot be written is an error at start",
+    )
+    parser.add_argument(
+        "--prefix-store-bytes",
+        type=parse_bytes,
+        default=None,
+        metavar="BYTES",
+        help=f"disk the prefix store may use, least recently used files evicted first "
+        f"(default {DEFAULT_PREFIX_STORE_BYTES})",
+    )
+
+
+def with_prefix_store(config: EngineConfig, args: argparse.Namespace) -> EngineConfig:
+    """``config`` with the disk tier of ``--prefix-store`` (unchanged without it), once
+    the prefix cache is decided; `ValueError` if the cache is off."""
+    directory = getattr(args, "prefix_store", None)
+    if directory is None:
+        return config
+    if not config.prefix_cache_budget:
+        raise ValueError(
+            f"--prefix-store {directory} is the prefix cache's disk tier, and the cache is off "
+            "(--no-prefix-cache, a layout other than --kv-layout cell, or a model where a "
+            "restore is not bit-exact: see the log); pass --prefix-cache BYTES to turn it on"
+        )
+    store_bytes = args.prefix_store_bytes or DEFAULT_PREFIX_STORE_BYTES
+    return dataclasses.replace(config, prefix_store=directory, prefix_store_bytes=store_bytes)
 
 
 def add_pressure_arg(parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 from slotserve.artifact.named import NAMED_MODELS
 from slotserve.cli.executors import add_executor_args, open_model
-from slotserve.cli.flags import add_engine_args, add_pressure_arg, engine_config, pressure_source
+from slotserve.cli.flags import (
+    add_engine_args,
+    add_prefix_store_args,
+    add_pressure_arg,
+    engine_config,
+    pressure_source,
+    with_prefix_store,
+)
 from slotserve.engine.config import EngineConfig
 
 if TYPE_CHECKING:
@@ -109,6 +116,7 @@ def register(commands: Any) -> None:
         action="store_true",
         help="no prefix reuse (default with --kv-layout cell: on, a quarter of the KV pool)",
     )
+    add_prefix_store_args(parser)
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
@@ -321,6 +329,10 @@ def _serve(args: argparse.Namespace) -> int:
         max_connections_per_client=args.max_connections_per_client,
     )
     template = chat_template_text(args.chat_template)  # read before the model loads
+    if args.prefix_store is not None:  # checked before the model loads, and at its open
+        from slotserve.prefix.store import check_directory
+
+        check_directory(args.prefix_store)
     grammars = grammar_config(args)  # checked before the model loads
     spec, model, executor = open_model(args)
     if template is not None:
@@ -329,6 +341,7 @@ def _serve(args: argparse.Namespace) -> int:
     config = engine_config(args, model)  # with --preset: sized for this model
     config = with_server_queue(config, args)
     config = with_server_prefix_cache(config, args, model)
+    config = with_prefix_store(config, args)
     engine = Engine(model, config, pressure=pressure_source(args), executor=executor)
     try:
         with_grammar_arena(engine, grammars.cache_bytes)

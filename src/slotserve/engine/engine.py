@@ -13,7 +13,9 @@ under the engine lock: admission restores the longest usable prefix into a new r
 session, a request whose opening prefill completed publishes its prompt's snapshot right
 after that step, and one submitted with ``publish_completion`` hands its prompt and
 completion to the cache when it ends (a conversation's next turn restores them). Closing
-empties the cache, so the pool is back at its baseline.
+empties the cache, so the pool is back at its baseline. With ``prefix_store`` the cache has
+a disk tier (`slotserve.prefix.store`), opened and indexed here: snapshots are written by
+its own thread and a restart restores them; closing waits for its queued writes.
 
 An engine still open when the interpreter exits is closed first (its thread stopped
 between steps), so a script may end while requests run.
@@ -47,13 +49,13 @@ from slotserve.engine.request import Request
 from slotserve.engine.scheduler import Scheduler
 from slotserve.engine.stepper import Stepper, Work
 from slotserve.engine.timings import EngineCounters
-from slotserve.engine.views import EngineStats, PoolView, PrefixStats, SlotView
+from slotserve.engine.views import EngineStats, PoolView, PrefixStats, SlotView, store_stats
 from slotserve.errors import AdmissionRefused
 from slotserve.executor import Executor, HiddenStates, executor_for
 from slotserve.kv.batch import StepBatch
 from slotserve.kv.pool import KVPool
 from slotserve.model import Model
-from slotserve.prefix import PrefixCache
+from slotserve.prefix import PrefixCache, PrefixStore, open_store
 from slotserve.sampling import SamplingParams
 
 log = logging.getLogger("slotserve")
@@ -97,7 +99,8 @@ class Engine:
         # this model's weights, weight format, rope settings and KV dtype, so no key needs
         # to name them and a change of any of them cannot produce a stale hit.
         budget = self.config.prefix_cache_budget
-        self.prefix = PrefixCache(self.pool, budget) if budget else None
+        store = self._open_store(attention is not None) if budget else None
+        self.prefix = PrefixCache(self.pool, budget, store) if budget else None
         self.pressure = pressure
         self.on_finished = on_finished
         self.clock = clock
@@ -115,6 +118,17 @@ class Engine:
         self._close_at_exit = _exit_closer(weakref.ref(self))
         atexit.register(self._close_at_exit)
         self._thread.start()
+
+    def _open_store(self, attention_kernel: bool) -> PrefixStore | None:
+        """The prefix cache's disk tier (``prefix_store``), indexed now, so the first
+        request can hit; `PrefixStoreError` if its directory cannot be written."""
+        config = self.config
+        if config.prefix_store is None:
+            return None
+        return open_store(
+            config.prefix_store, config.prefix_store_budget, self.model, self.pool,
+            attention_kernel=attention_kernel,
+        )  # fmt: skip
 
     # -- caller API (any thread) -----------------------------------------------------
 
@@ -211,6 +225,8 @@ class Engine:
             self._thread.join(timeout)
         if self._thread.is_alive():
             log.warning("engine did not stop within %ss", timeout)
+        elif self.prefix is not None and self.prefix.store is not None:
+            self.prefix.store.close()  # its queue was flushed when the cache was cleared
 
     @property
     def closed(self) -> bool:
@@ -278,6 +294,7 @@ class Engine:
             bytes_pinned=self.prefix.bytes_pinned,
             snapshots=len(self.prefix),
             evictions=counters.evictions,
+            store=None if self.prefix.store is None else store_stats(self.prefix.store.report()),
         )
 
     def slots(self) -> list[SlotView]:

@@ -16,16 +16,64 @@ from typing import Literal
 from slotserve.engine.cancel_bound import CancelBound
 from slotserve.engine.events import Priority
 from slotserve.kv.holdings import Holding, RowGroup
+from slotserve.prefix.store import StoreReport
 
 SlotState = Literal["idle", "prefill", "decode"]
 PoolUnit = Literal["blocks", "rows"]
 
 
 @dataclass(frozen=True)
+class PrefixStoreStats:
+    """The prefix cache's disk tier: its directory, the bytes it may keep and keeps, the
+    files it indexes, how long indexing took at start, snapshots queued and written,
+    restores from disk and their tokens, files evicted (LRU by bytes) and deleted as
+    covered by a longer one, torn temporary files removed at start; files refused by
+    reason (`slotserve.prefix.REFUSAL_REASONS`: never served) and writes skipped by reason
+    (`slotserve.prefix.SKIP_REASONS`)."""
+
+    directory: str
+    budget_bytes: int
+    bytes: int
+    files: int
+    index_seconds: float
+    queued: int
+    written: int
+    hits: int
+    tokens_restored: int
+    evictions: int
+    covered: int
+    torn_removed: int
+    refused: dict[str, int]
+    skipped: dict[str, int]
+
+
+def store_stats(report: StoreReport) -> PrefixStoreStats:
+    """The store's `StoreReport` as a frozen view."""
+    counters = report.counters
+    return PrefixStoreStats(
+        directory=report.directory,
+        budget_bytes=report.budget_bytes,
+        bytes=report.bytes,
+        files=report.files,
+        index_seconds=report.index_seconds,
+        queued=report.queued,
+        written=counters.written,
+        hits=counters.hits,
+        tokens_restored=counters.tokens_restored,
+        evictions=counters.evictions,
+        covered=counters.covered,
+        torn_removed=counters.torn_removed,
+        refused=dict(counters.refused),
+        skipped=dict(counters.skipped),
+    )
+
+
+@dataclass(frozen=True)
 class PrefixStats:
     """The prefix cache: the bytes it may pin, restores that hit or missed, token-equal
     prefixes a retention rule refused (in all and by rule), tokens restored instead of
-    computed, the bytes its snapshots pin, snapshots held and evicted."""
+    computed, the bytes its snapshots pin, snapshots held and evicted; ``store``, its disk
+    tier (None without one). Hits and tokens restored count both tiers."""
 
     budget_bytes: int
     hits: int
@@ -36,6 +84,7 @@ class PrefixStats:
     bytes_pinned: int
     snapshots: int
     evictions: int
+    store: PrefixStoreStats | None = None
 
 
 @dataclass(frozen=True)

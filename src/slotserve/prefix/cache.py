@@ -18,7 +18,15 @@ conversation's next turn, a repeated prompt); a token-equal prefix that diverges
 rejected, counted in ``stats.rejections`` (by rule), and computed instead. Anything else that
 changes KV contents (weights, their format, KV dtype, rope settings) is fixed for the life
 of one pool and one engine, and a cache lives and dies with its engine's pool: snapshots
-never cross a change of those.
+in memory never cross a change of those (the disk tier's files carry them in a
+fingerprint, checked before a file is served).
+
+Disk tier. With a `PrefixStore`, every snapshot the cache enters is offered to the store
+(written by its thread; the offer's ticket is cancelled when the snapshot is dropped), and
+`bind` also asks the store: a stored snapshot that restores more of the prompt than memory
+does is read into the request's own fresh reservation (`KVPool.load_payload`), its
+checksum checked as it is read: a file that fails commits nothing, and the memory match,
+if any, is used instead. Closing waits for queued writes first.
 
 Locking: not thread-safe. The engine uses its cache only under the engine lock (admission,
 publication after a step, close), like the pool itself.
@@ -28,14 +36,18 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from slotserve.errors import KVExhausted
 from slotserve.kv.pool import KVPool
+from slotserve.prefix.store import PrefixStore, StoreMatch, WriteTicket
 from slotserve.prefix.trie import TokenTrie
 
 RING_WRAPPED_RULE = "ring_wrapped"
+CLOSE_FLUSH_S = 10.0  # at close, how long queued writes to the store may take
 
 
 @dataclass
@@ -67,13 +79,15 @@ class Snapshot:
 class PrefixCache:
     """Snapshots of prompts in one pool, under a byte budget. See the module docstring."""
 
-    def __init__(self, pool: KVPool, budget_bytes: int) -> None:
+    def __init__(self, pool: KVPool, budget_bytes: int, store: PrefixStore | None = None) -> None:
         if budget_bytes <= 0:
             raise ValueError(f"prefix cache budget_bytes={budget_bytes} must be > 0")
         if not pool.supports_snapshots:
             raise ValueError("the prefix cache needs a pool with layers")
         self.pool, self.budget_bytes = pool, budget_bytes
+        self.store = store
         self.stats = PrefixCounters()
+        self._tickets: dict[int, WriteTicket] = {}  # snapshot → its write to the store
         self._entries: OrderedDict[int, Snapshot] = OrderedDict()  # least recently used first
         self._trie = TokenTrie()
         self._block_holders: Counter[int] = Counter()  # block → snapshots holding it
@@ -115,7 +129,9 @@ class PrefixCache:
         if match is not None:
             match[0].pins += 1
         try:
-            restored = self._bind_evicting(session, n_tokens, match)
+            restored = self._bind_from_store(session, tokens, n_tokens, match)
+            if restored is None:
+                restored = self._bind_evicting(session, n_tokens, match)
         finally:
             if match is not None:
                 match[0].pins -= 1
@@ -143,6 +159,36 @@ class PrefixCache:
                 self._entries.move_to_end(key)
                 return (self._entries[key], usable), False
         return None, True
+
+    def _bind_from_store(
+        self,
+        session: int,
+        tokens: Sequence[int],
+        n_tokens: int,
+        match: tuple[Snapshot, int] | None,
+    ) -> int | None:
+        """Bind ``session`` restoring from the store when a stored snapshot restores more
+        than ``match`` (memory's); how many it restored, or None (nothing bound) when the
+        store has nothing better, the pool lacks room for a fresh reservation, or the file
+        fails its checks."""
+        if self.store is None:
+            return None
+        found: StoreMatch | None = self.store.lookup(tokens, match[1] if match else 0)
+        if found is None:
+            return None
+        try:
+            self._bind_evicting(session, n_tokens, None)
+        except KVExhausted:
+            return None  # memory's match may still bind, consuming its snapshot
+        upto, high_water = found.usable, found.entry.high_water
+
+        def load(parts: Iterable[torch.Tensor]) -> None:
+            self.pool.load_payload(session, upto, high_water, parts)
+
+        if self.store.restore(found, load):
+            return upto
+        self.pool.release(session)
+        return None
 
     def _bind_evicting(
         self, session: int, n_tokens: int, match: tuple[Snapshot, int] | None
@@ -228,13 +274,26 @@ class PrefixCache:
             if e.pins == 0 and len(e.tokens) <= len(tokens) and tokens[: len(e.tokens)] == e.tokens
         ]
         for old in covered:
+            if (ticket := self._tickets.pop(old, None)) is not None:
+                ticket.cancel("superseded")  # the new one is offered in its place
             self._drop(old)
         self._entries[key] = Snapshot(key, tokens)
         self._trie.insert(key, tokens)
         self._block_holders.update(self.pool.snapshot_blocks(key))
         self.stats.published += 1
+        self._offer(key, tokens)
         while self.bytes_pinned > self.budget_bytes and self.evict_one():
             pass
+
+    def _offer(self, key: int, tokens: tuple[int, ...]) -> None:
+        """Queue snapshot ``key`` for the store (unless a file of its tokens is there)."""
+        if self.store is None or self.store.holds(tokens):
+            return
+        payload = self.pool.payload_of(key)
+        pool = self.pool
+        ticket = self.store.offer(tokens, payload.high_water, lambda: pool.read_payload(payload))
+        if ticket is not None:
+            self._tickets[key] = ticket
 
     def evict_one(self) -> bool:
         """Drop the least recently used snapshot that no restore pins; False if none."""
@@ -248,6 +307,8 @@ class PrefixCache:
     def clear(self) -> None:
         """Drop every snapshot (the engine's close); none may be pinned."""
         assert self.pins == 0, "clearing a prefix cache under a live restore"
+        if self.store is not None:
+            self.store.flush(CLOSE_FLUSH_S)  # queued writes read the snapshots' blocks
         for key in list(self._entries):
             self._drop(key)
 
@@ -258,6 +319,9 @@ class PrefixCache:
     def _forget(self, key: int, blocks: list[int]) -> None:
         """Unlist ``key``, whose snapshot held ``blocks`` (trie, LRU, block counts)."""
         entry = self._entries.pop(key)
+        ticket = self._tickets.pop(key, None)
+        if ticket is not None:
+            ticket.cancel()  # a write still copying it throws the copy away
         self._trie.remove(key, entry.tokens)
         self._block_holders.subtract(blocks)
         self._block_holders = +self._block_holders  # forget blocks no snapshot holds
@@ -275,4 +339,5 @@ class PrefixCache:
         self._trie.check_integrity({k: e.tokens for k, e in self._entries.items()})
         held = Counter(b for k in self._entries for b in self.pool.snapshot_blocks(k))
         assert held == self._block_holders, "pinned block counts drifted"
+        assert set(self._tickets) <= set(self._entries), "a write ticket outlived its snapshot"
         assert self.bytes_pinned <= self.budget_bytes or len(self._entries) <= 1, "over budget"

@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from slotserve.engine import EngineStats, Finished, PrefixStats
+from slotserve.engine.views import PrefixStoreStats
+from slotserve.prefix import REFUSAL_REASONS, SKIP_REASONS
 from slotserve.server.connections import ConnectionStats
 
 LATENCY_BUCKETS = (
@@ -183,5 +185,55 @@ def _prefix_metrics(stats: PrefixStats) -> Iterator[Any]:
         ("slotserve_prefix_bytes_pinned", "KV bytes the snapshots pin", stats.bytes_pinned),
         ("slotserve_prefix_budget_bytes", "KV bytes the cache may pin", stats.budget_bytes),
         ("slotserve_prefix_snapshots", "Snapshots held", stats.snapshots),
+    ):
+        yield GaugeMetricFamily(name, doc, value=value)
+    if stats.store is not None:  # only with the disk tier (serve --prefix-store)
+        yield from _store_metrics(stats.store)
+
+
+def _store_metrics(store: PrefixStoreStats) -> Iterator[Any]:
+    """The prefix store's counters and gauges: files refused by reason (never served),
+    writes skipped by reason, restores from disk."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    for name, doc, count in (
+        ("slotserve_prefix_store_hits", "Admissions restored from the disk tier", store.hits),
+        (
+            "slotserve_prefix_store_tokens_restored",
+            "Prompt tokens restored from the disk tier",
+            store.tokens_restored,
+        ),
+        ("slotserve_prefix_store_written", "Snapshot files written", store.written),
+        ("slotserve_prefix_store_evictions", "Files evicted (LRU by bytes)", store.evictions),
+        ("slotserve_prefix_store_covered", "Files deleted, covered by longer ones", store.covered),
+        ("slotserve_prefix_store_torn_removed", "Torn temporary files removed", store.torn_removed),
+    ):
+        yield CounterMetricFamily(name, doc, value=count)
+    refused = CounterMetricFamily(
+        "slotserve_prefix_store_refused",
+        "Stored files refused and never served, by reason",
+        labels=["reason"],
+    )
+    for reason in REFUSAL_REASONS:
+        refused.add_metric([reason], store.refused.get(reason, 0))
+    yield refused
+    skipped = CounterMetricFamily(
+        "slotserve_prefix_store_writes_skipped",
+        "Snapshots not written, by reason",
+        labels=["reason"],
+    )
+    for reason in SKIP_REASONS:
+        skipped.add_metric([reason], store.skipped.get(reason, 0))
+    yield skipped
+    for name, doc, value in (
+        ("slotserve_prefix_store_bytes", "Bytes of the files on disk", store.bytes),
+        ("slotserve_prefix_store_budget_bytes", "Bytes the store may keep", store.budget_bytes),
+        ("slotserve_prefix_store_files", "Snapshot files indexed", store.files),
+        ("slotserve_prefix_store_queued", "Snapshots offered, not yet written", store.queued),
+        (
+            "slotserve_prefix_store_index_seconds",
+            "Seconds the start-up index took",
+            store.index_seconds,
+        ),
     ):
         yield GaugeMetricFamily(name, doc, value=value)

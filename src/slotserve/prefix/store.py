@@ -1,0 +1,793 @@
+"""`PrefixStore`: the prefix cache's disk tier, so conversations survive a restart.
+
+Each snapshot the memory tier publishes is offered to the store (`offer`), which a writer
+thread writes as one file; a step never waits for it: the queue is bounded and an offer
+that finds it full is skipped and counted (``queue_full``). The writer copies the
+snapshot's cells out of the pool while the snapshot lives (a `WriteTicket` the cache
+cancels when it drops the snapshot; a copy that raced the drop is thrown away and counted:
+``superseded`` when a snapshot that extends it took its place and is offered in turn,
+``dropped`` when it was evicted first), then checksums and writes them. Every published
+snapshot is offered, so one the memory tier evicts later is on disk already, or in the
+queue. A lookup that misses in memory but hits on
+disk (`lookup`, then `restore`) reads the file's cells back into the request's own fresh
+reservation, on the admission's path (inside its prefill span), and checks the payload's
+checksum as it reads: a restore that fails any check commits nothing. Files are evicted
+least recently used first (a hit touches its file's mtime, so the order survives a
+restart) to keep the bytes on disk within the budget; a file whose tokens a newer one
+extends, and which serves no restore the newer one does not, is deleted.
+
+A file is an artifact with a contract. It is written to a temporary name, fsynced, renamed
+into place and its directory fsynced, so a crash mid-write leaves no torn file (only a
+temporary one, deleted at the next start). Layout: ``MAGIC``, the header's length (8 bytes,
+little-endian), the header (JSON), the payload (the pool's `PayloadPart` tensors, raw, in
+order). The header holds the schema version, the model fingerprint (`ModelFingerprint`:
+weights digest, weight format, numerics version), the KV layout (`KVPool.kv_identity`:
+layout, dtype, block size, every layer group), the token ids, the retention state (the
+high-water mark of every ring), the payload's parts, size and SHA-256, and the SHA-256 of
+the header itself. At start the store indexes the directory from headers alone, so the
+first request after a restart can hit.
+
+Every file that fails a check is skipped, counted by reason (`REFUSAL_REASONS`) and never
+served: ``schema`` (not a store file, or another schema), ``model`` (other weights or weight
+format), ``numerics`` (other kernels, flags, CPU or torch), ``layout`` (another KV layout,
+dtype, block size or geometry), ``checksum`` (a header or payload that does not match its
+digest: truncated, flipped, appended to), ``retention`` (a retention state this pool cannot
+hold, or, at lookup, a ring that wrapped past the prefix: the memory tier's rule). Damaged
+files (``checksum``) are deleted; files of another model, numerics, layout or schema are
+left for whoever wrote them and do not count against this store's budget.
+
+A directory that cannot be created or written is a `PrefixStoreError` at start (the server
+exits with it), not a store that silently keeps nothing. Writes that fail later (a full
+disk: ``disk_full``; any other ``io_error``) are skipped and counted; nothing crashes.
+
+Threads: the engine calls `offer`, `lookup` and `restore` under its lock; the writer thread
+takes only the store's own lock, and never while it copies, hashes or writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import itertools
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+from slotserve.errors import SlotserveError
+from slotserve.kv.pool import KVPool, PayloadPart
+from slotserve.model import Model
+from slotserve.prefix.fingerprint import ModelFingerprint, fingerprint
+from slotserve.prefix.trie import TokenTrie
+
+log = logging.getLogger("slotserve")
+
+SCHEMA = 1
+MAGIC = b"SLOTKV\r\n"
+SUFFIX = ".kvsnap"
+TMP_PREFIX = ".tmp-"
+_PREAMBLE = len(MAGIC) + 8
+MAX_HEADER_BYTES = 64 << 20
+REFUSAL_REASONS = ("schema", "model", "numerics", "layout", "checksum", "retention")
+SKIP_REASONS = ("queue_full", "too_big", "superseded", "dropped", "disk_full", "io_error")
+DEFAULT_QUEUE = 8
+DEFAULT_FLUSH_S = 30.0
+
+Retains = Callable[[int, int], bool]  # (high_water, upto) -> whether every ring holds it
+Loader = Callable[[Iterable[torch.Tensor]], None]
+_DTYPES = {
+    str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8)
+}
+
+
+class PrefixStoreError(SlotserveError):
+    """The store's directory cannot be used (missing and not creatable, or not writable)."""
+
+
+class _Refused(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        assert reason in REFUSAL_REASONS, reason
+        self.reason, self.detail = reason, detail
+        super().__init__(f"{reason}: {detail}")
+
+
+@dataclass(frozen=True)
+class StoreIdentity:
+    """What this store's files must have been computed with: the model's fingerprint, the
+    pool's KV identity and payload parts (`KVPool.kv_identity`, `KVPool.payload_parts`)."""
+
+    fingerprint: ModelFingerprint
+    kv: dict[str, Any]
+    parts: tuple[PayloadPart, ...]
+
+    def part_specs(self, length: int) -> list[list[Any]]:
+        """``[name, dtype, shape]`` of every payload part of a snapshot of ``length``."""
+        return [[p.name, p.dtype, list(p.shape(length))] for p in self.parts]
+
+    def file_name(self, tokens: Sequence[int]) -> str:
+        """The file of ``tokens``' snapshot: one per token sequence and identity."""
+        digest = hashlib.sha256(_canonical([self.fingerprint.to_json(), self.kv]))
+        digest.update(_canonical(list(tokens)))
+        return digest.hexdigest()[:32] + SUFFIX
+
+
+@dataclass
+class StoreEntry:
+    """One indexed file: ``tokens``' snapshot, written up to ``high_water``; ``nbytes`` the
+    file's size, the payload from byte ``payload_at``."""
+
+    key: int
+    name: str
+    tokens: tuple[int, ...]
+    high_water: int
+    nbytes: int
+    payload_at: int
+    parts: list[list[Any]]
+    payload_sha256: str
+
+
+@dataclass(frozen=True)
+class StoreMatch:
+    """A stored snapshot that can restore the first ``usable`` positions of a prompt."""
+
+    entry: StoreEntry
+    usable: int
+
+
+@dataclass
+class StoreCounters:
+    """Monotone counters of one store (``refused``, ``skipped``: by reason)."""
+
+    indexed: int = 0
+    written: int = 0
+    bytes_written: int = 0
+    hits: int = 0
+    tokens_restored: int = 0
+    evictions: int = 0
+    covered: int = 0
+    torn_removed: int = 0
+    refused: Counter[str] = field(default_factory=Counter)
+    skipped: Counter[str] = field(default_factory=Counter)
+
+
+@dataclass(frozen=True)
+class StoreReport:
+    """A consistent copy of the store's figures (`PrefixStore.report`)."""
+
+    directory: str
+    budget_bytes: int
+    bytes: int
+    files: int
+    index_seconds: float
+    queued: int  # offered, not yet written or skipped (the one being written included)
+    counters: StoreCounters
+
+
+TicketState = Literal["queued", "reading", "read", "cancelled"]
+
+
+class WriteTicket:
+    """One offered snapshot. The cache `cancel`s it when it drops the snapshot (``why``:
+    ``superseded`` by a snapshot that extends it, else ``dropped``: evicted or consumed);
+    the writer trusts a copy only if the ticket was not cancelled before the copy ended."""
+
+    def __init__(self, tokens: tuple[int, ...], high_water: int, read: Callable[[], Any]) -> None:
+        self.tokens, self.high_water, self.read = tokens, high_water, read
+        self.state: TicketState = "queued"
+        self.why = ""
+        self.lock = threading.Lock()
+
+    def cancel(self, why: str = "dropped") -> None:
+        assert why in SKIP_REASONS, why
+        with self.lock:
+            if self.state in ("queued", "reading"):
+                self.state, self.why = "cancelled", why
+
+    def _begin(self) -> bool:
+        with self.lock:
+            if self.state == "cancelled":
+                return False
+            self.state = "reading"
+            return True
+
+    def _end(self) -> bool:
+        with self.lock:
+            if self.state == "cancelled":
+                return False
+            self.state = "read"
+            return True
+
+
+class PrefixStore:
+    """Snapshots on disk in ``directory``, at most ``budget_bytes``. See the module doc.
+    ``retains`` is the pool's retention rule for a snapshot it does not hold
+    (`KVPool.retains_from`); ``writer=False`` starts no thread (tests drive `drain`)."""
+
+    def __init__(
+        self,
+        directory: str | Path,
+        budget_bytes: int,
+        identity: StoreIdentity,
+        retains: Retains,
+        *,
+        queue_size: int = DEFAULT_QUEUE,
+        writer: bool = True,
+    ) -> None:
+        if budget_bytes <= 0:
+            raise ValueError(f"prefix store budget_bytes={budget_bytes} must be > 0")
+        if queue_size < 1:
+            raise ValueError(f"prefix store queue_size={queue_size} must be >= 1")
+        self.directory = Path(directory)
+        self.budget_bytes, self.identity, self.retains = budget_bytes, identity, retains
+        self.stats = StoreCounters()
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[int, StoreEntry] = OrderedDict()  # least recent first
+        self._by_name: dict[str, int] = {}
+        self._trie = TokenTrie()
+        self._bytes = 0
+        self._keys = itertools.count()
+        self._tmp_names = itertools.count()
+        self._queue: queue.Queue[WriteTicket | None] = queue.Queue(queue_size)
+        self._warned: set[str] = set()
+        self._prepare_directory()
+        began = time.perf_counter()
+        self._index()
+        self.index_seconds = time.perf_counter() - began
+        self._thread: threading.Thread | None = None
+        if writer:
+            self._thread = threading.Thread(target=self._run, name="slotserve-store", daemon=True)
+            self._thread.start()
+
+    # -- start -----------------------------------------------------------------------
+
+    def _prepare_directory(self) -> None:
+        where = self.directory
+        check_directory(where)
+        for leftover in where.glob(f"{TMP_PREFIX}*"):
+            # Torn writes of a process that died mid-write: never renamed, never served.
+            try:
+                leftover.unlink()
+                self.stats.torn_removed += 1
+            except OSError:
+                pass
+
+    def _index(self) -> None:
+        """Read every file's header; list the usable ones, least recently used first."""
+        found: list[tuple[float, StoreEntry]] = []
+        foreign = [0, 0]
+        for path in self.directory.glob(f"*{SUFFIX}"):
+            try:
+                entry = self._read_header(path)
+            except _Refused as refusal:
+                self.stats.refused[refusal.reason] += 1
+                if refusal.reason == "checksum":
+                    _unlink(path)
+                else:
+                    foreign[0] += 1
+                    foreign[1] += _size(path)
+                log.info("prefix store: %s skipped (%s)", path.name, refusal)
+                continue
+            except OSError as exc:
+                log.warning("prefix store: %s unreadable (%s); skipped", path.name, exc)
+                continue
+            found.append((_mtime(path), entry))
+        for _mtime_s, entry in sorted(found, key=lambda item: item[0]):
+            self._insert(entry)
+        self.stats.indexed = len(self._entries)
+        while self._bytes > self.budget_bytes and self._entries:  # a smaller budget now
+            _unlink(self.directory / self._evict_oldest().name)
+        if foreign[0]:
+            log.warning(
+                "prefix store %s: %d files (%.1f MiB) are not for this model, numerics, KV "
+                "layout or schema: never served, left in place",
+                self.directory, foreign[0], foreign[1] / 2**20,
+            )  # fmt: skip
+
+    def _read_header(self, path: Path) -> StoreEntry:
+        size = path.stat().st_size
+        with path.open("rb") as handle:
+            head = handle.read(_PREAMBLE)
+            if len(head) < _PREAMBLE or head[: len(MAGIC)] != MAGIC:
+                if len(head) < _PREAMBLE and MAGIC.startswith(head[: len(MAGIC)]):
+                    raise _Refused("checksum", "truncated inside its preamble")
+                raise _Refused("schema", "not a slotserve prefix-store file")
+            length = int.from_bytes(head[len(MAGIC) :], "little")
+            if length > min(MAX_HEADER_BYTES, size - _PREAMBLE):
+                raise _Refused("checksum", f"a header of {length} bytes in a {size}-byte file")
+            raw = handle.read(length)
+        try:
+            header = json.loads(raw)
+            schema = header["schema"] if isinstance(header, dict) else None
+        except (ValueError, KeyError):
+            raise _Refused("checksum", "the header is not readable JSON") from None
+        if schema != SCHEMA:
+            raise _Refused("schema", f"schema {schema!r}, this runtime reads {SCHEMA}")
+        return self._check_header(header, path.name, size, _PREAMBLE + length)
+
+    def _check_header(
+        self, header: dict[str, Any], name: str, size: int, payload_at: int
+    ) -> StoreEntry:
+        claimed = header.pop("header_sha256", None)
+        if claimed != hashlib.sha256(_canonical(header)).hexdigest():
+            raise _Refused("checksum", "the header does not match its SHA-256")
+        ours, theirs = self.identity.fingerprint, header.get("fingerprint", {})
+        for key in ("model_sha256", "weight_format"):
+            if theirs.get(key) != getattr(ours, key):
+                found, wanted = theirs.get(key), getattr(ours, key)
+                raise _Refused("model", f"{key} {found!r}, this model's {wanted!r}")
+        if theirs.get("numerics") != ours.numerics:
+            found = theirs.get("numerics")
+            raise _Refused("numerics", f"numerics {found!r}, this runtime's {ours.numerics!r}")
+        if header.get("kv") != self.identity.kv:
+            raise _Refused("layout", f"KV {header.get('kv')}, this pool's {self.identity.kv}")
+        tokens, retention = header.get("tokens"), header.get("retention", {})
+        if not isinstance(tokens, list) or not tokens:
+            raise _Refused("checksum", "no token ids")
+        high_water = retention.get("high_water")
+        rings = [g for g in self.identity.kv["groups"] if g["kind"] == "ring"]
+        expected_rings = [{**g, "high_water": high_water} for g in rings]
+        if (
+            not isinstance(high_water, int)
+            or high_water < len(tokens)
+            or retention.get("rings") != expected_rings
+        ):
+            raise _Refused("retention", f"retention state {retention} for {len(tokens)} tokens")
+        payload = header.get("payload", {})
+        if payload.get("parts") != self.identity.part_specs(len(tokens)):
+            raise _Refused("layout", "payload parts differ from this pool's")
+        if size != payload_at + payload.get("nbytes", -1):
+            claims = f"{payload_at} + {payload.get('nbytes')}"
+            raise _Refused("checksum", f"{size} bytes, the header says {claims}")
+        return StoreEntry(
+            next(self._keys), name, tuple(tokens), high_water, size, payload_at,
+            payload["parts"], payload["sha256"],
+        )  # fmt: skip
+
+    # -- reads -----------------------------------------------------------------------
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the indexed files."""
+        with self._lock:
+            return self._bytes
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def entries(self) -> list[StoreEntry]:
+        """The indexed files, least recently used first (a copy)."""
+        with self._lock:
+            return list(self._entries.values())
+
+    def report(self) -> StoreReport:
+        with self._lock:
+            stats = self.stats
+            counters = replace(
+                stats, refused=Counter(stats.refused), skipped=Counter(stats.skipped)
+            )
+            return StoreReport(
+                str(self.directory), self.budget_bytes, self._bytes, len(self._entries),
+                self.index_seconds, self._queue.unfinished_tasks, counters,
+            )  # fmt: skip
+
+    def lookup(self, tokens: Sequence[int], better_than: int = 0) -> StoreMatch | None:
+        """The most recently used stored snapshot sharing the most leading ``tokens``
+        (more than ``better_than``, at most ``len(tokens) - 1``) that every ring still
+        holds; None otherwise (a token-equal one the retention rule refuses counts
+        ``retention``)."""
+        with self._lock:
+            depth, keys = self._trie.longest(tokens)
+            usable = min(depth, len(tokens) - 1)
+            if usable <= better_than:
+                return None
+            for key in [k for k in reversed(self._entries) if k in keys]:
+                entry = self._entries[key]
+                if self.retains(entry.high_water, usable):
+                    return StoreMatch(entry, usable)
+            self.stats.refused["retention"] += 1
+            return None
+
+    def restore(self, match: StoreMatch, load: Loader) -> bool:
+        """Read ``match``'s payload, checking its SHA-256 as it goes, into ``load``
+        (`KVPool.load_payload`, which commits only once every part was read and checked).
+        True when restored; False when the file is gone (evicted meanwhile) or fails its
+        checksum (counted, deleted), ``load`` having committed nothing."""
+        entry = match.entry
+        path = self.directory / entry.name
+        try:
+            handle = path.open("rb")
+        except OSError:
+            self._forget(entry)
+            return False
+        try:
+            with handle:
+                handle.seek(entry.payload_at)
+                load(_parts(handle, entry))
+        except _Refused as refusal:
+            log.warning("prefix store: %s refused (%s); computed instead", entry.name, refusal)
+            with self._lock:
+                self.stats.refused[refusal.reason] += 1
+            self._forget(entry)
+            _unlink(path)
+            return False
+        with self._lock:
+            if entry.key in self._entries:
+                self._entries.move_to_end(entry.key)
+            self.stats.hits += 1
+            self.stats.tokens_restored += match.usable
+        _touch(path)
+        return True
+
+    # -- writes ----------------------------------------------------------------------
+
+    def holds(self, tokens: Sequence[int]) -> bool:
+        """Whether a file of exactly ``tokens`` is indexed (marks it used)."""
+        name = self.identity.file_name(tokens)
+        with self._lock:
+            key = self._by_name.get(name)
+            if key is None:
+                return False
+            self._entries.move_to_end(key)
+        return True
+
+    def offer(
+        self, tokens: Sequence[int], high_water: int, read: Callable[[], list[torch.Tensor]]
+    ) -> WriteTicket | None:
+        """Queue ``tokens``' snapshot (written up to ``high_water``; ``read`` copies its
+        payload) for the writer; None, counted ``queue_full``, when the queue is full.
+        Never waits."""
+        ticket = WriteTicket(tuple(tokens), high_water, read)
+        try:
+            self._queue.put_nowait(ticket)
+        except queue.Full:
+            with self._lock:
+                self.stats.skipped["queue_full"] += 1
+            return None
+        return ticket
+
+    def flush(self, timeout: float = DEFAULT_FLUSH_S) -> bool:
+        """Wait until every queued snapshot is written or skipped; False on timeout. Without
+        a writer thread, write them here."""
+        if self._thread is None:
+            self.drain()
+            return True
+        deadline = time.monotonic() + timeout
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                return False
+            time.sleep(0.002)
+        return True
+
+    def drain(self) -> None:
+        """Write every queued snapshot on this thread (a store without a writer)."""
+        while True:
+            try:
+                ticket = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                if ticket is not None:
+                    self._write(ticket)
+            finally:
+                self._queue.task_done()
+
+    def close(self, timeout: float = DEFAULT_FLUSH_S) -> None:
+        """Write what is queued (within ``timeout``), then stop the writer."""
+        if self._thread is None:
+            self.drain()
+            return
+        self.flush(timeout)
+        with contextlib.suppress(queue.Full):
+            self._queue.put(None, timeout=1.0)
+        self._thread.join(timeout=1.0)
+
+    def _run(self) -> None:
+        _lower_priority()
+        while True:
+            ticket = self._queue.get()
+            try:
+                if ticket is None:
+                    return
+                self._write(ticket)
+            except Exception:  # a bug in a write must not stop the writer
+                log.exception("prefix store: writing a snapshot failed")
+            finally:
+                self._queue.task_done()
+
+    def _skip(self, reason: str, detail: str = "") -> None:
+        with self._lock:
+            self.stats.skipped[reason] += 1
+        if detail and reason not in self._warned:
+            self._warned.add(reason)
+            where = self.directory
+            log.warning("prefix store %s: snapshot not written (%s): %s", where, reason, detail)
+
+    def _write(self, ticket: WriteTicket) -> None:
+        if not ticket._begin():
+            self._skip(ticket.why)
+            return
+        tensors = ticket.read()
+        if not ticket._end():  # dropped while copying: its blocks may have been reused
+            self._skip(ticket.why)
+            return
+        arrays = [_bytes_of(t) for t in tensors]
+        tokens = ticket.tokens
+        expected = self.identity.part_specs(len(tokens))
+        actual = [
+            [p[0], str(t.dtype), list(t.shape)] for p, t in zip(expected, tensors, strict=True)
+        ]
+        assert actual == expected, f"payload {actual} != {expected}"
+        payload = hashlib.sha256()
+        for array in arrays:
+            payload.update(array)
+        nbytes = sum(len(a) for a in arrays)
+        header = self._header(tokens, ticket.high_water, expected, nbytes, payload.hexdigest())
+        size = _PREAMBLE + len(header) + nbytes
+        name = self.identity.file_name(tokens)
+        if size > self.budget_bytes:
+            self._skip("too_big")
+            return
+        for victim in self._make_room(size, name):
+            _unlink(self.directory / victim)
+        final = self.directory / name
+        temporary = self.directory / f"{TMP_PREFIX}{name}-{os.getpid()}-{next(self._tmp_names)}"
+        try:
+            _write_file(temporary, [MAGIC, len(header).to_bytes(8, "little"), header, *arrays])
+            os.replace(temporary, final)
+            _fsync_directory(self.directory)
+        except OSError as exc:
+            _unlink(temporary)
+            reason = "disk_full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "io_error"
+            self._skip(reason, str(exc))
+            return
+        entry = StoreEntry(
+            next(self._keys), name, tokens, ticket.high_water, size,
+            _PREAMBLE + len(header), expected, payload.hexdigest(),
+        )  # fmt: skip
+        with self._lock:
+            if (same := self._by_name.get(name)) is not None:
+                self._remove(self._entries[same])  # its file was just replaced
+            self._insert(entry)
+            covered = self._covered_by(entry)
+            for old in covered:
+                self._remove(old)
+            self.stats.written += 1
+            self.stats.bytes_written += size
+            self.stats.covered += len(covered)
+        for old in covered:
+            _unlink(self.directory / old.name)
+
+    def _header(
+        self, tokens: Sequence[int], high_water: int, parts: list[list[Any]], nbytes: int,
+        sha256: str,
+    ) -> bytes:  # fmt: skip
+        rings = [g for g in self.identity.kv["groups"] if g["kind"] == "ring"]
+        header: dict[str, Any] = {
+            "schema": SCHEMA,
+            "fingerprint": self.identity.fingerprint.to_json(),
+            "kv": self.identity.kv,
+            "tokens": list(tokens),
+            "retention": {
+                "high_water": high_water,
+                "rings": [{**g, "high_water": high_water} for g in rings],
+            },
+            "payload": {"parts": parts, "nbytes": nbytes, "sha256": sha256},
+            "written_unix": round(time.time(), 3),
+        }
+        header["header_sha256"] = hashlib.sha256(_canonical(header)).hexdigest()
+        return json.dumps(header, separators=(",", ":")).encode()
+
+    def _make_room(self, size: int, name: str) -> list[str]:
+        """Unlist least recently used files until a file of ``size`` bytes named ``name``
+        fits the budget (one of that name now, which it replaces, is not counted and not
+        evicted); the names of the files to delete."""
+        victims = []
+        with self._lock:
+            same = self._by_name.get(name)
+            replaced = self._entries[same].nbytes if same is not None else 0
+            while self._bytes - replaced + size > self.budget_bytes:
+                oldest = next((k for k in self._entries if k != same), None)
+                if oldest is None:
+                    break
+                self._entries.move_to_end(oldest, last=False)
+                victims.append(self._evict_oldest().name)
+        return victims
+
+    def _covered_by(self, entry: StoreEntry) -> list[StoreEntry]:
+        """Listed files whose tokens ``entry``'s extend and whose every restore it serves
+        too (with rings, only where its own rings still hold what theirs did)."""
+        n = len(entry.tokens)
+        covered = []
+        for other in self._entries.values():
+            m = len(other.tokens)
+            if other is entry or m > n or entry.tokens[:m] != other.tokens:
+                continue
+            if all(
+                self.retains(entry.high_water, upto) or not self.retains(other.high_water, upto)
+                for upto in range(1, m + 1)
+            ):
+                covered.append(other)
+        return covered
+
+    # -- index (under the lock) ------------------------------------------------------
+
+    def _insert(self, entry: StoreEntry) -> None:
+        self._entries[entry.key] = entry
+        self._by_name[entry.name] = entry.key
+        self._trie.insert(entry.key, entry.tokens)
+        self._bytes += entry.nbytes
+
+    def _remove(self, entry: StoreEntry) -> None:
+        del self._entries[entry.key]
+        del self._by_name[entry.name]
+        self._trie.remove(entry.key, entry.tokens)
+        self._bytes -= entry.nbytes
+
+    def _evict_oldest(self) -> StoreEntry:
+        entry = next(iter(self._entries.values()))
+        self._remove(entry)
+        self.stats.evictions += 1
+        return entry
+
+    def _forget(self, entry: StoreEntry) -> None:
+        with self._lock:
+            if self._entries.get(entry.key) is entry:
+                self._remove(entry)
+
+    # -- checks ----------------------------------------------------------------------
+
+    def check_integrity(self, *, idle: bool = True) -> None:
+        """The index is exactly the files on disk it names, with their sizes, within the
+        budget; the trie and the name map match it; with ``idle`` (nothing queued or being
+        written), no temporary file is left."""
+        with self._lock:
+            entries = dict(self._entries)
+            assert self._bytes == sum(e.nbytes for e in entries.values()), "bytes drifted"
+            assert self._bytes <= self.budget_bytes, "over the disk budget"
+            assert self._by_name == {e.name: k for k, e in entries.items()}, "names drifted"
+            assert all(e.key == k for k, e in entries.items()), "keys drifted"
+            self._trie.check_integrity({k: e.tokens for k, e in entries.items()})
+        on_disk = {p.name: p.stat().st_size for p in self.directory.glob(f"*{SUFFIX}")}
+        for entry in entries.values():
+            assert on_disk.get(entry.name) == entry.nbytes, f"{entry.name} missing or resized"
+        if idle:
+            assert not self._queue.unfinished_tasks, "writes still queued"
+            assert not list(self.directory.glob(f"{TMP_PREFIX}*")), "a temporary file is left"
+
+
+def check_directory(directory: str | Path) -> None:
+    """Create ``directory`` if need be and check that a file can be written, synced and
+    removed there; `PrefixStoreError` naming it otherwise (the CLI checks before loading
+    the model, the store again when it opens)."""
+    where = Path(directory)
+    try:
+        where.mkdir(parents=True, exist_ok=True)
+        probe = where / f"{TMP_PREFIX}probe-{os.getpid()}"
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, b"slotserve")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        probe.unlink()
+    except OSError as exc:
+        raise PrefixStoreError(
+            f"prefix store {str(where)!r} is not a directory this process can write "
+            f"({exc.strerror or exc}); pass a writable directory to --prefix-store "
+            "(prefix_store=...), or leave it off"
+        ) from None
+
+
+def _parts(handle: Any, entry: StoreEntry) -> Iterator[torch.Tensor]:
+    """The payload's tensors, read in order; raises `_Refused` ("checksum") once the last
+    is read if the payload is short, longer or does not match its SHA-256."""
+    digest = hashlib.sha256()
+    for name, dtype, shape in entry.parts:
+        kind = _DTYPES[dtype]
+        count = 1
+        for dim in shape:
+            count *= dim
+        buffer = bytearray(count * torch.empty((), dtype=kind).element_size())
+        if handle.readinto(buffer) != len(buffer):
+            raise _Refused("checksum", f"truncated in part {name}")
+        digest.update(buffer)
+        yield torch.frombuffer(buffer, dtype=kind).view(shape)
+    if handle.read(1):
+        raise _Refused("checksum", "bytes past the payload")
+    if digest.hexdigest() != entry.payload_sha256:
+        raise _Refused("checksum", "the payload does not match its SHA-256")
+
+
+def _canonical(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().data.cast("B")
+
+
+def _write_file(path: Path, chunks: Iterable[bytes | memoryview]) -> None:
+    """``chunks`` into a new file at ``path``, fsynced before it is closed."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with os.fdopen(fd, "wb") as handle:
+        for chunk in chunks:
+            handle.write(chunk)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _lower_priority() -> None:
+    """Give the writer thread (only it: Linux nices threads one by one) a lower CPU
+    priority than the engine's, so a write yields the cores to a step."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
+def _touch(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        os.utime(path)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def open_store(
+    directory: str | Path,
+    budget_bytes: int,
+    model: Model,
+    pool: KVPool,
+    *,
+    attention_kernel: bool,
+    writer: bool = True,
+) -> PrefixStore:
+    """The store in ``directory`` for ``model`` served over ``pool`` (with the attention
+    kernel on or off), indexed, its figures logged; `PrefixStoreError` if the directory
+    cannot be written."""
+    identity = StoreIdentity(
+        fingerprint(model, attention_kernel), pool.kv_identity(), tuple(pool.payload_parts())
+    )
+    store = PrefixStore(directory, budget_bytes, identity, pool.retains_from, writer=writer)
+    report = store.report()
+    refused = dict(report.counters.refused)
+    log.info(
+        "prefix store %s: %d snapshots, %.1f of %.1f MiB, indexed in %.1f ms%s",
+        report.directory, report.files, report.bytes / 2**20, report.budget_bytes / 2**20,
+        report.index_seconds * 1e3, f"; skipped {refused}" if refused else "",
+    )  # fmt: skip
+    return store

@@ -1,0 +1,130 @@
+"""The prefix cache with its disk tier under random conversations, writes, evictions,
+restarts (queued writes lost, as in a kill) and damaged files (hypothesis state machine),
+on a full-attention pool and on one with a sliding-window ring, fp32 and int8: after every
+step the store's index is exactly its files, within the byte budget, and the cache and
+pool invariants hold; every restore, from memory or disk, attends bit for bit as the
+prompt computed whole (`kvfill.prefill` checks it), so nothing damaged or stale is served;
+every damaged file found is refused and counted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from slotserve.info import ModelInfo
+from slotserve.prefix import PrefixCache, PrefixStore
+from slotserve.prefix.store import SUFFIX
+from tests.prefix.kvfill import FULL, WINDOWED, make_cache, prefill
+
+SYSTEMS = [list(range(3, 3 + n)) for n in (3, 9, 14)]
+TAIL = st.lists(st.integers(20, 26), min_size=0, max_size=5)
+FILE_BYTES = 5_000  # about one 20-position fp32 file of these pools: room for a few
+
+
+class StoreMachine(RuleBasedStateMachine):
+    info: ModelInfo
+    dtype: str
+    root: Path
+    seen: dict[str, int]  # over every example: restores from disk, files refused
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.directory = Path(self.root) / f"run-{id(self)}"
+        self.budget = 4 * FILE_BYTES
+        self.cache = self._open()
+        self.sessions = 0
+
+    def _open(self) -> PrefixCache:
+        return make_cache(self.directory, self.info, self.dtype, budget=self.budget)
+
+    @property
+    def store(self) -> PrefixStore:
+        assert self.cache.store is not None
+        return self.cache.store
+
+    @rule(system=st.integers(0, len(SYSTEMS) - 1), tail=TAIL, keep=st.booleans())
+    def converse(self, system: int, tail: list[int], keep: bool) -> None:
+        tokens = SYSTEMS[system] + tail
+        session, self.sessions = self.sessions, self.sessions + 1
+        before = self.store.report().counters
+        prefill(self.cache, session, tokens, keep=keep)  # checks any restore bit for bit
+        after = self.store.report().counters
+        self.seen["disk hits"] += after.hits - before.hits
+        if not keep:
+            self.cache.pool.release(session)
+
+    @rule()
+    def write_queued(self) -> None:
+        self.store.drain()
+
+    @rule()
+    def evict_from_memory(self) -> None:
+        self.cache.evict_one()
+
+    @rule(drain=st.booleans())
+    def restart(self, drain: bool) -> None:
+        if drain:
+            self.store.drain()  # a clean shutdown; without it, queued writes are lost
+        self.cache = self._open()
+
+    @precondition(lambda self: any(self.directory.glob(f"*{SUFFIX}")))
+    @rule(pick=st.integers(0, 50), how=st.sampled_from(["payload", "truncate", "header"]))
+    def damage_then_restart(self, pick: int, how: str) -> None:
+        """Damage one file, restart, and ask for its tokens: a damaged header or length is
+        refused at start, a damaged payload when it is read; each counted once."""
+        self.store.drain()
+        entries = self.store.entries()
+        if not entries:
+            return
+        entry = entries[pick % len(entries)]
+        path = self.directory / entry.name
+        raw = bytearray(path.read_bytes())
+        if how == "payload":
+            raw[-1 - pick % 16] ^= 0x10
+        elif how == "truncate":
+            del raw[-1 - pick % 16 :]
+        else:
+            at = raw.index(b'"tokens":[') + len(b'"tokens":[')
+            raw[at] = ord("9") if raw[at] != ord("9") else ord("8")
+        path.write_bytes(bytes(raw))
+        self.cache = self._open()
+        refused = sum(self.store.report().counters.refused.values())
+        assert refused == (how != "payload"), self.store.report().counters.refused
+        session, self.sessions = self.sessions, self.sessions + 1
+        prefill(self.cache, session, [*entry.tokens, 30])  # served only if sound
+        self.cache.pool.release(session)
+        self.seen["refused"] += sum(self.store.report().counters.refused.values())
+
+    @rule(budget=st.sampled_from([FILE_BYTES, 2 * FILE_BYTES, 4 * FILE_BYTES]))
+    def restart_with_another_budget(self, budget: int) -> None:
+        self.store.drain()
+        self.budget = budget
+        self.cache = self._open()
+
+    @invariant()
+    def integrity(self) -> None:
+        store = self.store
+        store.check_integrity(idle=not store.report().queued)
+        self.cache.check_integrity()
+        self.cache.pool.check_integrity()
+        assert store.nbytes <= store.budget_bytes
+        assert self.cache.pins == 0
+        refused = store.report().counters.refused
+        assert set(refused) <= {"checksum", "retention"}, refused  # the same model throughout
+
+
+CASES = [(FULL, "fp32"), (WINDOWED, "fp32"), (FULL, "int8")]
+
+
+@pytest.mark.parametrize(("info", "dtype"), CASES, ids=["full", "window", "int8"])
+def test_prefix_store_state_machine(info: ModelInfo, dtype: str, tmp_path: Path) -> None:
+    StoreMachine.info, StoreMachine.dtype, StoreMachine.root = info, dtype, tmp_path
+    StoreMachine.seen = {"disk hits": 0, "refused": 0}
+    machine = StoreMachine.TestCase
+    machine.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
+    machine().runTest()
+    assert all(StoreMachine.seen.values()), StoreMachine.seen  # the machine reached both
