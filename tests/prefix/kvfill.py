@@ -28,11 +28,17 @@ FINGERPRINT = ModelFingerprint("a" * 64, "block:Q8_0", "numerics-1")
 
 
 def make_pool(
-    info: ModelInfo = FULL, dtype: str = "fp32", num_blocks: int = 48, max_seqs: int = 3
+    info: ModelInfo = FULL,
+    dtype: str = "fp32",
+    num_blocks: int = 48,
+    max_seqs: int = 3,
+    layout: str = "cell",
 ) -> KVPool:
+    """A pool of ``layout`` (the ring layout: a window of 8 and 2 sinks)."""
     config = KVConfig(
-        layout="cell", max_seqs=max_seqs, max_context=48, block_size=BS, num_blocks=num_blocks,
-        dtype=dtype,
+        layout=layout, max_seqs=max_seqs, max_context=48, block_size=BS,
+        num_blocks=num_blocks if layout == "cell" else None, dtype=dtype, ring_window=8,
+        sinks=2,
     )  # fmt: skip
     return KVPool(info, config, attention=build_kernels().attention)
 
@@ -51,9 +57,10 @@ def make_cache(
     info: ModelInfo = FULL,
     dtype: str = "fp32",
     budget: int = 1 << 20,
+    layout: str = "cell",
     **options: Any,
 ) -> PrefixCache:
-    pool = make_pool(info, dtype)
+    pool = make_pool(info, dtype, layout=layout)
     return PrefixCache(pool, 1 << 20, make_store(directory, pool, budget, **options))
 
 
@@ -97,7 +104,7 @@ def prefill(
 def reference(like: KVPool, tokens: list[int]) -> list[torch.Tensor]:
     """Each layer's attention of ``tokens`` computed whole, in a pool of its own shaped
     like ``like``."""
-    pool = make_pool(like.info, like.config.dtype, max_seqs=1)
+    pool = make_pool(like.info, like.config.dtype, max_seqs=1, layout=like.config.layout)
     pool.reserve(0, len(tokens))
     return step(pool, 0, tokens, 0)
 

@@ -15,9 +15,11 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from slotserve.info import ModelInfo
 from slotserve.prefix import PrefixCache, PrefixStore, PrefixStoreError, StoreIdentity
 from slotserve.prefix import store as store_module
 from slotserve.prefix.store import MAGIC, SUFFIX
@@ -45,9 +47,11 @@ def written(cache: PrefixCache) -> PrefixStore:
     return store
 
 
-def restart(directory: Path, info=FULL, dtype: str = "fp32", **options: object) -> PrefixCache:  # type: ignore[no-untyped-def]
+def restart(
+    directory: Path, info: ModelInfo = FULL, dtype: str = "fp32", **options: Any
+) -> PrefixCache:
     """A new pool, cache and store over ``directory``: what a new process finds."""
-    return make_cache(directory, info, dtype, **options)  # type: ignore[arg-type]
+    return make_cache(directory, info, dtype, **options)
 
 
 def only_file(directory: Path) -> Path:
@@ -55,12 +59,17 @@ def only_file(directory: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "fp16", "bf16", "int8"])
-def test_a_restart_restores_what_was_written_bit_for_bit(tmp_path: Path, dtype: str) -> None:
-    cache = make_cache(tmp_path, dtype=dtype)
+@pytest.mark.parametrize(
+    ("layout", "dtype"),
+    [("cell", "fp32"), ("cell", "fp16"), ("cell", "bf16"), ("cell", "int8"), ("flat", "fp32")],
+)
+def test_a_restart_restores_what_was_written_bit_for_bit(
+    tmp_path: Path, layout: str, dtype: str
+) -> None:
+    cache = make_cache(tmp_path, dtype=dtype, layout=layout)
     assert prefill(cache, 0, [*SYSTEM, 7, 8]) == 0
     assert written(cache).report().counters.written == 1
-    fresh = restart(tmp_path, dtype=dtype)
+    fresh = restart(tmp_path, dtype=dtype, layout=layout)
     assert len(fresh) == 0 and fresh.store is not None and len(fresh.store) == 1
     # prefill checks the rows computed after the restore against a whole computation
     assert prefill(fresh, 0, [*SYSTEM, 7, 9, 9]) == 12
@@ -69,6 +78,16 @@ def test_a_restart_restores_what_was_written_bit_for_bit(tmp_path: Path, dtype: 
     assert (counters.hits, counters.tokens_restored) == (1, 12)
     assert fresh.stats.hits == 2 and fresh.stats.tokens_restored == 25
     written(fresh)
+
+
+def test_the_ring_layout_restores_a_conversation_past_its_window(tmp_path: Path) -> None:
+    cache = make_cache(tmp_path, layout="ring")  # a window of 8 and 2 sinks, every layer
+    conversation = [*SYSTEM, 20, 21, 22, 23]  # 15 positions: wrapped
+    prefill(cache, 0, conversation)
+    written(cache)
+    fresh = restart(tmp_path, layout="ring")
+    assert prefill(fresh, 0, [*conversation, 24, 25]) == 15
+    assert prefill(restart(tmp_path, layout="ring"), 0, [*SYSTEM[:6], 40]) == 0  # refused
 
 
 def test_a_sliding_window_ring_is_restored_and_its_retention_rule_holds(tmp_path: Path) -> None:

@@ -1,6 +1,6 @@
 """The prefix cache with its disk tier under random conversations, writes, evictions,
 restarts (queued writes lost, as in a kill) and damaged files (hypothesis state machine),
-on a full-attention pool and on one with a sliding-window ring, fp32 and int8: after every
+on cell pools (full attention, a sliding-window ring, int8), a flat and a ring pool: after every
 step the store's index is exactly its files, within the byte budget, and the cache and
 pool invariants hold; every restore, from memory or disk, attends bit for bit as the
 prompt computed whole (`kvfill.prefill` checks it), so nothing damaged or stale is served;
@@ -28,6 +28,7 @@ FILE_BYTES = 5_000  # about one 20-position fp32 file of these pools: room for a
 class StoreMachine(RuleBasedStateMachine):
     info: ModelInfo
     dtype: str
+    layout: str
     root: Path
     seen: dict[str, int]  # over every example: restores from disk, files refused
 
@@ -39,7 +40,9 @@ class StoreMachine(RuleBasedStateMachine):
         self.sessions = 0
 
     def _open(self) -> PrefixCache:
-        return make_cache(self.directory, self.info, self.dtype, budget=self.budget)
+        return make_cache(
+            self.directory, self.info, self.dtype, budget=self.budget, layout=self.layout
+        )
 
     @property
     def store(self) -> PrefixStore:
@@ -117,12 +120,19 @@ class StoreMachine(RuleBasedStateMachine):
         assert set(refused) <= {"checksum", "retention"}, refused  # the same model throughout
 
 
-CASES = [(FULL, "fp32"), (WINDOWED, "fp32"), (FULL, "int8")]
+CASES = {
+    "cell": (FULL, "fp32", "cell"),
+    "window": (WINDOWED, "fp32", "cell"),
+    "int8": (FULL, "int8", "cell"),
+    "flat": (FULL, "fp32", "flat"),
+    "ring": (FULL, "fp32", "ring"),
+}
 
 
-@pytest.mark.parametrize(("info", "dtype"), CASES, ids=["full", "window", "int8"])
-def test_prefix_store_state_machine(info: ModelInfo, dtype: str, tmp_path: Path) -> None:
-    StoreMachine.info, StoreMachine.dtype, StoreMachine.root = info, dtype, tmp_path
+@pytest.mark.parametrize("case", CASES)
+def test_prefix_store_state_machine(case: str, tmp_path: Path) -> None:
+    StoreMachine.info, StoreMachine.dtype, StoreMachine.layout = CASES[case]
+    StoreMachine.root = tmp_path
     StoreMachine.seen = {"disk hits": 0, "refused": 0}
     machine = StoreMachine.TestCase
     machine.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
