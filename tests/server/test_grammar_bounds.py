@@ -138,7 +138,7 @@ def test_cancel_kills_the_compile_and_close_waits_for_none(
     wait_running(running)
     start = time.monotonic()
     compiler.close()
-    assert time.monotonic() - start < 1.0  # close never waits for a compile
+    assert time.monotonic() - start < 2.0  # close never waits for the (120 s) compile
     with pytest.raises(GrammarCancelled):
         running.future.result(timeout=2)
 
@@ -449,7 +449,7 @@ def test_hostile_schemas_leave_health_and_chat_and_sigterm_exits_at_once(
         time.sleep(1.0)
         start = time.monotonic()
         assert httpx.get(process.url + "/health", timeout=2).status_code == 200
-        assert time.monotonic() - start < 0.5
+        assert time.monotonic() - start < 1.5  # the event loop is not held (loaded CI: slack)
         plain = httpx.post(url, json=chat(process), timeout=10)
         assert plain.status_code == 200 and plain.json()["choices"][0]["finish_reason"]
         assert len(server_workers(process.process.pid)) == 1  # one compile at a time

@@ -6,13 +6,20 @@ Free and constrained batches run back to back in one engine, so a drift in machi
 falls on both sides of each ratio; the ratios are medians over repeats. Both use the
 server's default sampling, so the difference is the grammar: its mask per row and the
 private copy of the logits the mask is written into.
+
+Then what a compile costs everyone else (issue 30): an interactive request's inter-token
+latency alone, and while a slow schema compiles in the compiler's bounded pool (a worker
+process at the lowest CPU priority, `GrammarCompiler.submit`), and while it compiles the
+old way (a thread of the serving process at normal priority, as ``asyncio.to_thread`` did).
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 import statistics
+import threading
 import time
 from typing import Any
 
@@ -21,7 +28,8 @@ from rich.progress import Progress
 from slotserve.bench.stats import summary
 from slotserve.engine import Engine, EngineConfig, Finished
 from slotserve.model import Model
-from slotserve.sampling import Grammar, GrammarCompiler, SamplingParams
+from slotserve.sampling import Grammar, GrammarCompiler, GrammarError, SamplingParams
+from slotserve.sampling.grammar import GrammarConfig
 
 BATCHES = (1, 8)
 DECODE_TOKENS = 32
@@ -42,6 +50,16 @@ SCHEMA: dict[str, Any] = {
         "additionalProperties": False,
     },
 }
+# An interactive request decoding while a compile runs: greedy, this many tokens.
+ITL_TOKENS = 48
+# The slow schema: an allOf of patterns (the issue's probe), exponential in their count.
+# In the pool it never ends (cancelled once the request is done); the old way, in a thread
+# that cannot be stopped, it takes seconds (it must outlast the request: see ``overlap``).
+POOL_PATTERNS = 40
+THREAD_PATTERNS = 19
+SLOW_CONFIG = GrammarConfig(timeout_s=120.0, max_bytes=2**32, cache_bytes=2**32)
+# The issue's target: ITL while a compile runs within this factor of ITL alone.
+ITL_TARGET_RATIO = 1.15
 # The server's defaults when neither the request nor generation_config.json says otherwise.
 SAMPLING: dict[str, Any] = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05}
 
@@ -109,6 +127,85 @@ def _compile(model: Model) -> tuple[Grammar, float, float]:
     return grammar, first, again
 
 
+def slow_schema(variant: int, count: int) -> dict[str, Any]:
+    """A schema of ``count`` patterns, slow to compile, distinct per ``variant``."""
+    patterns = [{"pattern": f"[a-z]{{{i},}}"} for i in range(1, count + 1)]
+    return {"type": "string", "allOf": patterns, "description": f"variant {variant}"}
+
+
+def _interactive_itl(engine: Engine, model: Model, seed: int) -> float:
+    """Median ms between the tokens of one greedy request decoding alone in the engine."""
+    params = SamplingParams(temperature=0, max_new_tokens=ITL_TOKENS, ignore_eos=True)
+    final = engine.submit(_prompt(model, seed), params).result()
+    gaps = [b - a for a, b in itertools.pairwise(final.timings.token_times)]
+    return statistics.median(gaps) * 1000
+
+
+def _compile_in_thread(compiler: GrammarCompiler, schema: dict[str, Any]) -> threading.Thread:
+    """The old way: compile in a thread of this process at normal priority."""
+
+    def compile_it() -> None:
+        with contextlib.suppress(GrammarError):  # it ends refused: its cost is measured
+            compiler.json_schema(schema)
+
+    thread = threading.Thread(target=compile_it, daemon=True)
+    thread.start()
+    return thread
+
+
+def run_itl_while_compiling(model: Model, repeats: int = 3) -> dict[str, Any]:
+    """An interactive request's ITL alone, while `slow_schema` compiles in the bounded
+    pool, and while it compiles the old way; ratios to alone per repeat (each triple run
+    back to back), median (min-max). ``overlap``: the share of repeats whose compile was
+    still running when the request ended (a ratio only means something when it was)."""
+    config = EngineConfig(
+        max_seqs=2, max_context=min(256, model.info.max_context), kv_layout="cell"
+    )
+    engine = Engine(model, config)
+    compiler = GrammarCompiler(model.tokenizer, model.info.vocab_size, SLOW_CONFIG)
+    alone: list[float] = []
+    pooled: list[float] = []
+    threaded: list[float] = []
+    overlap = {"pool": 0, "thread": 0}
+    try:
+        compiler.submit({"type": "integer"}).result()  # the worker and index, started
+        compiler.json_schema({"type": "integer"})
+        _interactive_itl(engine, model, 0)  # warm-up, not counted
+        for repeat in range(1, repeats + 1):
+            alone.append(_interactive_itl(engine, model, repeat))
+            job = compiler.submit(slow_schema(repeat, POOL_PATTERNS))
+            while not job.future.running():
+                time.sleep(0.01)
+            time.sleep(0.2)  # the worker is compiling
+            pooled.append(_interactive_itl(engine, model, repeat))
+            overlap["pool"] += not job.future.done()
+            job.cancel()
+            thread = _compile_in_thread(compiler, slow_schema(repeat, THREAD_PATTERNS))
+            time.sleep(0.2)
+            threaded.append(_interactive_itl(engine, model, repeat))
+            overlap["thread"] += thread.is_alive()
+            thread.join()
+    finally:
+        compiler.close()
+        engine.close()
+    pool_ratios = [p / a for p, a in zip(pooled, alone, strict=True)]
+    thread_ratios = [t / a for t, a in zip(threaded, alone, strict=True)]
+    ratio = statistics.median(pool_ratios)
+    return {
+        "itl_tokens": ITL_TOKENS,
+        "slow_schema_patterns": {"pool": POOL_PATTERNS, "thread": THREAD_PATTERNS},
+        "itl_ms_alone": summary(alone),
+        "itl_ms_compiling_pool": summary(pooled),
+        "itl_ms_compiling_thread": summary(threaded),
+        "itl_ratio_pool": summary(pool_ratios),
+        "itl_ratio_thread": summary(thread_ratios),
+        "overlap_pool": overlap["pool"] / repeats,
+        "overlap_thread": overlap["thread"] / repeats,
+        "itl_target_ratio": ITL_TARGET_RATIO,
+        "itl_ratio_pool_over_target": round(max(ratio - ITL_TARGET_RATIO, 0.0), 3),
+    }
+
+
 def run_structured(model: Model, repeats: int = 3) -> dict[str, Any]:
     """Decode step time, free and constrained, at each of BATCHES; ratio constrained ÷ free
     per repeat (the pair run back to back), median (min–max) over repeats."""
@@ -145,6 +242,7 @@ def run_structured(model: Model, repeats: int = 3) -> dict[str, Any]:
         "grammar_compile_s": round(compile_s, 4),
         "rows": rows,
         **{f"step_ratio_batch_{row['batch']}": row["step_ratio"]["median"] for row in rows},
+        "itl_while_compiling": run_itl_while_compiling(model, repeats),
     }
 
 
