@@ -340,4 +340,6 @@ class PrefixCache:
         held = Counter(b for k in self._entries for b in self.pool.snapshot_blocks(k))
         assert held == self._block_holders, "pinned block counts drifted"
         assert set(self._tickets) <= set(self._entries), "a write ticket outlived its snapshot"
+        if self.store is not None:
+            self.store.check_integrity(idle=False)
         assert self.bytes_pinned <= self.budget_bytes or len(self._entries) <= 1, "over budget"

@@ -239,6 +239,7 @@ class PrefixStore:
         self._tmp_names = itertools.count()
         self._queue: queue.Queue[WriteTicket | None] = queue.Queue(queue_size)
         self._warned: set[str] = set()
+        self.closed = False
         self._prepare_directory()
         began = time.perf_counter()
         self._index()
@@ -484,6 +485,7 @@ class PrefixStore:
 
     def close(self, timeout: float = DEFAULT_FLUSH_S) -> None:
         """Write what is queued (within ``timeout``), then stop the writer."""
+        self.closed = True
         if self._thread is None:
             self.drain()
             return
@@ -650,17 +652,20 @@ class PrefixStore:
     def check_integrity(self, *, idle: bool = True) -> None:
         """The index is exactly the files on disk it names, with their sizes, within the
         budget; the trie and the name map match it; with ``idle`` (nothing queued or being
-        written), no temporary file is left."""
-        with self._lock:
+        written), no temporary file is left. Once closed, the index alone (another store
+        may own the directory now)."""
+        with self._lock:  # files leave the index before they leave the disk
             entries = dict(self._entries)
             assert self._bytes == sum(e.nbytes for e in entries.values()), "bytes drifted"
             assert self._bytes <= self.budget_bytes, "over the disk budget"
             assert self._by_name == {e.name: k for k, e in entries.items()}, "names drifted"
             assert all(e.key == k for k, e in entries.items()), "keys drifted"
             self._trie.check_integrity({k: e.tokens for k, e in entries.items()})
-        on_disk = {p.name: p.stat().st_size for p in self.directory.glob(f"*{SUFFIX}")}
-        for entry in entries.values():
-            assert on_disk.get(entry.name) == entry.nbytes, f"{entry.name} missing or resized"
+            if self.closed:
+                return  # the directory is no longer this store's to check
+            on_disk = {p.name: p.stat().st_size for p in self.directory.glob(f"*{SUFFIX}")}
+            for entry in entries.values():
+                assert on_disk.get(entry.name) == entry.nbytes, f"{entry.name} missing or resized"
         if idle:
             assert not self._queue.unfinished_tasks, "writes still queued"
             assert not list(self.directory.glob(f"{TMP_PREFIX}*")), "a temporary file is left"
