@@ -334,3 +334,30 @@ def test_a_window_keeps_a_shorter_file_its_longer_one_cannot_serve(tmp_path: Pat
     prefill(cache, 1, [*SYSTEM, 7, 8, 9, 10, 11])  # its ring no longer holds the system prompt
     store = written(cache)
     assert sorted(len(e.tokens) for e in store.entries()) == [11, 16]
+
+
+def test_a_shorter_file_serves_where_the_rule_refuses_a_longer_one(tmp_path: Path) -> None:
+    cache = make_cache(tmp_path, WINDOWED)  # layer 1: a ring of 6
+    prefill(cache, 0, [3, 4, 5, 20, 20], keep=True)  # never wrapped
+    written(cache)
+    fresh = restart(tmp_path, WINDOWED)
+    prefill(fresh, 0, [3, 4, 5, 20, 20, 20, 20], keep=True)  # wrapped: it cannot serve 5
+    store = written(fresh)
+    assert sorted(len(e.tokens) for e in store.entries()) == [5, 7]
+    # Both share the prompt's first 5 tokens; the longer, wrapped one is refused at 5, the
+    # shorter one restores them: no restore lost, so no refusal counted.
+    again = restart(tmp_path, WINDOWED)
+    assert prefill(again, 0, [3, 4, 5, 20, 20, 20]) == 5
+    assert again.store is not None and again.store.report().counters.refused == {}
+
+
+def test_trie_reach_lists_each_key_at_the_depth_it_leaves_the_path() -> None:
+    from slotserve.prefix import TokenTrie
+
+    trie = TokenTrie()
+    trie.insert(1, [1, 2, 3])
+    trie.insert(2, [1, 2, 3, 4, 5])
+    trie.insert(3, [1, 9])
+    trie.insert(4, [7])
+    assert trie.reach([1, 2, 3, 4, 6]) == [(4, {2}), (3, {1}), (1, {3})]
+    assert trie.reach([8]) == []

@@ -8,6 +8,7 @@ every damaged file found is refused and counted."""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.directory = Path(self.root) / f"run-{id(self)}"
+        self.directory = Path(tempfile.mkdtemp(dir=self.root))  # one per example
         self.budget = 4 * FILE_BYTES
         self.cache = self._open()
         self.sessions = 0
@@ -67,6 +68,21 @@ class StoreMachine(RuleBasedStateMachine):
     @rule()
     def evict_from_memory(self) -> None:
         self.cache.evict_one()
+
+    @precondition(lambda self: any(self.directory.glob(f"*{SUFFIX}")))
+    @rule(pick=st.integers(0, 50), more=st.lists(st.integers(20, 26), min_size=1, max_size=3))
+    def resume_after_restart(self, pick: int, more: list[int]) -> None:
+        """A new process continues a stored conversation: restored from disk."""
+        self.store.drain()
+        self.cache = self._open()
+        entries = self.store.entries()
+        if not entries:
+            return
+        tokens = [*entries[pick % len(entries)].tokens, *more]
+        session, self.sessions = self.sessions, self.sessions + 1
+        restored = prefill(self.cache, session, tokens, keep=True)
+        assert restored >= len(tokens) - len(more)  # its own file, or one that extends it
+        self.seen["disk hits"] += self.store.report().counters.hits
 
     @rule(drain=st.booleans())
     def restart(self, drain: bool) -> None:

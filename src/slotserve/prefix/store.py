@@ -256,6 +256,8 @@ class PrefixStore:
         check_directory(where)
         for leftover in where.glob(f"{TMP_PREFIX}*"):
             # Torn writes of a process that died mid-write: never renamed, never served.
+            if _writer_alive(leftover):
+                continue  # another live store's write in progress
             try:
                 leftover.unlink()
                 self.stats.torn_removed += 1
@@ -313,7 +315,10 @@ class PrefixStore:
             raise _Refused("checksum", "the header is not readable JSON") from None
         if schema != SCHEMA:
             raise _Refused("schema", f"schema {schema!r}, this runtime reads {SCHEMA}")
-        return self._check_header(header, path.name, size, _PREAMBLE + length)
+        try:
+            return self._check_header(header, path.name, size, _PREAMBLE + length)
+        except (AttributeError, TypeError, KeyError, ValueError) as exc:  # signed, yet malformed
+            raise _Refused("checksum", f"a malformed header ({exc!r})") from None
 
     def _check_header(
         self, header: dict[str, Any], name: str, size: int, payload_at: int
@@ -383,21 +388,31 @@ class PrefixStore:
             )  # fmt: skip
 
     def lookup(self, tokens: Sequence[int], better_than: int = 0) -> StoreMatch | None:
-        """The most recently used stored snapshot sharing the most leading ``tokens``
-        (more than ``better_than``, at most ``len(tokens) - 1``) that every ring still
-        holds; None otherwise (a token-equal one the retention rule refuses counts
-        ``retention``)."""
+        """The stored snapshot that restores the most of ``tokens`` (more than
+        ``better_than``, at most ``len(tokens) - 1``) whose rings still hold it, the most
+        recently used of equals; None otherwise. When the deepest token-equal ones are
+        refused by the retention rule (a ring that wrapped past the prefix) it counts
+        ``retention`` once, and a shorter one may still serve."""
+        limit = len(tokens) - 1
         with self._lock:
-            depth, keys = self._trie.longest(tokens)
-            usable = min(depth, len(tokens) - 1)
-            if usable <= better_than:
-                return None
-            for key in [k for k in reversed(self._entries) if k in keys]:
-                entry = self._entries[key]
-                if self.retains(entry.high_water, usable):
-                    return StoreMatch(entry, usable)
-            self.stats.refused["retention"] += 1
-            return None
+            recency = {key: rank for rank, key in enumerate(self._entries)}
+            refused_at = 0  # the most a token-equal snapshot the rule refused would restore
+            found: StoreMatch | None = None
+            for depth, keys in self._trie.reach(tokens):
+                usable = min(depth, limit)
+                if usable <= better_than:
+                    break
+                for key in sorted(keys, key=recency.__getitem__, reverse=True):
+                    entry = self._entries[key]
+                    if self.retains(entry.high_water, usable):
+                        found = StoreMatch(entry, usable)
+                        break
+                    refused_at = max(refused_at, usable)
+                if found is not None:
+                    break
+            if refused_at > (found.usable if found is not None else 0):
+                self.stats.refused["retention"] += 1
+            return found
 
     def restore(self, match: StoreMatch, load: Loader) -> bool:
         """Read ``match``'s payload, checking its SHA-256 as it goes, into ``load``
@@ -678,7 +693,7 @@ def check_directory(directory: str | Path) -> None:
     where = Path(directory)
     try:
         where.mkdir(parents=True, exist_ok=True)
-        probe = where / f"{TMP_PREFIX}probe-{os.getpid()}"
+        probe = where / f"{TMP_PREFIX}probe-{os.getpid()}-0"
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.write(fd, b"slotserve")
@@ -739,6 +754,25 @@ def _fsync_directory(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _writer_alive(temporary: Path) -> bool:
+    """Whether the temporary file ``temporary`` (``.tmp-NAME-PID-N``) belongs to another
+    process that still runs (its write may be in progress)."""
+    parts = temporary.name.split("-")
+    try:
+        pid = int(parts[-2])
+    except (IndexError, ValueError):
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # it exists, owned by someone else
+    return True
 
 
 def _lower_priority() -> None:

@@ -55,6 +55,26 @@ class TokenTrie:
             node, depth = child, depth + 1
         return depth, (set(node.holders) if depth else set())
 
+    def reach(self, tokens: Sequence[int]) -> list[tuple[int, set[int]]]:
+        """For each depth ``d`` along ``tokens``' path, deepest first, the keys that share
+        exactly ``d`` leading tokens with it (their paths end or leave it there)."""
+        path: list[set[int]] = []
+        node = self._root
+        for token in tokens:
+            child = node.children.get(token)
+            if child is None:
+                break
+            path.append(child.holders)
+            node = child
+        found: list[tuple[int, set[int]]] = []
+        deeper: set[int] = set()
+        for depth in range(len(path), 0, -1):
+            here = path[depth - 1] - deeper
+            if here:
+                found.append((depth, here))
+            deeper = path[depth - 1]
+        return found
+
     def check_integrity(self, entries: Mapping[int, Sequence[int]]) -> None:
         """Every node's holders are exactly the keys whose sequence passes through it."""
         assert self._root.holders == set(entries), "root holders ≠ entries"
