@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from slotserve.info import ModelInfo
 from slotserve.kv.config import KVConfig
@@ -16,6 +17,8 @@ POLICIES = ("isolate", "fifo")
 # waiting for the whole turn; `slotserve bench mixed` measures what it costs the chat turn's
 # inter-token latency.
 DEFAULT_BACKGROUND_SHARE = 0.1
+# The disk the prefix store may take when prefix_store is set and its bytes are not.
+DEFAULT_PREFIX_STORE_BYTES = "4GiB"
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,9 @@ class EngineConfig:
     prefix cache may pin for snapshots of completed prompts; it needs ``kv_layout="cell"``
     (blocks shared) or ``"ring"`` (rings copied; the retention rule refuses a prefix a
     wrapped ring no longer holds).
+    ``prefix_store`` (a directory; None: off) gives the prefix cache a disk tier of at most
+    ``prefix_store_bytes``: snapshots are written there in the background and restored
+    after a restart (`slotserve.prefix.store`); it needs the prefix cache on.
     ``kernels="auto"`` attends decode-sized steps with the compiled kernel the model was
     loaded with (`slotserve.native`); ``"off"`` keeps torch SDPA for every step (the
     model's own kernels are chosen at load: ``slotserve.load(..., kernels="off")``).
@@ -62,6 +68,8 @@ class EngineConfig:
     queue_timeout_s: float = 30.0
     background_min_share: float = DEFAULT_BACKGROUND_SHARE
     prefix_cache_bytes: int | str = 0
+    prefix_store: str | Path | None = None
+    prefix_store_bytes: int | str = DEFAULT_PREFIX_STORE_BYTES
     kernels: KernelChoice = "auto"
 
     def __post_init__(self) -> None:
@@ -86,7 +94,23 @@ class EngineConfig:
         if isinstance(self.memory_budget, str):
             parse_bytes(self.memory_budget)  # fail here, with the parser's message
         self.kv_config()  # validates layout, dtype, sizes
+        if self.prefix_store is not None:
+            if not str(self.prefix_store):
+                raise ValueError("prefix_store='' is not a directory; pass one, or None (off)")
+            if self.prefix_store_budget <= 0:
+                raise ValueError(f"prefix_store_bytes={self.prefix_store_bytes!r} must be > 0")
+            if not self.prefix_cache_budget:
+                raise ValueError(
+                    f"prefix_store={str(self.prefix_store)!r} is the prefix cache's disk tier "
+                    "and needs the cache on: set prefix_cache_bytes (serve: --prefix-cache "
+                    "BYTES), or leave prefix_store off"
+                )
         self.prefix_cache_budget  # noqa: B018 (validates: the parser's message)
+
+    @property
+    def prefix_store_budget(self) -> int:
+        """``prefix_store_bytes`` in bytes."""
+        return parse_bytes(self.prefix_store_bytes)
 
     @property
     def prefix_cache_budget(self) -> int:

@@ -14,11 +14,18 @@ sliding-window layers of a cell pool keep a ring row per slot, not blocks: a sna
 a copy of its session's ring rows (outside the pool's storage), and `retains` says whether
 those rows still hold what a restore from a given position needs (a ring that has wrapped
 past it does not; `reserve_from` refuses it).
+
+A snapshot's payload, for the prefix cache's disk tier: `payload_parts` names its tensors
+and their shapes, `payload_of` captures a snapshot's block table and row copies (by whoever
+drives the pool), `read_payload` copies its cells out (from another thread too: a
+snapshot's blocks are never written while it holds them), and `load_payload` writes one
+into a freshly reserved session.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +36,7 @@ from slotserve.kv.allocator import BlockAllocator
 from slotserve.kv.batch import StepBatch
 from slotserve.kv.config import KVConfig
 from slotserve.kv.holdings import Holding, PoolHoldings, RowGroup, row_cells
-from slotserve.kv.layouts import CellGroup, FlatGroup, RingGroup
+from slotserve.kv.layouts import CellGroup, FlatGroup, LayerGroup, RingGroup
 from slotserve.kv.placement import build_groups
 from slotserve.kv.session import SessionKV
 from slotserve.kv.storage import KVStorage
@@ -43,6 +50,34 @@ class PoolUsage:
     unit: str
     free: int
     used: int
+
+
+@dataclass(frozen=True)
+class PayloadPart:
+    """One tensor of a snapshot's payload (`KVPool.payload_parts`), in payload order:
+    ``name`` (layer, K or V, ``.scales`` for int8 scales), its dtype (``torch.float32``,
+    ...) and its shape: ``(positions, *tail)`` for a cell or flat layer (one row a
+    position), ``(rows, *tail)`` for a ring (the snapshot's copy of its whole row)."""
+
+    name: str
+    dtype: str
+    rows: int | None  # None: one row a position
+    tail: tuple[int, ...]
+
+    def shape(self, length: int) -> tuple[int, ...]:
+        return (length if self.rows is None else self.rows, *self.tail)
+
+
+@dataclass(frozen=True)
+class SnapshotPayload:
+    """What `KVPool.read_payload` copies out of one snapshot, as `KVPool.payload_of`
+    captured it: its length and high-water mark, its block table and its row copies
+    (tensors the pool never writes)."""
+
+    length: int
+    high_water: int
+    table: tuple[int, ...]
+    rows: tuple[torch.Tensor, ...]
 
 
 class KVPool:
@@ -328,6 +363,122 @@ class KVPool:
         del self.snapshots[snapshot]
         self._snapshot_rings.pop(snapshot, None)
         self.blocks.drop(frozen.table)
+
+    # -- snapshot payloads (the prefix cache's disk tier) ------------------------------
+
+    def kv_identity(self) -> dict[str, object]:
+        """What a payload's bytes mean besides the model's: the layout, the storage dtype,
+        the block size and every layer group's placement (JSON-able)."""
+        groups = [
+            {
+                "kind": g.kind,
+                "layers": list(g.layers),
+                "window": getattr(g, "window", None),
+                "sinks": getattr(g, "sinks", 0),
+            }
+            for g in self.groups
+        ]
+        return {
+            "layout": self.config.layout,
+            "dtype": self.config.dtype,
+            "block_size": self.config.block_size,
+            "kv_heads": self.info.n_kv_heads,
+            "head_dim": self.info.head_dim,
+            "groups": groups,
+        }
+
+    def _payload_storages(self) -> list[tuple[str, KVStorage, LayerGroup | None]]:
+        """Every storage of a payload in order: each cell layer's K then V (group None:
+        read through the block table), then the row groups' storages (`_row_storages`
+        order, the order of a snapshot's row copies) with their group."""
+        named: list[tuple[str, KVStorage, LayerGroup | None]] = []
+        for cells in self._cells:
+            for layer in cells.layers:
+                named += [(f"L{layer}.k", cells.keys[layer], None)]
+                named += [(f"L{layer}.v", cells.values[layer], None)]
+        names = {
+            id(s): f"L{layer}.{kv}"
+            for g in self.groups
+            for kv, storages in (("k", g.keys), ("v", g.values))
+            for layer, s in storages.items()
+        }
+        named += [(names[id(s)], s, g) for g, s in self._row_storages()]
+        return named
+
+    def payload_parts(self) -> list[PayloadPart]:
+        """The tensors of a snapshot's payload, in order (int8 scales after their data)."""
+        parts = []
+        for name, storage, group in self._payload_storages():
+            rows = group.row if isinstance(group, RingGroup) else None
+            tensors = [("", storage.data), (".scales", storage.scales)]
+            for suffix, tensor in tensors:
+                if tensor is not None:
+                    tail = tuple(int(d) for d in tensor.shape[1:])
+                    parts.append(PayloadPart(name + suffix, str(tensor.dtype), rows, tail))
+        return parts
+
+    def payload_of(self, snapshot: int) -> SnapshotPayload:
+        """Capture what `read_payload` needs of ``snapshot`` (by whoever drives the pool)."""
+        frozen = self._get_snapshot(snapshot)
+        copies = [t for pair in self._snapshot_rings.get(snapshot, []) for t in pair]
+        rows = tuple(t for t in copies if t is not None)
+        return SnapshotPayload(frozen.length, frozen.high_water, tuple(frozen.table), rows)
+
+    def read_payload(self, payload: SnapshotPayload) -> list[torch.Tensor]:
+        """Copies of the tensors of ``payload``, in `payload_parts` order. Safe from
+        another thread while the snapshot lives (its blocks are never written); once it is
+        dropped its blocks may be reused, so what a read overlapping that holds is void."""
+        out: list[torch.Tensor] = []
+        if self._cells:
+            cells = self._block_cells(list(payload.table), payload.length)
+            for _name, storage, group in self._payload_storages():
+                if group is None:
+                    out.append(storage.data[cells])
+                    if storage.scales is not None:
+                        out.append(storage.scales[cells])
+        return [*out, *payload.rows]
+
+    def load_payload(
+        self, session: int, upto: int, high_water: int, parts: Iterable[torch.Tensor]
+    ) -> None:
+        """Write the first ``upto`` positions of a payload (and its ring rows) into
+        ``session``, reserved and still empty, then commit them: its length becomes
+        ``upto``, its high-water mark ``high_water`` (with rings; else ``upto``). If
+        ``parts`` raises or does not match, nothing is committed (the session stays empty;
+        what was written into its own cells is never read)."""
+        bound = self._get(session)
+        if bound.length or not 0 < upto <= bound.capacity:
+            raise SessionError(
+                f"load_payload upto={upto} into session {session} (length {bound.length}, "
+                f"capacity {bound.capacity}): it must be empty and hold upto positions"
+            )
+        cells = self._block_cells(bound.table, upto) if self._cells else None
+        items = iter(parts)
+        for _name, storage, group in self._payload_storages():
+            if group is None:
+                assert cells is not None
+                where = cells
+            else:
+                assert isinstance(group, RingGroup | FlatGroup)
+                where = self._copied_cells(group, bound.slot, upto)
+            storage.data.index_copy_(0, where, next(items)[: len(where)])
+            if storage.scales is not None:
+                storage.scales.index_copy_(0, where, next(items)[: len(where)])
+        if next(items, None) is not None:
+            raise SessionError("load_payload: more parts than this pool's payload holds")
+        bound.length = upto
+        bound.high_water = high_water if self._rings else upto
+
+    def retains_from(self, high_water: int, upto: int) -> bool:
+        """`retains` for a snapshot written up to ``high_water`` that this pool does not
+        hold (a stored one): whether every ring still holds what a restore from ``upto``
+        needs."""
+        return all(ring.can_truncate(high_water, upto) for ring in self._rings)
+
+    def _block_cells(self, table: list[int], length: int) -> torch.Tensor:
+        """The cells of positions ``0 .. length - 1`` through block ``table``."""
+        positions, bs = torch.arange(length), self.config.block_size
+        return torch.tensor(table, dtype=torch.long)[positions // bs] * bs + positions % bs
 
     def _row_storages(self) -> list[tuple[RingGroup | FlatGroup, KVStorage]]:
         groups: list[RingGroup | FlatGroup] = [*self._rings, *self._flats]
