@@ -31,6 +31,19 @@ def prefix_stats(engine: ss.Engine) -> PrefixStats:
     return stats
 
 
+def check_next_turn_restores(
+    engine: ss.Engine, uncached: ss.Engine, prompt: list[int], first: ss.Finished
+) -> None:
+    """``prompt``'s next turn (its reply, a new message) after ``engine`` published its
+    completion: the uncached engine's tokens, its whole history restored."""
+    turn = [*prompt, *first.tokens[:-1], 60, 61]
+    expected = uncached.submit(turn, GREEDY).result()
+    engine.submit(prompt, GREEDY, publish_completion=True).result()
+    followed = engine.submit(turn, GREEDY).result()
+    assert followed.tokens == expected.tokens
+    assert followed.usage.cached_tokens == len(prompt) + len(first.tokens) - 1
+
+
 def run_all(engine: ss.Engine, prompts: list[list[int]]) -> list[ss.Finished]:
     finals = []
     for prompt in prompts:
@@ -163,13 +176,7 @@ def test_sliding_window_layers_reject_a_token_equal_prefix_they_no_longer_hold(
     assert stats.rejections == 4 and stats.rejections_by_rule == {"ring_wrapped": 4}
     # A conversation's next turn extends the snapshot: restored although it is far
     # longer than the window.
-    first = on[0]
-    turn = [*prompts[0], *first.tokens[:-1], 60, 61]
-    expected = make_engine(mixed, **config).submit(turn, GREEDY).result()
-    engine.submit(prompts[0], GREEDY, publish_completion=True).result()
-    followed = engine.submit(turn, GREEDY).result()
-    assert followed.tokens == expected.tokens
-    assert followed.usage.cached_tokens == len(prompts[0]) + len(first.tokens) - 1
+    check_next_turn_restores(engine, make_engine(mixed, **config), prompts[0], on[0])
 
 
 @pytest.mark.parametrize("case", ["mixed model", "ring layout"])
@@ -240,10 +247,4 @@ def test_the_flat_layout_reuses_prefixes_by_copying_rows(
     plan = engine.config.plan(model.info, model.weight_bytes)
     assert plan.arenas["kv"] == engine.pool.nbytes + (1 << 20)  # the copies' budget
     # A conversation's next turn restores its whole history (the single-chat case).
-    first = on[0]
-    turn = [*prompts[0], *first.tokens[:-1], 60, 61]
-    expected = make_engine(model, **flat).submit(turn, GREEDY).result()
-    engine.submit(prompts[0], GREEDY, publish_completion=True).result()
-    followed = engine.submit(turn, GREEDY).result()
-    assert followed.tokens == expected.tokens
-    assert followed.usage.cached_tokens == len(prompts[0]) + len(first.tokens) - 1
+    check_next_turn_restores(engine, make_engine(model, **flat), prompts[0], on[0])

@@ -9,7 +9,6 @@ from __future__ import annotations
 import platform
 
 import gguf
-import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -18,6 +17,7 @@ from hypothesis import strategies as st
 from slotserve.model.gguf_linear import BlockLinear, StackedBlocks
 from slotserve.native import build, build_kernels
 from slotserve.native.blocks import BLOCK_SIZES, BlockKernel, Matrix
+from slotserve.testing import random_gguf_rows
 
 KINDS = ("Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 SUPER_KINDS = ("Q4_K", "Q5_K", "Q6_K")
@@ -32,20 +32,8 @@ on_x86 = pytest.mark.skipif(
 
 
 def random_rows(kind: str, rows: int, in_features: int, seed: int) -> torch.Tensor:
-    """Random valid GGUF rows of ``kind``: any bytes, with every fp16 scale finite and
-    modest (gguf-py quantises the 32-value types; the K-quants' bytes are drawn)."""
-    gen = np.random.default_rng(seed)
-    values, size = BLOCK_SIZES[kind]
-    if kind in ("Q4_1", "Q8_0", "Q5_0", "Q5_1"):
-        weight = gen.standard_normal((rows, in_features)) * gen.uniform(0.01, 1, (rows, 1))
-        data = gguf.quants.quantize(weight.astype(np.float32), gguf.GGMLQuantizationType[kind])
-        return torch.from_numpy(data.view(np.uint8).reshape(rows, -1).copy())
-    blocks = gen.integers(0, 256, (rows, in_features // values, size), dtype=np.uint8)
-    scales = gen.uniform(1e-4, 2e-2, (rows, in_features // values, 2)).astype(np.float16)
-    at = {"Q4_K": 0, "Q5_K": 0, "Q6_K": 208}[kind]
-    count = 1 if kind == "Q6_K" else 2  # Q6_K: d; Q4_K/Q5_K: d, dmin
-    blocks[:, :, at : at + 2 * count] = scales[:, :, :count].view(np.uint8)
-    return torch.from_numpy(blocks.reshape(rows, -1))
+    """Random valid GGUF rows of ``kind`` (`slotserve.testing.random_gguf_rows`)."""
+    return torch.from_numpy(random_gguf_rows(kind, rows, in_features, seed))
 
 
 def quantised_activations(x: torch.Tensor, kind: str) -> torch.Tensor:
