@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -361,3 +362,18 @@ def test_trie_reach_lists_each_key_at_the_depth_it_leaves_the_path() -> None:
     trie.insert(4, [7])
     assert trie.reach([1, 2, 3, 4, 6]) == [(4, {2}), (3, {1}), (1, {3})]
     assert trie.reach([8]) == []
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="threads have their own nice on Linux")
+def test_the_writer_thread_yields_to_the_engine(tmp_path: Path) -> None:
+    store = make_store(tmp_path, make_pool(), writer=True)
+    try:
+        assert store._thread is not None and store._thread.native_id is not None
+        tid = store._thread.native_id
+        for _ in range(1000):  # it sets its own priority as it starts
+            if os.getpriority(os.PRIO_PROCESS, tid) == store_module.WRITER_NICE:
+                break
+            time.sleep(0.001)
+        assert os.getpriority(os.PRIO_PROCESS, tid) == store_module.WRITER_NICE
+    finally:
+        store.close()

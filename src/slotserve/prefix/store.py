@@ -775,11 +775,17 @@ def _writer_alive(temporary: Path) -> bool:
     return True
 
 
+WRITER_NICE = 10
+
+
 def _lower_priority() -> None:
-    """Give the writer thread (only it: Linux nices threads one by one) a lower CPU
-    priority than the engine's, so a write yields the cores to a step."""
+    """Give the writer thread (only it: Linux schedules threads one by one) nice
+    `WRITER_NICE`, about a tenth of a core's share against the engine's threads when both
+    want one. Not ``SCHED_IDLE``: a thread of that class preempted while it holds the GIL
+    may not run again while every core is busy, and the engine thread would wait for the
+    GIL as long."""
     with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
 
 
 def _unlink(path: Path) -> None:
