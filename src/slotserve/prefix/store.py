@@ -785,7 +785,8 @@ def _lower_priority() -> None:
     may not run again while every core is busy, and the engine thread would wait for the
     GIL as long."""
     with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, max(WRITER_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
 
 
 def _unlink(path: Path) -> None:
