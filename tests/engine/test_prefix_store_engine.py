@@ -1,10 +1,11 @@
 """The prefix store in the engine (``EngineConfig(prefix_store=...)``): a restarted engine,
 or one whose process was killed (``kill -9``), restores a conversation from disk and gives
 the tokens and log-probabilities of an engine that never cached, bit for bit, with the
-restored tokens in ``cached_tokens``; on a sliding-window model a stored prefix a ring no
-longer holds is refused by the retention rule; the disk budget holds under a storm of
-distinct prefixes; a store without the cache, or in a directory that cannot be written,
-is refused at start."""
+restored tokens in ``cached_tokens``; on sliding-window models (a tiny Gemma 3 and Gemma 3
+270M past its 512-token window) a conversation's next turn restores from disk and a stored
+prefix a ring no longer holds is refused by the retention rule; the disk budget holds
+under a storm of distinct prefixes; a store without the cache, or in a directory that
+cannot be written, is refused at start."""
 
 from __future__ import annotations
 
@@ -203,3 +204,32 @@ def test_a_store_needs_the_cache_and_a_writable_directory(exact: ss.Model, tmp_p
     a_file.write_text("x")
     with pytest.raises(PrefixStoreError, match="pass a writable directory"):
         ss.Engine(exact, ss.EngineConfig(**CELL, prefix_cache_bytes="1MiB", prefix_store=a_file))
+
+
+def test_gemma3_restores_a_conversation_past_its_window_and_refuses_what_its_rings_lost(
+    gemma3: ss.Model, engines: Callable[..., ss.Engine], tmp_path: Path
+) -> None:
+    """Gemma 3 270M: five local layers in six keep the last 512 positions."""
+    encode = gemma3.tokenizer.encode
+    system = encode("You keep the records of a small coastal town and answer plainly. " * 40)
+    window = gemma3.info.window(0)
+    assert window is not None and len(system) > window
+    config = {"kv_layout": "cell", "block_size": 16, "max_seqs": 2, "max_context": 1024}
+    stored = {**config, "prefix_cache_bytes": "64MiB", "prefix_store": tmp_path}
+    params = ss.SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True, logprobs=5)
+    first = engines(gemma3, **stored)
+    prompt = [*system, *encode(" When did the great storm come?", add_bos=False)]
+    reply = [t for t, _, _ in trace(first.submit(prompt, params, publish_completion=True))]
+    first.close()
+    follow = [*prompt, *reply, *encode(" And after that?", add_bos=False)]
+    restarted = engines(gemma3, **stored)
+    handle = restarted.submit(follow, params)
+    got = trace(handle)
+    assert handle.result().usage.cached_tokens == len(prompt) + len(reply) - 1
+    assert got == trace(engines(gemma3, **config).submit(follow, params))  # bit for bit
+    # The system prompt with another question: token-equal, but every stored ring was
+    # written past it. Refused by the rule, counted, computed.
+    other = engines(gemma3, **stored)
+    question = [*system, *encode(" Who built the lighthouse?", add_bos=False)]
+    assert other.submit(question, params).result().usage.cached_tokens == 0
+    assert store_stats(other).refused == {"retention": 1}
