@@ -99,7 +99,12 @@ def test_a_restart_restores_the_conversation_bit_for_bit(
     final = handle.result()
     # The last turn's snapshot holds the history but its last sampled token, never fed.
     assert final.usage.cached_tokens == len(history) - 1
-    assert final.timings.prompt_tokens_restored == final.usage.cached_tokens
+    timings = final.timings
+    assert timings.prompt_tokens_restored == final.usage.cached_tokens
+    # The read from disk happened at admission: inside the prefill span, which starts there.
+    assert timings.restore_started is not None and timings.restore_time > 0
+    assert timings.first_scheduled is not None
+    assert timings.restore_started + timings.restore_time <= timings.first_scheduled
     assert store_stats(restarted).hits == 1
     cold = engines(exact, **CELL)
     assert got == trace(cold.submit(turn5, GREEDY))  # tokens, logprobs, top 5: bit for bit
