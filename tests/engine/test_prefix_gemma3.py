@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import slotserve as ss
-
-Trace = list[tuple[int, float | None, tuple[tuple[int, float], ...]]]
+from tests.engine.test_exactness import Trace, trace
 
 GREEDY = ss.SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True, logprobs=5)
 CONFIG = {"kv_layout": "cell", "block_size": 16, "max_seqs": 2, "max_context": 1024}
@@ -64,15 +63,6 @@ def test_cache_on_equals_cache_off_past_the_window(
     assert stats.rejections >= 3 and stats.rejections_by_rule.get("ring_wrapped") == (
         stats.rejections
     )
-
-
-def trace(handle: ss.RequestHandle) -> Trace:
-    """Each generated token with its log-probability and its top 5 (exact floats)."""
-    return [
-        (e.token_id, e.logprob, e.top_logprobs)
-        for e in handle
-        if isinstance(e, ss.TokenEvent) and e.token_id >= 0
-    ]
 
 
 def tokens(turn: Trace) -> list[int]:

@@ -25,8 +25,8 @@ import slotserve as ss
 from slotserve.engine.views import PrefixStoreStats
 from slotserve.prefix import PrefixStoreError
 from slotserve.testing import write_tiny_gguf
+from tests.engine.test_exactness import trace
 
-Trace = list[tuple[int, float | None, tuple[tuple[int, float], ...]]]
 GREEDY = ss.SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True, logprobs=5)
 CELL: dict[str, Any] = {"kv_layout": "cell", "block_size": 8, "max_seqs": 2, "max_context": 256}
 USER_TURNS = [[40 + i, 90 + 3 * i, 7, 11 + i] for i in range(5)]
@@ -53,15 +53,6 @@ def engines() -> Iterator[Callable[..., ss.Engine]]:
     for engine in made:
         engine.close()
         engine.check_integrity()
-
-
-def trace(handle: ss.RequestHandle) -> Trace:
-    """Each generated token with its log-probability and its top 5 (exact floats)."""
-    return [
-        (e.token_id, e.logprob, e.top_logprobs)
-        for e in handle
-        if isinstance(e, ss.TokenEvent) and e.token_id >= 0
-    ]
 
 
 def converse(engine: ss.Engine, system: list[int], turns: list[list[int]]) -> list[int]:
