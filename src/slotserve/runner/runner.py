@@ -10,7 +10,12 @@ next turn restores them, so it computes only its new tokens (plus the last promp
 when the whole prompt was cached: logits are never stored). Sliding-window layers keep
 only their last window, which still serves a turn that continues the conversation (the
 cache's retention rule refuses a restore they could not serve). ``prefix_cache=False``
-computes every turn whole.
+computes every turn whole. ``prefix_store`` (a directory) gives that cache its disk tier
+(`slotserve.prefix.store`, at most ``prefix_store_bytes``), as ``EngineConfig`` does: each
+turn's snapshot is written there in the background (closing waits for the writes), and a
+runner started later on the same model, context and directory resumes the conversation from
+disk: given the conversation's tokens (`conversation`, saved by the caller) and the next
+message, it restores them instead of computing them.
 `Stats` keeps ExecuTorch's meanings (``num_prompt_tokens``: the tokens this call adds);
 ``prompt_tokens_computed`` and ``prompt_tokens_restored`` say what the engine did.
 
@@ -29,6 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from slotserve.engine import Engine, EngineConfig, Finished, RequestHandle, TokenEvent
+from slotserve.engine.config import DEFAULT_PREFIX_STORE_BYTES
 from slotserve.errors import ContextOverflow
 from slotserve.model import Model
 from slotserve.runner.config import GenerationConfig
@@ -41,7 +47,9 @@ StatsCallback = Callable[[Stats], None]
 
 
 class TextLLMRunner:
-    """Load a model and generate text for one caller."""
+    """Load a model and generate text for one caller. ``prefix_store`` (with
+    ``prefix_cache``): the directory of the conversation cache's disk tier, at most
+    ``prefix_store_bytes`` (bytes or ``"4GiB"``); see the module docstring."""
 
     def __init__(
         self,
@@ -50,9 +58,18 @@ class TextLLMRunner:
         max_context: int | None = None,
         weights: str = "auto",
         prefix_cache: bool = True,
+        prefix_store: str | Path | None = None,
+        prefix_store_bytes: int | str = DEFAULT_PREFIX_STORE_BYTES,
     ):
+        if prefix_store is not None and not prefix_cache:
+            raise ValueError(
+                f"prefix_store={str(prefix_store)!r} is the conversation cache's disk tier "
+                "and needs prefix_cache=True; turn the cache on, or leave prefix_store off"
+            )
         self._spec = model
         self._prefix_cache = prefix_cache
+        self._prefix_store = prefix_store
+        self._prefix_store_bytes = prefix_store_bytes
         self._weights = weights
         self._model = model if isinstance(model, Model) else None
         self._requested_context = max_context
@@ -79,6 +96,12 @@ class TextLLMRunner:
         config = EngineConfig(max_seqs=1, max_context=context, kv_layout="flat")
         if self._prefix_cache:
             config = _caching(config, self._model)
+        if self._prefix_store is not None:
+            config = replace(
+                config,
+                prefix_store=self._prefix_store,
+                prefix_store_bytes=self._prefix_store_bytes,
+            )
         self._engine = Engine(self._model, config)
         self.stats.model_load_end_ms = now_ms()
 
@@ -106,6 +129,13 @@ class TextLLMRunner:
     def position(self) -> int:
         """Positions of the conversation so far."""
         return len(self._history)
+
+    @property
+    def conversation(self) -> list[int]:
+        """The conversation's tokens: its positions, then the last sampled token that the
+        next `generate` feeds first. A runner started later (with the same ``prefix_store``)
+        continues it with ``generate([*conversation, *message])``, restoring it from disk."""
+        return [*self._history, *self._pending]
 
     def stop(self) -> None:
         """End the running generation before its next token (thread-safe)."""
