@@ -1,6 +1,7 @@
 """Prometheus exposition: request timings observed as requests end (the engine's public
-`Finished` events), engine state read from `Engine.stats()` at scrape time, and the
-server's connections (open, refused by each cap, closed at each deadline) read from its
+`Finished` events), engine state read from `Engine.stats()` at scrape time (the declared
+cancellation bound among it, beside the measured cancel→release p99), and the server's
+connections (open, refused by each cap, closed at each deadline) read from its
 `ConnectionTracker` at scrape time."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from slotserve.engine import EngineStats, Finished, PrefixStats
+from slotserve.engine.cancel_bound import CancelBound
 from slotserve.engine.views import PrefixStoreStats
 from slotserve.prefix import REFUSAL_REASONS, SKIP_REASONS
 from slotserve.server.connections import ConnectionStats
@@ -124,6 +126,8 @@ class _EngineCollector:
         for reason, count in sorted(stats.finished.items()):
             finished.add_metric([reason], count)
         yield finished
+        if stats.cancel_bound is not None:
+            yield from _cancel_bound_metrics(stats.cancel_bound)
         if stats.prefix is not None:  # only with the prefix cache (serve --prefix-cache)
             yield from _prefix_metrics(stats.prefix)
 
@@ -156,6 +160,36 @@ class _ConnectionCollector:
         for deadline, count in stats.timed_out.items():
             timed_out.add_metric([deadline], count)
         yield timed_out
+
+
+def _cancel_bound_metrics(bound: CancelBound) -> Iterator[Any]:
+    """The declared worst-case cancel→release time (the time of the largest step the
+    config allows, labelled with how it was estimated; absent before any step ran), that
+    step's size, and beside them the measured cancel→release p99 and maximum (absent
+    before any cancel)."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    yield GaugeMetricFamily(
+        "slotserve_cancel_bound_step_tokens",
+        "Tokens of the largest step the config allows: a cancel waits for at most one",
+        value=bound.max_step_tokens,
+    )
+    if bound.estimate_s is not None:
+        declared = GaugeMetricFamily(
+            "slotserve_cancel_bound_seconds",
+            "Declared worst-case cancel to release: the largest step's time, by basis",
+            labels=["basis"],
+        )
+        declared.add_metric([bound.basis], bound.estimate_s)
+        yield declared
+    for name, doc, value in (
+        ("slotserve_cancel_release_p99_seconds", "Measured cancel to release, p99",
+         bound.measured_p99_s),
+        ("slotserve_cancel_release_max_seconds", "Measured cancel to release, maximum",
+         bound.measured_max_s),
+    ):  # fmt: skip
+        if value is not None:
+            yield GaugeMetricFamily(name, doc, value=value)
 
 
 def _prefix_metrics(stats: PrefixStats) -> Iterator[Any]:

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 from slotserve.engine import Engine
+from slotserve.engine.cancel_bound import CancelBound
 from slotserve.server import anthropic
 from slotserve.server.completions import chat_tokens, generate
 from slotserve.server.embeddings import EmbeddingRequest, embed
@@ -177,12 +178,33 @@ async def metrics(request: Request) -> Response:
 
 @guarded.get("/slots")
 async def slots(request: Request) -> JSONResponse:
-    """Each slot (a list, as llama.cpp's ``/slots``); the device-pressure level, when a
-    signal is configured, rides in the ``X-Pressure-Level`` header."""
+    """Each slot (a list, as llama.cpp's ``/slots``). What holds for every slot rides in
+    headers: the device-pressure level, when a signal is configured (``X-Pressure-Level``),
+    and the declared cancellation bound (`cancel_bound_headers`)."""
     engine = live_engine(state_of(request))
-    level = engine.stats().pressure_level
-    headers = {"X-Pressure-Level": f"{level:g}"} if level is not None else None
+    stats = engine.stats()
+    headers = {} if stats.cancel_bound is None else cancel_bound_headers(stats.cancel_bound)
+    if stats.pressure_level is not None:
+        headers["X-Pressure-Level"] = f"{stats.pressure_level:g}"
     return JSONResponse([slot.to_dict() for slot in engine.slots()], headers=headers)
+
+
+def cancel_bound_headers(bound: CancelBound) -> dict[str, str]:
+    """The declared worst-case cancel→release time of a slot: ``X-Cancel-Bound-Seconds``
+    (the time of the largest step the config allows, absent before a step was measured),
+    ``X-Cancel-Bound-Basis`` (how it was estimated), ``X-Cancel-Bound-Step-Tokens`` (that
+    step's size) and, once cancels were measured, ``X-Cancel-Release-P99-Seconds`` beside
+    it; ``X-Cancel-Bound`` says it all in one line (ASCII: a header is Latin-1)."""
+    headers = {
+        "X-Cancel-Bound": bound.describe().replace("→", "->"),
+        "X-Cancel-Bound-Basis": bound.basis,
+        "X-Cancel-Bound-Step-Tokens": str(bound.max_step_tokens),
+    }
+    if bound.estimate_s is not None:
+        headers["X-Cancel-Bound-Seconds"] = f"{bound.estimate_s:.6f}"
+    if bound.measured_p99_s is not None:
+        headers["X-Cancel-Release-P99-Seconds"] = f"{bound.measured_p99_s:.6f}"
+    return headers
 
 
 @guarded.post("/tokenize")

@@ -23,6 +23,14 @@ function ms(seconds) {
   return seconds >= 1 ? `${seconds.toFixed(2)} s` : `${(seconds * 1000).toFixed(1)} ms`;
 }
 
+// The declared worst-case cancel→release time (`Engine.cancel_bound`): one step of the
+// largest size the config allows, timed once such steps were measured.
+function boundText(bound) {
+  if (!bound) return "";
+  if (bound.estimate_s === null) return `bound: one ${bound.max_step_tokens}-token step`;
+  return `bound ${ms(bound.estimate_s)} (${bound.max_step_tokens}-token step, ${bound.basis})`;
+}
+
 function setText(id, text) {
   document.getElementById(id).textContent = text;
 }
@@ -114,12 +122,11 @@ export class Dashboard {
     pressure.classList.toggle("hot", p.under);
     setText("tile-cancel", String(st.cancellations));
     const cancel = s.latency.cancel;
-    setText(
-      "tile-cancel-note",
+    const measured =
       cancel && cancel.count
         ? `→ release: mean ${ms(cancel.mean)}` + (s.latency.cancel_recent !== null ? `, last ${ms(s.latency.cancel_recent)}` : "")
-        : "",
-    );
+        : "";
+    setText("tile-cancel-note", [measured, boundText(st.cancel_bound)].filter(Boolean).join("; "));
     const refusals = Object.entries(st.refusals);
     setText("tile-refused", String(refusals.reduce((n, [, count]) => n + count, 0)));
     setText("tile-refused-note", refusals.map(([reason, count]) => `${reason} ${count}`).join(", "));
