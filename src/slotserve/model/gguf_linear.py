@@ -1,6 +1,6 @@
 """Linears and embeddings on a GGUF file's own weight blocks (Q4_1, Q8_0, Q5_0, Q5_1, Q4_K,
-Q5_K, Q6_K): the file's bytes, Q4_1 and Q8_0 packed in pairs of blocks for the kernel
-(`slotserve.native.blocks`), the other types as the file has them.
+Q5_K, Q6_K): the file's bytes, Q4_1, Q8_0, Q5_0 and Q5_1 packed in pairs of blocks for the
+kernel (`slotserve.native.blocks`), the K-quants as the file has them.
 
 Reading the weights is most of a CPU decode step; these read the file's 4.5 to 8.5 bits
 per weight instead of a 32-bit copy, and multiply the way llama.cpp does (activations in
@@ -41,8 +41,8 @@ __all__ = [
 
 def pack(gguf_rows: torch.Tensor, kind: str) -> torch.Tensor:
     """A GGUF matrix's rows (``[rows, in / block values · block bytes]`` uint8) in the
-    kernel's layout (see ``csrc/quants.h``): Q4_1 and Q8_0 moved into pairs of blocks, the
-    other types as they are."""
+    kernel's layout (see ``csrc/quants.h``): Q4_1, Q8_0, Q5_0 and Q5_1 moved into pairs of
+    blocks, the K-quants as they are."""
     if kind not in PACKED_KINDS:
         return gguf_rows
     rows = gguf_rows.shape[0]
@@ -54,16 +54,39 @@ def pack(gguf_rows: torch.Tensor, kind: str) -> torch.Tensor:
     if kind == "Q4_1":
         nibbles = grouped[:, :, 4:].reshape(rows, -1)
         return torch.cat([nibbles, scale, grouped[:, :, 2:4].reshape(rows, -1)], dim=1)
+    if kind in ("Q5_0", "Q5_1"):
+        bits_at = 2 if kind == "Q5_0" else 4
+        nibbles = grouped[:, :, bits_at + 4 :].reshape(rows, -1)
+        # qh of each block as [block, half, 2 bytes] -> per pair [half, block, 2 bytes]: the
+        # word of a half holds the first block's 16 bits, then the second's
+        bits = grouped[:, :, bits_at : bits_at + 4].reshape(rows, pairs, 2, 2, 2)
+        bits = bits.transpose(2, 3).reshape(rows, -1)
+        tail = [scale] if kind == "Q5_0" else [scale, grouped[:, :, 2:4].reshape(rows, -1)]
+        return torch.cat([nibbles, bits, *tail], dim=1)
     values = grouped[:, :, 2:].reshape(rows, pairs, 2, 2, 16)  # [pair, block, half, 16]
     values = values.transpose(2, 3).reshape(rows, -1)  # pair order: [pair, half, block, 16]
     return torch.cat([values, scale], dim=1)
 
 
+def _file_blocks(packed: torch.Tensor, kind: str, blocks: int) -> torch.Tensor:
+    """A packed Q5_0 / Q5_1 row's blocks back in the file's layout ``[rows, blocks, bytes]``."""
+    rows = packed.shape[0]
+    nibbles = packed[:, : blocks * 16].reshape(rows, blocks, 16)
+    bits = packed[:, blocks * 16 : blocks * 20].reshape(rows, blocks // 2, 2, 2, 2)
+    bits = bits.transpose(2, 3).reshape(rows, blocks, 4)
+    scale = packed[:, blocks * 20 : blocks * 22].reshape(rows, blocks, 2)
+    head = [scale] if kind == "Q5_0" else [scale, packed[:, blocks * 22 :].reshape(rows, blocks, 2)]
+    return torch.cat([*head, bits, nibbles], dim=2)
+
+
 def unpack(packed: torch.Tensor, kind: str, in_features: int) -> torch.Tensor:
     """The fp32 weights ``[rows, in_features]`` of the kernel's rows (gguf-py dequantises
-    the types that keep the file's blocks)."""
+    the types that keep the file's blocks, and the Q5 types put back in them)."""
     rows, blocks = packed.shape[0], padded_blocks(in_features)
-    if kind not in PACKED_KINDS:
+    if kind in ("Q5_0", "Q5_1"):
+        packed = _file_blocks(packed, kind, blocks).reshape(rows, -1)
+        packed = packed[:, : in_features // BLOCK * BLOCK_BYTES[kind]].contiguous()
+    if kind not in ("Q4_1", "Q8_0"):
         quant = gguf.GGMLQuantizationType[kind]
         weights = gguf.quants.dequantize(packed.numpy(), quant)
         return torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32))

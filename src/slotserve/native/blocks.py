@@ -1,5 +1,5 @@
-"""Binding of ``csrc/blocks.c``: products with a GGUF file's weight blocks (Q4_1 and Q8_0
-packed in pairs, the other types as the file has them; see ``csrc/quants.h``), and a
+"""Binding of ``csrc/blocks.c``: products with a GGUF file's weight blocks (Q4_1, Q8_0, Q5_0
+and Q5_1 packed in pairs, the other types as the file has them; see ``csrc/quants.h``), and a
 transformer layer's work around its attention in two calls (`BlockKernel.layer_in`,
 `BlockKernel.layer_out`).
 
@@ -29,7 +29,12 @@ BLOCK_SIZES = {
 }
 BLOCK_BYTES = {kind: size for kind, (_, size) in BLOCK_SIZES.items()}
 KIND_CODES = {kind: code for code, kind in enumerate(BLOCK_SIZES)}  # the kernel's names
-PACKED_KINDS = ("Q4_1", "Q8_0")  # rows repacked in pairs of blocks; the rest as in the file
+PACKED_KINDS = (
+    "Q4_1",
+    "Q8_0",
+    "Q5_0",
+    "Q5_1",
+)  # rows repacked in pairs of blocks; the rest as in the file
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 

@@ -86,7 +86,7 @@ static void product_part(const product *p, int part, int parts) {
 
 /* ---- a transformer layer's work around its attention ------------------------------------ */
 
-/* One matrix: its blocks (packed for Q4_1/Q8_0, the file's otherwise), GGUF type (KIND_*)
+/* One matrix: its blocks (packed in pairs for Q4_1/Q8_0/Q5_0/Q5_1, the file's otherwise), GGUF type (KIND_*)
  * and output width (rows; its input width is implied by the call); `next`, if not NULL,
  * the rows after these, in another type. */
 typedef struct matrix {
@@ -204,7 +204,7 @@ static int project(const float *x, int64_t m, int64_t k, int64_t ldx, const matr
         int format = act_format(part->kind);
         if (format != quantized) { /* once for a run of parts in one format */
             if (format == ACT_Q8_K) quantize_q8_k(x, m, k, ldx, tmp->q, tmp->d, tmp->sums, &a);
-            else quantize_q8(x, m, k, ldx, format == ACT_PAIRS, tmp->q, tmp->d, tmp->s, &a);
+            else quantize_q8(x, m, k, ldx, tmp->q, tmp->d, tmp->s, &a);
             quantized = format;
         }
         product p = {part->kind, accumulate, part->blocks, part->rows, m, ldy, a, y + column};

@@ -9,7 +9,7 @@
  *   type    weights w                                     activations       per block
  *   Q4_1    dw * u + mw, u 0..15 (blocks of 32)            Q8 (d, s)         dw da Σuq + mw s
  *   Q8_0    dw * v, v int8                                 Q8 (d)            dw da Σvq
- *   Q5_0    dw * (u - 16), u 0..31                         Q8 (d)            dw da Σ(u-16)q
+ *   Q5_0    dw * (u - 16), u 0..31                         Q8 (d, s)         dw da Σuq - 16 dw s
  *   Q5_1    dw * u + mw, u 0..31                           Q8 (d, s)         dw da Σuq + mw s
  *   Q4_K    d sc_j u - dmin m_j, u 0..15, 8 sub-blocks     Q8_K (d, bsums)   see dot_q4_k
  *           of 32 with 6-bit scales sc_j and mins m_j
@@ -22,13 +22,18 @@
  * q = min(127, round(x * -127 / max)), where max is the value of largest magnitude, with
  * d = max / -127 and bsums, the sums of each 16 q.
  *
- * Layouts. Q4_1 and Q8_0 rows are packed in pairs of blocks (gguf_linear.pack; a row is
- * padded with a zero block to an even count P): Q4_1 row: P x 16 bytes of nibbles (weight
- * j in the low nibble of byte j, j + 16 in its high nibble), P fp16 dw, P fp16 mw; Q8_0
- * row: P / 2 x 64 int8 in pair order, P fp16 dw. Pair order, for blocks b0 b1: b0[0:16]
- * b1[0:16] b0[16:32] b1[16:32]; their activations are quantised into pair order too
- * (`ACT_PAIRS`). Every other type keeps the file's own blocks, and its activations are in
- * natural order.
+ * Layouts. Q4_1, Q8_0, Q5_0 and Q5_1 rows are packed in pairs of blocks (gguf_linear.pack;
+ * a row is padded with a zero block to an even count P), so that one 256-bit vector holds
+ * a pair's 32 low or 32 high weights and 8 blocks' scales load as one vector. Q4_1 row: P x
+ * 16 bytes of nibbles (weight j in the low nibble of byte j, j + 16 in its high nibble), P
+ * fp16 dw, P fp16 mw. Q5_0 / Q5_1 row: the same nibbles, then P / 2 x 8 bytes of fifth bits
+ * (per pair two 32-bit words, one for each vector of nibbles: bit j of a word is the fifth
+ * bit of byte j of its vector), P fp16 dw, (Q5_1) P fp16 mw; the same bytes as the file's.
+ * Q8_0 row: P / 2 x 64 int8 in pair order, P fp16 dw. Pair order, for blocks b0 b1:
+ * b0[0:16] b1[0:16] b0[16:32] b1[16:32]; their activations are quantised into pair order
+ * too (`ACT_PAIRS`). The K-quants keep the file's own blocks, with natural-order
+ * activations. Q5_0 is Q5_1 with mw = -16 dw: its integer sums are of u, unsigned, as for
+ * the other pair types.
  *
  * Each dot computes, for every row, the same operations in the same order whether it runs
  * with 1 or ROWS rows (the rows only share the weights' decoding): a row's result never
@@ -47,15 +52,14 @@
 #define ROWS 4    /* activation rows that share one decoding of the weights */
 
 enum { KIND_Q4_1 = 0, KIND_Q8_0 = 1, KIND_Q5_0 = 2, KIND_Q5_1 = 3, KIND_Q4_K = 4, KIND_Q5_K = 5, KIND_Q6_K = 6 };
-enum { ACT_PAIRS = 0, ACT_Q8 = 1, ACT_Q8_K = 2 };
+enum { ACT_PAIRS = 0, ACT_Q8_K = 2 };
 
 INLINE int64_t padded_blocks(int64_t k) { return (k / BLOCK + 1) / 2 * 2; }
 
 /* The activation format a weight type multiplies against (-1: not a type we take). */
 INLINE int act_format(int64_t kind) {
     switch (kind) {
-    case KIND_Q4_1: case KIND_Q8_0: return ACT_PAIRS;
-    case KIND_Q5_0: case KIND_Q5_1: return ACT_Q8;
+    case KIND_Q4_1: case KIND_Q8_0: case KIND_Q5_0: case KIND_Q5_1: return ACT_PAIRS;
     case KIND_Q4_K: case KIND_Q5_K: case KIND_Q6_K: return ACT_Q8_K;
     default: return -1;
     }
@@ -66,8 +70,8 @@ INLINE int64_t weight_row_bytes(int64_t kind, int64_t k) {
     switch (kind) {
     case KIND_Q4_1: return padded_blocks(k) * 20;
     case KIND_Q8_0: return padded_blocks(k) * 34;
-    case KIND_Q5_0: return k / BLOCK * 22;
-    case KIND_Q5_1: return k / BLOCK * 24;
+    case KIND_Q5_0: return padded_blocks(k) * 22;
+    case KIND_Q5_1: return padded_blocks(k) * 24;
     case KIND_Q4_K: return k / SUPER * 144;
     case KIND_Q5_K: return k / SUPER * 176;
     default: return k / SUPER * 210; /* Q6_K */
@@ -131,21 +135,18 @@ INLINE float block_amax(const float *src, int n) {
     return amax;
 }
 
-/* Q8 blocks of x[m, k] (row stride ldx): in pair order (q[m, P * 32], d and s [m, P], the
- * padding block zero) or in natural order (q[m, k], d and s [m, k / 32]). */
-static void quantize_q8(const float *x, int64_t m, int64_t k, int64_t ldx, int pairs, int8_t *q,
-                        float *d, float *s, acts *out) {
-    int64_t nb = k / BLOCK, np = pairs ? padded_blocks(k) : nb;
+/* Q8 blocks of x[m, k] (row stride ldx) in pair order: q[m, P * 32], d and s [m, P], the
+ * padding block zero. */
+static void quantize_q8(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *d,
+                        float *s, acts *out) {
+    int64_t nb = k / BLOCK, np = padded_blocks(k);
     for (int64_t i = 0; i < m; i++) {
         int8_t *row = q + i * np * BLOCK;
         for (int64_t b = 0; b < nb; b++) {
             const float *src = x + i * ldx + b * BLOCK;
             float scale = block_amax(src, BLOCK) / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
             int sums[2];
-            if (pairs)
-                quantize_block(src, inverse, row + pair_offset(b, 0), row + pair_offset(b, 16), sums);
-            else
-                quantize_block(src, inverse, row + b * BLOCK, row + b * BLOCK + 16, sums);
+            quantize_block(src, inverse, row + pair_offset(b, 0), row + pair_offset(b, 16), sums);
             d[i * np + b] = scale;
             s[i * np + b] = scale * (float)(sums[0] + sums[1]);
         }
@@ -244,40 +245,54 @@ INLINE __m256 load_floats(const float *p, int64_t count) {
     return _mm256_maskload_ps(p, first_lanes(count));
 }
 
-/* 16 bytes of nibbles as 32 bytes 0..15: the low nibbles, then the high ones. */
-INLINE __m256i nibbles(const uint8_t *p) {
-    __m128i packed = _mm_loadu_si128((const __m128i *)p);
-    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
-}
 
-/* Byte j is 0xFF where bit j of the 32 bits at p is set. */
-INLINE __m256i bit_bytes(const uint8_t *p) {
-    uint32_t bits;
-    memcpy(&bits, p, sizeof bits);
-    const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
-    const __m256i select = _mm256_set1_epi64x((int64_t)0x8040201008040201);
-    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)bits), spread);
-    return _mm256_cmpeq_epi8(_mm256_and_si256(bytes, select), select);
-}
 #endif
 
-/* ---- Q4_1 and Q8_0: packed pairs ------------------------------------------------------ */
+/* ---- Q4_1, Q8_0, Q5_0 and Q5_1: packed pairs ------------------------------------------ */
+
+/* Bytes of a packed row's weights before its scales, per block. */
+INLINE int64_t pair_weight_bytes(int kind) {
+    switch (kind) {
+    case KIND_Q4_1: return 16;
+    case KIND_Q8_0: return 32;
+    default: return 20; /* Q5_0, Q5_1: nibbles and fifth bits */
+    }
+}
 
 #if defined(__AVX2__)
+/* 32 nibbles (0..15) plus 16 where bit j of the 32 bits at `bits` is set, for byte j. */
+INLINE __m256i add_fifth(__m256i u, const uint8_t *bits) {
+    uint32_t word;
+    memcpy(&word, bits, sizeof word);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_mask_add_epi8(u, _cvtu32_mask32(word), u, _mm256_set1_epi8(0x10));
+#else
+    const __m256i spread = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
+    const __m256i select = _mm256_set1_epi64x((int64_t)0x8040201008040201);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)word), spread);
+    __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, select), select);
+    return _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+#endif
+}
+
 /* acc[r][slot] += the products of the pair of blocks from `first` (lane j of scales[r]
  * holds block b + j's dw * da, `lane` that of `first`). */
 INLINE void pair_dot(int kind, const uint8_t *w, const acts *a, int64_t i, int rows,
                      int64_t first, const __m256 *scales, int lane, __m256 acc[][2], int slot) {
     __m256i u0, u1, w0 = _mm256_setzero_si256(), w1 = _mm256_setzero_si256();
-    if (kind == KIND_Q4_1) {
+    if (kind == KIND_Q8_0) { /* |w| as unsigned; its sign moves to the activations */
+        w0 = _mm256_loadu_si256((const __m256i *)(w + first * 32));
+        w1 = _mm256_loadu_si256((const __m256i *)(w + first * 32 + 32));
+        u0 = _mm256_sign_epi8(w0, w0), u1 = _mm256_sign_epi8(w1, w1);
+    } else {
         const __m256i low = _mm256_set1_epi8(0x0F);
         __m256i packed = _mm256_loadu_si256((const __m256i *)(w + first * 16));
         u0 = _mm256_and_si256(packed, low);
         u1 = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
-    } else { /* |w| as unsigned; its sign moves to the activations */
-        w0 = _mm256_loadu_si256((const __m256i *)(w + first * 32));
-        w1 = _mm256_loadu_si256((const __m256i *)(w + first * 32 + 32));
-        u0 = _mm256_sign_epi8(w0, w0), u1 = _mm256_sign_epi8(w1, w1);
+        if (kind != KIND_Q4_1) { /* the pair's fifth bits follow all of the row's nibbles */
+            const uint8_t *bits = w + a->d_stride * 16 + first * 4;
+            u0 = add_fifth(u0, bits), u1 = add_fifth(u1, bits + 4);
+        }
     }
     /* lanes 0-3 take the pair's first block's scale, 4-7 the second's */
     __m256i spread = _mm256_add_epi32(_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_set1_epi32(lane));
@@ -293,23 +308,40 @@ INLINE void pair_dot(int kind, const uint8_t *w, const acts *a, int64_t i, int r
 }
 #endif
 
-/* out[r] = packed Q4_1 or Q8_0 row `w` . activation row (i + r), r < rows. `rows` and
- * `kind` are constants where this is inlined, so the loops over r unroll. */
+/* Weight e of block b of a packed row as an integer: the nibble (with its fifth bit) or
+ * the int8. */
+INLINE int pair_weight(int kind, const uint8_t *w, int64_t np, int64_t b, int e) {
+    if (kind == KIND_Q8_0) return (int8_t)w[pair_offset(b, e)];
+    uint8_t byte = w[b * 16 + e % 16];
+    int u = e < 16 ? (byte & 0x0F) : (byte >> 4);
+    if (kind != KIND_Q4_1) {
+        uint32_t word;
+        memcpy(&word, w + np * 16 + (b / 2) * 8 + (e < 16 ? 0 : 4), sizeof word);
+        u |= (int)((word >> ((b % 2) * 16 + e % 16)) & 1) << 4;
+    }
+    return u;
+}
+
+/* out[r] = packed row `w` . activation row (i + r), r < rows, for a pair type `kind`. `rows`
+ * and `kind` are constants where this is inlined, so the loops over r unroll. The offset
+ * of the types with one (Q4_1, Q5_1: mw; Q5_0: -16 dw) is mw * s, block by block. */
 INLINE void dot_pairs(int kind, const uint8_t *w, const acts *a, int64_t i, int rows, float *out) {
-    int64_t np = a->d_stride;
-    const uint16_t *dw = (const uint16_t *)(w + np * (kind == KIND_Q4_1 ? 16 : 32));
-    const uint16_t *mw = dw + np;
+    const int64_t np = a->d_stride;
+    const uint16_t *dw = (const uint16_t *)(w + np * pair_weight_bytes(kind)), *mw = dw + np;
+    const int offset = kind != KIND_Q8_0;
 #if defined(__AVX2__)
     __m256 acc[ROWS][2], offsets[ROWS];
     for (int r = 0; r < rows; r++)
         acc[r][0] = acc[r][1] = offsets[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < np; b += 8) { /* 8 blocks (4 pairs) share one scale vector */
         int64_t count = np - b < 8 ? np - b : 8;
-        __m256 weight_scales = load_halves(dw + b, count), scales[ROWS];
-        __m256 weight_mins = kind == KIND_Q4_1 ? load_halves(mw + b, count) : _mm256_setzero_ps();
+        __m256 weight_scales = load_halves(dw + b, count), scales[ROWS], weight_mins;
+        if (kind == KIND_Q5_0) weight_mins = _mm256_mul_ps(weight_scales, _mm256_set1_ps(-16.0f));
+        else if (offset) weight_mins = load_halves(mw + b, count);
+        else weight_mins = _mm256_setzero_ps();
         for (int r = 0; r < rows; r++) {
             scales[r] = _mm256_mul_ps(weight_scales, load_floats(a->d + (i + r) * np + b, count));
-            if (kind == KIND_Q4_1)
+            if (offset)
                 offsets[r] = _mm256_fmadd_ps(weight_mins, load_floats(a->s + (i + r) * np + b, count), offsets[r]);
         }
         /* Two pairs a turn into two accumulators: one fma chain would wait on itself. */
@@ -327,19 +359,11 @@ INLINE void dot_pairs(int kind, const uint8_t *w, const acts *a, int64_t i, int 
         float total = 0.0f;
         for (int64_t b = 0; b < np; b++) {
             int sum = 0;
-            for (int e = 0; e < BLOCK; e++) {
-                int u;
-                if (kind == KIND_Q4_1) {
-                    uint8_t byte = w[b * 16 + e % 16];
-                    u = e < 16 ? (byte & 0x0F) : (byte >> 4);
-                } else {
-                    u = (int8_t)w[pair_offset(b, e)];
-                }
-                sum += u * v[pair_offset(b, e)];
-            }
-            float da = a->d[(i + r) * np + b];
-            total += half_at(dw + b) * da * (float)sum;
-            if (kind == KIND_Q4_1) total += half_at(mw + b) * a->s[(i + r) * np + b];
+            for (int e = 0; e < BLOCK; e++) sum += pair_weight(kind, w, np, b, e) * v[pair_offset(b, e)];
+            const float scale = half_at(dw + b);
+            total += scale * a->d[(i + r) * np + b] * (float)sum;
+            if (kind == KIND_Q5_0) total += -16.0f * scale * a->s[(i + r) * np + b];
+            else if (offset) total += half_at(mw + b) * a->s[(i + r) * np + b];
         }
         out[r] = total;
     }
@@ -354,79 +378,12 @@ INLINE void dot_q8_0(const uint8_t *w, const acts *a, int64_t i, int rows, float
     dot_pairs(KIND_Q8_0, w, a, i, rows, out);
 }
 
-/* ---- Q5_0 and Q5_1: the file's blocks of 32 -------------------------------------------- */
-
-/* Block layout: fp16 d, (Q5_1: fp16 m,) 32 bits qh (bit j: weight j's fifth bit), 16 bytes
- * of nibbles (weight j low, j + 16 high). `minimum` selects Q5_1. */
-#if defined(__AVX2__)
-/* acc[r][slot] += block b's products for rows i .. i + rows. */
-INLINE void q5_block(int minimum, const uint8_t *w, const acts *a, int64_t i, int rows, int64_t b,
-                     __m256 acc[][2], int slot) {
-    const uint8_t *block = w + b * (minimum ? 24 : 22), *bits = block + (minimum ? 4 : 2);
-    const float dw = half_at((const uint16_t *)block);
-    __m256i low = nibbles(bits + 4), fifth = bit_bytes(bits);
-    __m256i u, sign = _mm256_setzero_si256();
-    if (minimum) { /* u = nibble + 16 * bit, unsigned */
-        u = _mm256_or_si256(low, _mm256_and_si256(fifth, _mm256_set1_epi8(0x10)));
-    } else { /* u - 16 as int8: the nibble, or the nibble - 16 where the bit is clear */
-        sign = _mm256_or_si256(low, _mm256_andnot_si256(fifth, _mm256_set1_epi8((char)0xF0)));
-        u = _mm256_sign_epi8(sign, sign);
-    }
-    for (int r = 0; r < rows; r++) {
-        __m256i v = _mm256_loadu_si256((const __m256i *)(a->q + (i + r) * a->q_stride + b * BLOCK));
-        if (!minimum) v = _mm256_sign_epi8(v, sign);
-        __m256 scale = _mm256_set1_ps(dw * a->d[(i + r) * a->d_stride + b]);
-        __m256 sums = _mm256_cvtepi32_ps(dot_add(_mm256_setzero_si256(), u, v));
-        acc[r][slot] = _mm256_fmadd_ps(sums, scale, acc[r][slot]);
-    }
-}
-#endif
-
-INLINE void dot_q5(int minimum, const uint8_t *w, const acts *a, int64_t i, int rows, float *out) {
-    const int64_t nb = a->k / BLOCK, size = minimum ? 24 : 22;
-    float offsets[ROWS]; /* Q5_1: the mins' share, in block order */
-    for (int r = 0; r < rows; r++) offsets[r] = 0.0f;
-    if (minimum)
-        for (int64_t b = 0; b < nb; b++) {
-            const float mw = half_at((const uint16_t *)(w + b * size + 2));
-            for (int r = 0; r < rows; r++) offsets[r] += mw * a->s[(i + r) * a->d_stride + b];
-        }
-#if defined(__AVX2__)
-    __m256 acc[ROWS][2];
-    for (int r = 0; r < rows; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-    int64_t b = 0;
-    for (; b + 1 < nb; b += 2) { /* two accumulators: one fma chain would wait on itself */
-        q5_block(minimum, w, a, i, rows, b, acc, 0);
-        q5_block(minimum, w, a, i, rows, b + 1, acc, 1);
-    }
-    if (b < nb) q5_block(minimum, w, a, i, rows, b, acc, 0);
-    for (int r = 0; r < rows; r++) out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + offsets[r];
-#else
-    for (int r = 0; r < rows; r++) {
-        const int8_t *v = a->q + (i + r) * a->q_stride;
-        float total = 0.0f;
-        for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *block = w + b * size, *qs = block + (minimum ? 8 : 6);
-            uint32_t bits;
-            memcpy(&bits, qs - 4, sizeof bits);
-            int sum = 0;
-            for (int e = 0; e < BLOCK; e++) {
-                int u = (e < 16 ? (qs[e] & 0x0F) : (qs[e - 16] >> 4)) | (int)((bits >> e) & 1) << 4;
-                sum += (minimum ? u : u - 16) * v[b * BLOCK + e];
-            }
-            total += half_at((const uint16_t *)block) * a->d[(i + r) * a->d_stride + b] * (float)sum;
-        }
-        out[r] = total + offsets[r];
-    }
-#endif
-}
-
 INLINE void dot_q5_0(const uint8_t *w, const acts *a, int64_t i, int rows, float *out) {
-    dot_q5(0, w, a, i, rows, out);
+    dot_pairs(KIND_Q5_0, w, a, i, rows, out);
 }
 
 INLINE void dot_q5_1(const uint8_t *w, const acts *a, int64_t i, int rows, float *out) {
-    dot_q5(1, w, a, i, rows, out);
+    dot_pairs(KIND_Q5_1, w, a, i, rows, out);
 }
 
 /* ---- K-quants: the file's super-blocks of 256 ------------------------------------------ */
