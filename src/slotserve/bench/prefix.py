@@ -11,6 +11,9 @@ Multi-turn chat: a `TextLLMRunner` conversation of 4 turns (those that fit a sma
 model's context) after the same system prompt,
 cache on and off: the prompt tokens each turn computed, which stay flat with the cache and
 grow with the conversation without it, and each turn's TTFT.
+
+The disk tier (`slotserve.bench.prefix_store`): restart TTFT with the prefix store on and
+off, and step times while a storm of distinct prompts is written, store on and off.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from typing import Any
 
 from rich.progress import Progress
 
+from slotserve.bench.prefix_store import run_prefix_store
 from slotserve.bench.stats import summary
 from slotserve.engine import Engine, EngineConfig, Finished
 from slotserve.model import Model
@@ -157,7 +161,8 @@ def _chat_tokens(model: Model, messages: list[dict[str, str]]) -> list[int]:
 
 
 def run_prefix(model: Model, repeats: int = 3) -> dict[str, Any]:
-    """Shared system prompt (cache off vs on, per repeat) and multi-turn chat."""
+    """Shared system prompt (cache off vs on, per repeat), multi-turn chat, and the disk
+    tier (store on vs off: restart TTFT, step times under writes)."""
     n_system = min(SYSTEM_TOKENS, model.info.max_context // 8)
     system = system_prompt(model, n_system)
     tokenizer = model.tokenizer
@@ -165,7 +170,7 @@ def run_prefix(model: Model, repeats: int = 3) -> dict[str, Any]:
     context = _context(model, n_system)
     offs, ons, ratios = [], [], []
     with Progress(transient=True) as progress:
-        task = progress.add_task("bench prefix", total=repeats + 2)
+        task = progress.add_task("bench prefix", total=repeats + 3)
         _shared_prompt_repeat(model, prompts[:2], context)  # warm-up, not counted
         progress.advance(task)
         for _ in range(repeats):
@@ -179,6 +184,8 @@ def run_prefix(model: Model, repeats: int = 3) -> dict[str, Any]:
             "off": _chat(model, system_text, context, cache=False),
             "on": _chat(model, system_text, context, cache=True),
         }
+        progress.advance(task)
+        store = run_prefix_store(model, system, repeats)
         progress.advance(task)
     return {
         "system_tokens": n_system,
@@ -196,4 +203,5 @@ def run_prefix(model: Model, repeats: int = 3) -> dict[str, Any]:
         "chat_new_tokens": CHAT_NEW_TOKENS,
         "chat": chat,
         "ttft_ratio_p50": summary(ratios)["median"],
+        "store": store,
     }

@@ -9,6 +9,7 @@ from importlib.metadata import version
 from typing import Any
 
 from slotserve.bench.executors import executors_section
+from slotserve.bench.prefix_store import store_section
 from slotserve.bench.servers import servers_section
 from slotserve.bench.stats import format_summary, markdown_table
 from slotserve.plan import format_bytes
@@ -288,7 +289,8 @@ def _prefix(r: dict[str, Any]) -> list[str]:
         "TTFT ms, off",
         "TTFT ms, on",
     ]
-    return lines + markdown_table(chat_header, chat_rows)
+    lines += markdown_table(chat_header, chat_rows)
+    return lines + (store_section(r["store"]) if "store" in r else [])
 
 
 def _memory(r: dict[str, Any]) -> list[str]:

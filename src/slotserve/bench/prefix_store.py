@@ -1,0 +1,276 @@
+"""``bench prefix``, its disk-tier variant: the prefix store on and off, in one run.
+
+Restart TTFT. A conversation of 4 turns after a ~1,000-token system prompt (what fits a
+small model's context) on a one-slot cell engine with the prefix cache and the store; its
+files flushed, the store directory is copied aside, and the same engine answers turn 5 (a
+process that never restarted: memory restores the history). Then the restart, engine-level:
+a fresh engine on the copied store answers turn 5 (it restores the history from disk), and
+a fresh engine without a store answers it cold (it computes the whole history). Both fresh
+engines take turns going first across repeats. Reported: TTFT of each, the cold ÷ restored
+ratio per repeat, the tokens each restored, and the disk read's own time (inside the
+prefill span, ``restore_time``).
+
+Writes under load. A storm of distinct prompts, one after another beside a long decode
+stream, on a two-slot engine with the cache on and the store on (a disk budget of a few
+snapshots, so files are evicted) and off, taking turns across repeats. Every prompt's
+prefill publishes a snapshot, which the store writes on its own thread. Reported: step time
+p50/p99 over every step, the stream's ITL p50/p99, and the store's files, bytes against the
+budget, writes and skips: what the writer costs a step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from slotserve.bench.stats import format_summary, markdown_table, percentile, summary
+from slotserve.engine import Engine, EngineConfig, Finished
+from slotserve.model import Model
+from slotserve.plan import format_bytes
+from slotserve.sampling import SamplingParams
+
+BLOCK_SIZE = 16
+HISTORY_TURNS = 4
+TURN_TOKENS = 12  # the user's part of each turn
+REPLY_TOKENS = 16
+STORM_PROMPTS = 12
+STORM_FILES = 4  # the storm's disk budget, in snapshots
+STREAM_PROMPT = 16
+
+
+def _config(
+    model: Model, max_seqs: int, context: int, store: Path | None, **extra: Any
+) -> EngineConfig:
+    config = EngineConfig(
+        max_seqs=max_seqs, max_context=context, kv_layout="cell", block_size=BLOCK_SIZE
+    )
+    pool_bytes = config.plan(model.info, model.weight_bytes).kv_bytes
+    return dataclasses.replace(config, prefix_cache_bytes=pool_bytes, prefix_store=store, **extra)
+
+
+def _tokens(model: Model, n: int, salt: int) -> list[int]:
+    """``n`` ordinary token ids, distinct for each ``salt``."""
+    vocab = model.info.vocab_size
+    low = min(100, vocab // 4)
+    return [low + (salt * 7919 + i * 104_729) % (vocab - low) for i in range(n)]
+
+
+# -- restart TTFT --------------------------------------------------------------------
+
+
+def _converse(engine: Engine, system: list[int], turns: list[list[int]]) -> list[int]:
+    """The conversation's history after ``turns``, each turn kept in the cache."""
+    params = SamplingParams(temperature=0, max_new_tokens=REPLY_TOKENS, ignore_eos=True)
+    history = list(system)
+    for user in turns:
+        final = engine.submit([*history, *user], params, publish_completion=True).result()
+        history = [*history, *user, *final.tokens]
+    return history
+
+
+def _turn(engine: Engine, prompt: list[int]) -> dict[str, Any]:
+    params = SamplingParams(temperature=0, max_new_tokens=REPLY_TOKENS, ignore_eos=True)
+    final: Finished = engine.submit(prompt, params).result()
+    timings = final.timings
+    assert timings.ttft is not None
+    return {
+        "ttft_s": timings.ttft,
+        "restored": timings.prompt_tokens_restored,
+        "computed": timings.prompt_tokens_computed,
+        "restore_time_s": timings.restore_time,
+    }
+
+
+def _restart_repeat(
+    model: Model, system: list[int], turns: list[list[int]], context: int, first_cold: bool
+) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="slotserve-bench-store-") as where:
+        live, copy = Path(where) / "live", Path(where) / "restart"
+        engine = Engine(model, _config(model, 1, context, live))
+        try:
+            history = _converse(engine, system, turns[:HISTORY_TURNS])
+            assert engine.prefix is not None and engine.prefix.store is not None
+            engine.prefix.store.flush()
+            shutil.copytree(live, copy)  # the files a kill -9 now would leave
+            turn5 = [*history, *turns[HISTORY_TURNS]]
+            never = _turn(engine, turn5)
+        finally:
+            engine.close()
+        sides: dict[str, dict[str, Any]] = {}
+        for side in ("cold", "restored") if first_cold else ("restored", "cold"):
+            store = copy if side == "restored" else None
+            fresh = Engine(model, _config(model, 1, context, store))
+            try:
+                sides[side] = _turn(fresh, turn5)
+                stats = fresh.stats().prefix
+                if side == "restored":
+                    assert stats is not None and stats.store is not None
+                    sides[side]["store_files"] = stats.store.files
+                    sides[side]["store_bytes"] = stats.store.bytes
+            finally:
+                fresh.close()
+    return {"history_tokens": len(history), "never_restarted": never, **sides}
+
+
+def run_restart(model: Model, system: list[int], repeats: int) -> dict[str, Any]:
+    """Turn 5 after a restart, with the store and without, beside a never-restarted engine."""
+    turns = [_tokens(model, TURN_TOKENS, 1000 + i) for i in range(HISTORY_TURNS + 1)]
+    want = len(system) + (HISTORY_TURNS + 1) * (TURN_TOKENS + REPLY_TOKENS) + REPLY_TOKENS
+    context = min(model.info.max_context, -(-want // BLOCK_SIZE) * BLOCK_SIZE)
+    context = context // BLOCK_SIZE * BLOCK_SIZE
+    _restart_repeat(model, system[: len(system) // 4], turns, context, True)  # warm-up
+    runs = [_restart_repeat(model, system, turns, context, i % 2 == 0) for i in range(repeats)]
+    last = runs[-1]
+    return {
+        "history_tokens": last["history_tokens"],
+        "context": context,
+        "ttft_s_never_restarted": summary([r["never_restarted"]["ttft_s"] for r in runs]),
+        "ttft_s_restored": summary([r["restored"]["ttft_s"] for r in runs]),
+        "ttft_s_cold": summary([r["cold"]["ttft_s"] for r in runs]),
+        "ratio_cold_over_restored": summary(
+            [r["cold"]["ttft_s"] / r["restored"]["ttft_s"] for r in runs]
+        ),
+        "read_s": summary([r["restored"]["restore_time_s"] for r in runs]),
+        "restored_tokens": last["restored"]["restored"],
+        "never_restarted_tokens": last["never_restarted"]["restored"],
+        "cold_computed": last["cold"]["computed"],
+        "store_files": last["restored"]["store_files"],
+        "store_bytes": last["restored"]["store_bytes"],
+    }
+
+
+# -- writes under load ---------------------------------------------------------------
+
+
+def _storm_side(
+    model: Model, prompt_tokens: int, context: int, store: Path | None
+) -> dict[str, Any]:
+    snapshot = _config(model, 1, context, None).plan(model.info, model.weight_bytes).kv_bytes
+    budget = STORM_FILES * snapshot * prompt_tokens // context
+    extra = {"prefix_store_bytes": max(budget, 1)} if store is not None else {}
+    engine = Engine(model, _config(model, 2, context, store, **extra))
+    try:
+        decode = SamplingParams(
+            temperature=0, max_new_tokens=context - STREAM_PROMPT, ignore_eos=True
+        )
+        stream = engine.submit(_tokens(model, STREAM_PROMPT, 1), decode)
+        one = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
+        for i in range(STORM_PROMPTS):
+            engine.submit(_tokens(model, prompt_tokens, 10 + i), one, queue=True).result()
+        stream.cancel(wait=True)
+        itl = stream.result().timings.itl
+        steps = list(engine.counters.step_seconds)
+        figures: dict[str, Any] = {
+            "step_p50_s": percentile(steps, 50),
+            "step_p99_s": percentile(steps, 99),
+            "itl_p50_s": percentile(itl, 50),
+            "itl_p99_s": percentile(itl, 99),
+            "steps": len(steps),
+        }
+        if store is not None:
+            assert engine.prefix is not None and engine.prefix.store is not None
+            engine.prefix.store.flush()
+            report = engine.prefix.store.report()
+            figures["store"] = {
+                "budget_bytes": report.budget_bytes,
+                "bytes": report.bytes,
+                "files": report.files,
+                "written": report.counters.written,
+                "evictions": report.counters.evictions,
+                "skipped": dict(report.counters.skipped),
+            }
+    finally:
+        engine.close()
+    return figures
+
+
+def run_storm(model: Model, prompt_tokens: int, repeats: int) -> dict[str, Any]:
+    """Step times and a decode stream's ITL while distinct prompts' snapshots are written
+    (store on) or not (store off)."""
+    want = max(prompt_tokens + 1, STREAM_PROMPT + 64 * STORM_PROMPTS // 4)
+    context = min(model.info.max_context, -(-want // BLOCK_SIZE) * BLOCK_SIZE)
+    context = context // BLOCK_SIZE * BLOCK_SIZE
+    sides: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    with tempfile.TemporaryDirectory(prefix="slotserve-bench-storm-") as where:
+        for i in range(repeats):
+            for side in ("off", "on") if i % 2 == 0 else ("on", "off"):
+                store = Path(where) / f"{i}" if side == "on" else None
+                sides[side].append(_storm_side(model, prompt_tokens, context, store))
+    result: dict[str, Any] = {"prompts": STORM_PROMPTS, "prompt_tokens": prompt_tokens}
+    for side, runs in sides.items():
+        result[side] = {
+            key: summary([r[key] for r in runs])
+            for key in ("step_p50_s", "step_p99_s", "itl_p50_s", "itl_p99_s")
+        }
+    result["store"] = sides["on"][-1]["store"]
+    return result
+
+
+def run_prefix_store(model: Model, system: list[int], repeats: int) -> dict[str, Any]:
+    """Both parts (`run_restart`, `run_storm`)."""
+    return {
+        "restart": run_restart(model, system, repeats),
+        "storm": run_storm(model, max(len(system) // 8, 8), repeats),
+        "repeats": repeats,
+    }
+
+
+# -- report --------------------------------------------------------------------------
+
+
+def store_section(r: dict[str, Any]) -> list[str]:
+    """The markdown of `run_prefix_store`'s figures (a part of the prefix section)."""
+    restart, storm = r["restart"], r["storm"]
+
+    def ms(cell: dict[str, float]) -> str:
+        return format_summary({k: v * 1000 for k, v in cell.items()})
+
+    lines = [
+        "### prefix: the disk tier (`--prefix-store`), on and off",
+        "",
+        f"Restart TTFT. A conversation of {HISTORY_TURNS} turns ({restart['history_tokens']} "
+        "tokens of history) on a one-slot cell engine with the cache and the store; then "
+        "turn 5 on that engine (never restarted), on a fresh engine over the store's files "
+        "(restored from disk), and on a fresh engine without a store (cold), in each of "
+        f"{r['repeats']} repeats. Engine-level: a restart is a new engine in the same "
+        "process, over the files a `kill -9` would have left.",
+        "",
+    ]
+    rows = [
+        ["never restarted (memory)", ms(restart["ttft_s_never_restarted"]),
+         str(restart["never_restarted_tokens"])],
+        ["restarted, store on", ms(restart["ttft_s_restored"]), str(restart["restored_tokens"])],
+        ["restarted, store off (cold)", ms(restart["ttft_s_cold"]), "0"],
+    ]  # fmt: skip
+    lines += markdown_table(["turn 5", "TTFT ms", "tokens restored"], rows)
+    lines += [
+        f"Cold ÷ restored TTFT: **{format_summary(restart['ratio_cold_over_restored'], 2)}×**; "
+        f"the disk read itself {ms(restart['read_s'])} ms "
+        f"({restart['store_files']} files, {format_bytes(restart['store_bytes'])}).",
+        "",
+        f"Writes under load. {storm['prompts']} distinct {storm['prompt_tokens']}-token "
+        "prompts one after another beside a long decode stream on a two-slot engine, the "
+        "store on (a budget of a few snapshots) and off: every prompt's snapshot is "
+        "written by the store's thread.",
+        "",
+    ]
+    rows = [
+        [side, ms(storm[side]["step_p50_s"]), ms(storm[side]["step_p99_s"]),
+         ms(storm[side]["itl_p50_s"]), ms(storm[side]["itl_p99_s"])]
+        for side in ("off", "on")
+    ]  # fmt: skip
+    lines += markdown_table(
+        ["store", "step p50 ms", "step p99 ms", "stream ITL p50 ms", "stream ITL p99 ms"], rows
+    )
+    store = storm["store"]
+    skipped = ", ".join(f"{k} {v}" for k, v in sorted(store["skipped"].items())) or "none"
+    lines += [
+        f"The store: {store['written']} files written, {store['evictions']} evicted, "
+        f"{store['files']} kept, {format_bytes(store['bytes'])} of "
+        f"{format_bytes(store['budget_bytes'])}; writes skipped: {skipped}.",
+        "",
+    ]
+    return lines

@@ -1,0 +1,40 @@
+"""``bench prefix``'s disk-tier variant on a tiny model: turn 5 after a restart restores
+the conversation from the store's files (and without a store computes it whole), beside an
+engine that never restarted; the storm of distinct prompts keeps the store within its disk
+budget (files evicted) while step times are measured with the store on and off; the
+section renders both tables."""
+
+from __future__ import annotations
+
+import slotserve as ss
+from slotserve.bench.prefix import system_prompt
+from slotserve.bench.prefix_store import STORM_PROMPTS, run_prefix_store, store_section
+
+
+def test_the_store_variant_restores_after_a_restart_and_keeps_its_budget(
+    tiny: ss.Model,
+) -> None:
+    system = system_prompt(tiny, tiny.info.max_context // 8)
+    result = run_prefix_store(tiny, system, repeats=1)
+    restart = result["restart"]
+    history = restart["history_tokens"]
+    assert history > len(system)
+    # The last turn's snapshot: the history less its last sampled token, never fed.
+    assert restart["restored_tokens"] == restart["never_restarted_tokens"] == history - 1
+    assert restart["cold_computed"] > history  # the whole history and turn 5's message
+    assert restart["store_files"] >= 1 and restart["store_bytes"] > 0
+    assert restart["read_s"]["median"] > 0
+    assert restart["ratio_cold_over_restored"]["median"] > 0
+
+    storm = result["storm"]
+    store = storm["store"]
+    assert store["bytes"] <= store["budget_bytes"]
+    assert store["evictions"] > 0 and store["files"] < STORM_PROMPTS
+    assert store["written"] + sum(store["skipped"].values()) >= STORM_PROMPTS
+    for side in ("off", "on"):
+        assert storm[side]["step_p99_s"]["median"] >= storm[side]["step_p50_s"]["median"] > 0
+
+    text = "\n".join(store_section(result))
+    assert "### prefix: the disk tier" in text
+    assert "| restarted, store on |" in text and "| on |" in text and "| off |" in text
+    assert f"{store['written']} files written" in text
