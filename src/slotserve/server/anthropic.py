@@ -34,6 +34,7 @@ from slotserve.server.generation import collect, merged
 from slotserve.server.schemas import Body, ChatCompletionRequest
 from slotserve.server.state import ServerState
 from slotserve.server.tool_calls import CallStream, parse_reply
+from slotserve.server.validation import describe, json_kind
 
 # HTTP status → Anthropic's error type; 503 (shutting down, still loading) is its 529.
 ERROR_TYPES = {
@@ -95,11 +96,25 @@ async def parsed(request: Request, model: type[Body]) -> Any:
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        location = [str(p) for p in error["loc"]] + [
-            str(p) for p in getattr(error.get("ctx", {}).get("error"), "path", ())
-        ]
-        raise _refuse(".".join(location) or "body", error["msg"]) from None
+        raise _invalid(exc) from None
+
+
+def _invalid(exc: ValidationError) -> APIError:
+    """The 400 for a body that fails its types: the message names the field."""
+    failure = describe(exc.errors())
+    return APIError(400, failure.message, "invalid_request_error", failure.param or "body")
+
+
+def _field(block: dict[str, Any], key: str, kind: type, param: str, default: Any = None) -> Any:
+    """``block[key]``, which must be of JSON type ``kind`` (strictly: a boolean is not an
+    integer), else a 400 naming ``param.key``; ``default`` when it is absent."""
+    if key not in block:
+        return default
+    value = block[key]
+    if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
+        expected = {str: "a string", dict: "an object", bool: "a boolean", list: "an array"}
+        raise _refuse(f"{param}.{key}", f"expected {expected[kind]}, got {json_kind(value)}")
+    return value
 
 
 def _text(content: Any, param: str) -> str:
@@ -110,7 +125,7 @@ def _text(content: Any, param: str) -> str:
     for index, block in enumerate(content if isinstance(content, list) else [content]):
         if not isinstance(block, dict) or block.get("type") != "text":
             raise _refuse(f"{param}.{index}", "only text blocks are supported here")
-        texts.append(str(block.get("text", "")))
+        texts.append(_field(block, "text", str, f"{param}.{index}", ""))
     return "\n".join(texts)
 
 
@@ -134,16 +149,17 @@ def chat_messages(body: MessagesRequest | CountTokensRequest) -> list[dict[str, 
             param = f"messages.{index}.content.{place}"
             kind = block.get("type") if isinstance(block, dict) else None
             if kind == "text":
-                texts.append(str(block.get("text", "")))
+                texts.append(_field(block, "text", str, param, ""))
             elif kind == "tool_use" and role == "assistant":
-                arguments = json.dumps(block.get("input", {}), ensure_ascii=False)
-                function = {"name": block.get("name"), "arguments": arguments}
-                calls.append({"id": block.get("id"), "type": "function", "function": function})
+                arguments = json.dumps(_field(block, "input", dict, param, {}), ensure_ascii=False)
+                function = {"name": _field(block, "name", str, param), "arguments": arguments}
+                call_id = _field(block, "id", str, param)
+                calls.append({"id": call_id, "type": "function", "function": function})
             elif kind == "tool_result" and role == "user":
                 result = _text(block.get("content"), f"{param}.content")
-                if block.get("is_error"):
+                if _field(block, "is_error", bool, param, False):
                     result = f"error: {result}"
-                answer = {"role": "tool", "tool_call_id": block.get("tool_use_id")}
+                answer = {"role": "tool", "tool_call_id": _field(block, "tool_use_id", str, param)}
                 messages.append({**answer, "content": result})
             else:
                 raise _refuse(f"{param}.type", f"{kind!r} blocks are not supported in {role} turns")
@@ -176,7 +192,7 @@ def chat_tools(body: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
         if chosen is None:
             raise _refuse("tool_choice.type", f"{kind!r} is not auto, any, tool or none")
         fields["tool_choice"] = chosen
-        if choice.get("disable_parallel_tool_use"):
+        if _field(choice, "disable_parallel_tool_use", bool, "tool_choice", False):
             fields["parallel_tool_calls"] = False
     return fields
 
@@ -196,8 +212,7 @@ def chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRe
     try:
         return ChatCompletionRequest.model_validate(fields)
     except ValidationError as exc:
-        error = exc.errors()[0]
-        raise _refuse(".".join(str(p) for p in error["loc"]) or "body", error["msg"]) from None
+        raise _invalid(exc) from None
 
 
 async def count_tokens(engine: Engine, body: CountTokensRequest) -> dict[str, Any]:

@@ -3,6 +3,7 @@ and the SSE stream."""
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,7 +21,7 @@ from slotserve.server import responses as fmt
 from slotserve.server.defaults import SamplingDefaults
 from slotserve.server.errors import CONTEXT_LENGTH_EXCEEDED, APIError, error_body
 from slotserve.server.generation import collect, merged, submit_all
-from slotserve.server.schemas import ChatMessage, CompletionRequest, SamplingFields
+from slotserve.server.schemas import SEED_MAX, ChatMessage, CompletionRequest, SamplingFields
 from slotserve.server.state import ServerState
 from slotserve.server.structured import logit_bias, output_refusal, response_grammar
 from slotserve.server.tools import ToolPlan, template_input
@@ -72,6 +73,17 @@ def prompt_tokens(engine: Engine, prompt: str | list[int], param: str) -> list[i
     a prompt that leaves no room to generate is refused as OpenAI does (400
     ``context_length_exceeded``, ``param`` naming the prompt's field)."""
     tokens = engine.model.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    vocab = engine.model.info.vocab_size
+    bad = next(((i, t) for i, t in enumerate(tokens) if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(
+            400,
+            f"{param}: token id {bad[1]} (at index {bad[0]}) is not in this model's vocabulary "
+            f"(0..{vocab - 1})",
+            "invalid_request_error",
+            param=param,
+            code="invalid_value",
+        )
     limit = engine.config.max_context
     if len(tokens) >= limit:
         raise APIError(
@@ -101,7 +113,7 @@ def sampling_params(
     the server's ``defaults`` for those it leaves out."""
     defaults = defaults or SamplingDefaults()
     budget = body.token_budget()
-    seed = None if body.seed is None else body.seed + choice
+    seed = None if body.seed is None else _choice_seed(body.seed, choice)
     try:
         return SamplingParams(
             temperature=_given(body.temperature, defaults.temperature),
@@ -120,7 +132,24 @@ def sampling_params(
             grammar=grammar,
         )
     except ValueError as exc:
-        raise APIError(400, str(exc), "invalid_request_error", code="invalid_value") from None
+        named = _PARAM_OF_SAMPLING.match(str(exc))
+        param = _REQUEST_FIELD.get(named.group(1), named.group(1)) if named else None
+        raise APIError(
+            400, str(exc), "invalid_request_error", param=param, code="invalid_value"
+        ) from None
+
+
+# `SamplingParams` names the field it refuses first ("top_p=… is out of range"); the
+# request's name for it, where it differs.
+_PARAM_OF_SAMPLING = re.compile(r"^([a-z_]+)[= ]")
+_REQUEST_FIELD = {"max_new_tokens": "max_tokens"}
+
+
+def _choice_seed(seed: int, choice: int) -> int:
+    """The seed of choice ``choice``: ``seed + choice``, wrapped into the 64-bit range the
+    sampler takes (a seed of 2^64 - 1 with n = 2 stays valid)."""
+    value = seed + choice
+    return value - 2**64 if value > SEED_MAX else value
 
 
 def priority_of(body: SamplingFields, request: Request) -> Priority:

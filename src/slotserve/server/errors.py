@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slotserve.errors import AdmissionRefused
+from slotserve.server.validation import describe
 
 log = logging.getLogger("slotserve")
 
@@ -83,15 +84,9 @@ async def validation_handler(request: Request, exc: Exception) -> JSONResponse:
         return JSONResponse(
             error_body(first["msg"], "invalid_request_error", param, "unsupported_parameter"), 400
         )
-    location = [str(p) for p in first.get("loc", ()) if p != "body"]
-    detail = first.get("msg", "invalid request")
-    if first.get("type") == "value_error" and "ctx" in first:
-        cause = first["ctx"]["error"]
-        detail = str(cause)  # our own validator's message, without pydantic's prefix
-        location += [str(p) for p in getattr(cause, "path", ())]  # InvalidText: where inside
-    param = ".".join(location) or None
-    message = f"{param}: {detail}" if param else f"invalid request body: {detail}"
-    return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_value"), 400)
+    failure = describe(exc.errors())
+    body = error_body(failure.message, "invalid_request_error", failure.param, "invalid_value")
+    return JSONResponse(body, 400)
 
 
 async def http_error_handler(request: Request, exc: Exception) -> JSONResponse:

@@ -17,7 +17,6 @@ sharing its blocks. ``store: false`` keeps nothing here.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -26,10 +25,8 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import Field, ValidationError
 
 from slotserve.engine import Engine, Finished, TokenEvent
-from slotserve.engine.events import Priority
 from slotserve.sampling import Grammar
 from slotserve.server import responses as fmt
 from slotserve.server.completions import (
@@ -42,138 +39,17 @@ from slotserve.server.completions import (
 from slotserve.server.errors import APIError
 from slotserve.server.generation import collect, merged, submit_all
 from slotserve.server.response_store import StoredResponse
-from slotserve.server.schemas import Body, ChatCompletionRequest
+from slotserve.server.responses_input import (
+    ResponsesRequest,
+    chat_request,
+    input_error,
+    input_messages,
+    refuse,
+)
 from slotserve.server.state import ServerState
 from slotserve.server.structured import logit_bias, response_grammar
 from slotserve.server.tool_calls import CallStream, parse_reply, reply_text
 from slotserve.server.tools import ToolPlan, plan_tools, tool_grammar
-
-INVALID = "invalid_request_error"
-
-
-class ResponsesRequest(Body):
-    model: str
-    input: str | list[dict[str, Any]]
-    instructions: str | None = None
-    previous_response_id: str | None = None
-    store: bool = True
-    stream: bool = False
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
-    top_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    text: dict[str, Any] | None = None
-    metadata: dict[str, str] | None = None
-    user: str | None = None
-    priority: Priority | None = None  # slotserve's: the request's class
-    seed: int | None = None  # slotserve's, as in chat
-
-
-def _refuse(param: str, reason: str) -> APIError:
-    return APIError(400, f"{param}: {reason}", INVALID, param)
-
-
-def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``input`` as chat messages: consecutive ``function_call`` items become one assistant
-    message's tool calls, ``function_call_output`` items tool messages."""
-    if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    messages: list[dict[str, Any]] = []
-    for index, item in enumerate(items):
-        kind = item.get("type", "message")
-        if kind == "message":
-            messages.append(_message_of(item, f"input.{index}"))
-        elif kind == "function_call":
-            call = {
-                "id": item.get("call_id"),
-                "type": "function",
-                "function": {"name": item.get("name"), "arguments": item.get("arguments")},
-            }
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)
-            else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            output = item.get("output")
-            text = output if isinstance(output, str) else json.dumps(output)
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": text})
-        else:
-            raise _refuse(f"input.{index}.type", f"items of type {kind!r} are not supported")
-    return messages
-
-
-def _message_of(item: dict[str, Any], param: str) -> dict[str, Any]:
-    content = item.get("content")
-    if isinstance(content, list):
-        texts = []
-        for index, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text"):
-                raise _refuse(f"{param}.content.{index}", "only text parts are supported")
-            texts.append(str(part.get("text", "")))
-        content = "\n".join(texts)
-    return {"role": item.get("role"), "content": content}
-
-
-def chat_tools(body: ResponsesRequest) -> dict[str, Any]:
-    """The Responses' flat function tools and tool choice in chat's shape."""
-    fields: dict[str, Any] = {}
-    if body.tools is not None:
-        tools = []
-        for index, tool in enumerate(body.tools):
-            if tool.get("type") != "function":
-                raise _refuse(
-                    f"tools.{index}.type", f"{tool.get('type')!r} tools are not supported"
-                )
-            function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
-            tools.append({"type": "function", "function": function})
-        fields["tools"] = tools
-    choice = body.tool_choice
-    if isinstance(choice, dict):
-        fields["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
-    elif choice is not None:
-        fields["tool_choice"] = choice
-    if body.parallel_tool_calls is not None:
-        fields["parallel_tool_calls"] = body.parallel_tool_calls
-    return fields
-
-
-def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
-    """``text.format`` as chat's ``response_format``."""
-    form = (text or {}).get("format")
-    if not isinstance(form, dict) or form.get("type") in (None, "text"):
-        return None
-    if form.get("type") == "json_schema":
-        schema = {"name": form.get("name"), "schema": form.get("schema")}
-        return {"type": "json_schema", "json_schema": schema}
-    return {"type": form.get("type")}
-
-
-def chat_request(
-    body: ResponsesRequest, conversation: list[dict[str, Any]]
-) -> ChatCompletionRequest:
-    """The chat completion ``body`` asks for; a field chat refuses is a 400 naming it."""
-    system = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    fields = {
-        "model": body.model,
-        "messages": system + conversation,
-        "max_tokens": body.max_output_tokens,
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "seed": body.seed,
-        "priority": body.priority,
-        "response_format": _response_format(body.text),
-        **chat_tools(body),
-    }
-    try:
-        return ChatCompletionRequest.model_validate(fields)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        param = ".".join(str(p) for p in error["loc"])
-        param = param.replace("messages", "input", 1)  # what the client sent
-        raise _refuse(param or "input", error["msg"]) from None
 
 
 async def create_response(
@@ -184,7 +60,7 @@ async def create_response(
         stored = state.responses.get(body.previous_response_id)
         if stored is None:
             message = f"no stored response has id {body.previous_response_id!r}"
-            raise _refuse("previous_response_id", message)
+            raise refuse("previous_response_id", message)
         conversation = [dict(m) for m in stored.conversation]
     conversation += input_messages(body.input)
     chat = chat_request(body, conversation)
@@ -193,7 +69,7 @@ async def create_response(
         plan = plan_tools(tokenizer, chat)
         prompt = chat_tokens(engine, chat.messages, add_generation_prompt=True, tools=plan)
     except APIError as exc:  # chat's names for the fields: say the client's
-        raise _input_error(exc, len(chat.messages) - len(body_messages(body))) from None
+        raise input_error(exc, len(chat.messages) - len(input_messages(body.input))) from None
     tokens = prompt_tokens(engine, prompt, "input")
     grammars = state.grammars_of(engine)
     grammar: Grammar | None
@@ -214,23 +90,6 @@ async def create_response(
     check_finish(outcome.final)
     turn.finish(outcome.events, outcome.final)
     return JSONResponse(turn.response)
-
-
-def body_messages(body: ResponsesRequest) -> list[dict[str, Any]]:
-    return input_messages(body.input)
-
-
-def _input_error(exc: APIError, offset: int) -> APIError:
-    """``exc`` naming the request's ``input`` where it names chat's ``messages`` (message
-    ``offset`` is this request's first input message)."""
-    param = exc.param or ""
-    if param.startswith("messages."):
-        head, _, rest = param[len("messages.") :].partition(".")
-        index = int(head) - offset if head.isdigit() else head
-        param = f"input.{index}" + (f".{rest}" if rest else "")
-        message = exc.message.replace(exc.param or "", param, 1)
-        return APIError(exc.status, message, exc.kind, param, exc.code, exc.headers)
-    return exc
 
 
 class _Turn:

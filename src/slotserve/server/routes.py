@@ -14,7 +14,8 @@ from slotserve.server import anthropic
 from slotserve.server.completions import chat_tokens, generate
 from slotserve.server.embeddings import EmbeddingRequest, embed
 from slotserve.server.errors import APIError
-from slotserve.server.responses_api import ResponsesRequest, create_response
+from slotserve.server.responses_api import create_response
+from slotserve.server.responses_input import ResponsesRequest
 from slotserve.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,

@@ -13,6 +13,7 @@ them.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
@@ -39,7 +40,7 @@ def _text_only(value: Any, body: dict[str, Any]) -> bool:
 
 def _one_per_choice(value: Any, body: dict[str, Any]) -> bool:
     n = body.get("n") or 1
-    return value is None or (isinstance(value, int) and value == n)
+    return value is None or (type(value) is int and value == n)  # a boolean is no count
 
 
 def _default_verbosity(value: Any, body: dict[str, Any]) -> bool:
@@ -124,14 +125,19 @@ def check_unicode(value: Any, path: tuple[str | int, ...] = ()) -> None:
 
 
 class Body(BaseModel):
-    """A JSON object of a request: unknown fields ignored, every string valid Unicode.
+    """A JSON object of a request: unknown fields ignored, every string valid Unicode,
+    every field strictly typed as OpenAI's API types it (pydantic's strict mode): an
+    integer is not a boolean, a string or a decimal number (``max_tokens: "5"``,
+    ``n: true`` and ``max_tokens: 5.0`` are refused), a number is not a boolean, a boolean
+    only ``true`` or ``false``. Subclasses keep strict mode (their ``model_config`` is
+    merged with this one). `validation.describe` turns a failure into the 400.
 
-    The check runs on the raw value of each field, before its type, so a failure is
-    reported at the string itself (``messages.0.content``; `InvalidText.path`), never at
+    The Unicode check runs on the raw value of each field, before its type, so a failure
+    is reported at the string itself (``messages.0.content``; `InvalidText.path`), never at
     a member of a type union.
     """
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -147,7 +153,7 @@ class StreamOptions(Body):
 class JsonSchemaFormat(Body):
     """``response_format.json_schema``: the schema the output must validate against."""
 
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
 
     name: str | None = None
     description: str | None = None
@@ -169,8 +175,12 @@ class ResponseFormat(Body):
         return self
 
 
-# OpenAI's range for a logit bias; keys are token ids written as strings.
+# OpenAI's range for a logit bias; keys are token ids written as strings of ASCII digits
+# (str.isdigit would take "٣", an Arabic-Indic three, and int() would read it as 3).
 LogitBias = Annotated[float, Field(ge=-100.0, le=100.0)]
+TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
+# The seeds the sampler takes: any 64-bit integer, signed or not.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 class SamplingFields(Body):
@@ -182,7 +192,7 @@ class SamplingFields(Body):
     top_p: float | None = Field(default=None, ge=0.0, le=1.0)
     top_k: int | None = Field(default=None, ge=0)
     min_p: float | None = Field(default=None, ge=0.0, le=1.0)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
@@ -207,8 +217,11 @@ class SamplingFields(Body):
     @classmethod
     def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key in value or {}:
-            if not key.strip().isdigit():
-                raise ValueError(f"key {key!r} is not a token id: use token ids as strings")
+            if not TOKEN_ID_KEY.fullmatch(key):
+                raise ValueError(
+                    f"key {key!r} is not a token id: write each token id in ASCII digits "
+                    '(as "50256")'
+                )
         return value
 
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:

@@ -20,7 +20,7 @@ FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"
 
 
 class _Shape(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)  # as `schemas.Body`
 
 
 class FunctionSpec(_Shape):
