@@ -1,9 +1,14 @@
-"""`CapacityPlan`: will weights + activations + max_seqs × KV per session fit the budget?
+"""`CapacityPlan`: will the whole process (runtime + weights + a bundle's method memory +
+activations + max_seqs × KV per session + the grammars arena) fit the budget?
 
-Computed from `ModelInfo` and `KVConfig` alone (no allocation), with the same placement
-rules the pool allocates by, so the planned KV bytes equal the pool's measured bytes.
-If the plan does not fit, `check()` raises `PlanError` naming the largest ``max_seqs``
-and the largest ``max_context`` that would.
+The KV pool and the activations are computed from `ModelInfo` and `KVConfig` alone (no
+allocation), with the same placement rules the pool allocates by, so the planned KV bytes
+equal the pool's measured bytes. The runtime arena (the process before its weights) and the
+resident weights are measured when the model loads (`slotserve.memory.LoadMemory`), and a
+bundle's planned method memory is what its program plans; the engine passes them in
+(`EngineConfig.plan`). If the plan does not fit, `check()` raises `PlanError` naming the
+largest ``max_seqs`` and the largest ``max_context`` that would, or, when the runtime alone
+is over the budget, that number.
 """
 
 from __future__ import annotations
@@ -106,6 +111,12 @@ class CapacityPlan:
     # --grammar-cache-bytes); 0 where nothing compiles grammars. A memory map has no budget
     # for it: it counts in the total, and is not checked per arena.
     grammar_cache_bytes: int = 0
+    # Measured, not computed: the process's resident set before the weights (the runtime
+    # arena; 0: left out) and the memory a bundle's program plans for its methods (0 for
+    # a model the halves run in torch). Like the grammars, a memory map does not budget
+    # them: they count in the total.
+    runtime_bytes: int = 0
+    method_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None and self.memory_map is not None:
@@ -114,6 +125,9 @@ class CapacityPlan:
             raise ValueError(f"prefix_cache_bytes={self.prefix_cache_bytes} must be >= 0")
         if self.grammar_cache_bytes < 0:
             raise ValueError(f"grammar_cache_bytes={self.grammar_cache_bytes} must be >= 0")
+        for name in ("weight_bytes", "runtime_bytes", "method_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens={self.max_batch_tokens} must be >= 1")
 
@@ -145,12 +159,14 @@ class CapacityPlan:
 
     @property
     def arenas(self) -> dict[str, int]:
-        """``kv`` is the pool plus the prefix cache's copies (`prefix_copy_bytes`)."""
-        arenas = {
-            "weights": self.weight_bytes,
-            "kv": self.kv_bytes + self.prefix_copy_bytes,
-            "activations": activation_bytes(self.info, self.kv, self.max_batch_tokens),
-        }
+        """Bytes by arena; ``kv`` is the pool plus the prefix cache's copies
+        (`prefix_copy_bytes`). ``runtime``, ``methods`` and ``grammars`` appear when set."""
+        arenas = {"runtime": self.runtime_bytes} if self.runtime_bytes else {}
+        arenas["weights"] = self.weight_bytes
+        if self.method_bytes:
+            arenas["methods"] = self.method_bytes
+        arenas["kv"] = self.kv_bytes + self.prefix_copy_bytes
+        arenas["activations"] = activation_bytes(self.info, self.kv, self.max_batch_tokens)
         if self.grammar_cache_bytes:
             arenas["grammars"] = self.grammar_cache_bytes
         return arenas
@@ -224,6 +240,9 @@ class CapacityPlan:
         """Raise `PlanError` unless the plan fits, naming the levers that would make it."""
         if self.fits:
             return
+        refusal = self.runtime_refusal()
+        if refusal is not None:
+            raise refusal
         arenas = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.arenas.items())
         limit = (
             f"the budget {format_bytes(self.memory_budget)}"
@@ -241,6 +260,20 @@ class CapacityPlan:
                 if self.grammar_cache_bytes
                 else ""
             )
+        )
+
+    def runtime_refusal(self) -> PlanError | None:
+        """The `PlanError` of a budget under the runtime arena alone (None otherwise): no
+        context or concurrency can fit it, so it names the runtime, the budget and the
+        budget this plan needs."""
+        if self.memory_budget is None or self.runtime_bytes <= self.memory_budget:
+            return None
+        return PlanError(
+            f"the runtime alone (the interpreter, torch and the libraries, measured at start) "
+            f"holds {format_bytes(self.runtime_bytes)}, more than the budget "
+            f"{format_bytes(self.memory_budget)}: no context or concurrency fits. Raise the "
+            f"budget to at least {format_bytes(self.worst_case_bytes)} (this plan's whole worst "
+            "case), or plan the model's arenas only (budget_scope='model', --budget-scope model)"
         )
 
     def to_dict(self) -> dict[str, Any]:

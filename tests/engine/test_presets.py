@@ -281,7 +281,8 @@ def test_plan_preset_prints_one_line_per_decision(
     tiny_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     model = str(tiny_dirs["llama"])
-    assert main(["plan", "--model", model, "--preset", "voice", "--memory-budget", "8MiB"]) == 0
+    argv = ["plan", "--model", model, "--preset", "voice", "--memory-budget", "8MiB"]
+    assert main([*argv, "--budget-scope", "model"]) == 0  # 8 MiB: the model's arenas only
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("preset voice: short sessions, frequent cancellation")
     decided = [line for line in lines if line.startswith("  [voice] ")]
@@ -295,6 +296,7 @@ def test_plan_preset_flags_override(
 ) -> None:
     model = str(tiny_dirs["llama"])
     argv = ["plan", "--model", model, "--preset", "voice", "--memory-budget", "8MiB"]
+    argv += ["--budget-scope", "model"]  # 8 MiB: the model's arenas only
     assert main([*argv, "--max-seqs", "2", "--policy", "fifo", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert (report["max_seqs"], report["layout"]) == (2, "cell")

@@ -17,6 +17,7 @@ from slotserve.artifact.hf import load_hf_dir
 from slotserve.artifact.named import NAMED_MODELS, model_path
 from slotserve.artifact.program import open_bundle
 from slotserve.errors import ArtifactError
+from slotserve.memory import LoadMemory, rss_bytes, trim_heap
 from slotserve.model import Model
 from slotserve.model.quantized import with_weights
 from slotserve.native import (
@@ -59,6 +60,7 @@ def load(
     """
     built = build_kernels(kernels)
     weights = weight_format(spec, weights, built)
+    runtime = rss_bytes()  # the runtime arena: what the process holds before the weights
     if weights == "gguf":
         if built.blocks is None:
             state = "off" if kernels == "off" else "not built (see the warning above)"
@@ -77,6 +79,8 @@ def load(
                 raise ValueError(f"weights={weights!r}: a bundle's weights were fixed at export")
             quantised = with_weights(model.weights, weights)
             model = Model.from_weights(model.info, model.tokenizer, quantised, model.source, built)
+    trim_heap()  # the load's freed temporaries leave the resident set
+    model.load_memory = LoadMemory(runtime, rss_bytes())  # the plan's measured arenas
     return model
 
 

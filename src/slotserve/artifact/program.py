@@ -76,7 +76,8 @@ class ProgramHalves:
         manifest = bundle.manifest
         self.options = LoadOptions.from_manifest(manifest.load_options, **load_options)
         check_formats(bundle)
-        _check_delegates(bundle)
+        pte = _check_delegates(bundle)
+        self.planned_method_bytes = planned_method_bytes(pte)
         try:
             program = Runtime.get().load_program(bundle.program, data_path=bundle.weights)
         except RuntimeError as error:
@@ -258,7 +259,14 @@ def check_formats(bundle: Bundle) -> None:
         )
 
 
-def _check_delegates(bundle: Bundle) -> None:
+def planned_method_bytes(pte: Any) -> int:
+    """The memory ExecuTorch plans for the program's methods, all of them: each method's
+    planned (non-constant) buffers, allocated when it is loaded (entry 0 of each list is
+    reserved and 0). Delegates' own scratch (XNNPACK's workspace) is not in it."""
+    return sum(sum(plan.non_const_buffer_sizes) for plan in pte.program.execution_plan)
+
+
+def _check_delegates(bundle: Bundle) -> Any:
     """Every backend the program was lowered for is registered in this runtime. Read from the
     program itself, not only the manifest: a delegate with no runtime fails much later and
     much less clearly ("missing delegate data")."""
@@ -285,6 +293,7 @@ def _check_delegates(bundle: Bundle) -> None:
             "--backend xnnpack or --backend portable",
             "delegates",
         )
+    return pte
 
 
 def _check_methods(bundle: Bundle, present: set[str]) -> None:

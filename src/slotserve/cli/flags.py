@@ -11,7 +11,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from slotserve.engine.config import DEFAULT_PREFIX_STORE_BYTES, EngineConfig
+from slotserve.engine.config import BUDGET_SCOPES, DEFAULT_PREFIX_STORE_BYTES, EngineConfig
 from slotserve.engine.presets import PRESET_NAMES, PresetChoice, choose_preset
 from slotserve.engine.pressure import PRESSURE_SPELLINGS, PressureSource, pressure_from
 from slotserve.plan import MemoryMap, parse_bytes
@@ -101,6 +101,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         )
     parser.add_argument("--memory-budget", default=None, help="e.g. 1GiB, 512MB, 1073741824")
     parser.add_argument(
+        "--budget-scope",
+        choices=BUDGET_SCOPES,
+        default="process",
+        help="what --memory-budget holds: process (default) the whole process, its runtime "
+        "and resident weights as measured at load included; model the model's arenas only",
+    )
+    parser.add_argument(
         "--memory-map",
         default=None,
         metavar="W,K,A",
@@ -177,6 +184,7 @@ def explicit_settings(args: argparse.Namespace) -> dict[str, Any]:
         for dest, (field, *_rest) in ENGINE_FLAGS.items()
         if getattr(args, dest, None) is not None
     }
+    settings["budget_scope"] = getattr(args, "budget_scope", "process")
     memory_map = memory_map_from(getattr(args, "memory_map", None))
     if memory_map is not None:
         settings["memory_map"] = memory_map

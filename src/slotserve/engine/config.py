@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 from slotserve.info import ModelInfo
 from slotserve.kv.config import KVConfig
@@ -11,6 +12,8 @@ from slotserve.native import KERNEL_CHOICES, KernelChoice
 from slotserve.plan import CapacityPlan, MemoryMap, parse_bytes
 
 POLICIES = ("isolate", "fifo")
+BudgetScope = Literal["model", "process"]
+BUDGET_SCOPES: tuple[BudgetScope, ...] = ("model", "process")
 
 # Background's minimum share of steps under ``isolate`` when it competes with other classes.
 # At 0.1 a background job advances one step in ten while a chat turn streams, instead of
@@ -47,6 +50,12 @@ class EngineConfig:
     ``kernels="auto"`` attends decode-sized steps with the compiled kernel the model was
     loaded with (`slotserve.native`); ``"off"`` keeps torch SDPA for every step (the
     model's own kernels are chosen at load: ``slotserve.load(..., kernels="off")``).
+    ``budget_scope`` says what ``memory_budget`` holds: ``"process"`` (what the commands
+    use) the whole process, its runtime arena (the resident set before the weights) and its
+    weights as resident, both measured when `slotserve.load` loaded the model, so a budget
+    under the runtime alone is refused with that number; ``"model"`` (the default here) the
+    model's arenas only, the weights at their own bytes, for a program that embeds the engine
+    and budgets the rest of its process itself.
     A workload preset (`slotserve.engine.presets.preset_config`) is a set of overrides of
     these fields, sized to a budget; the defaults here are the only ones.
     """
@@ -71,8 +80,11 @@ class EngineConfig:
     prefix_store: str | Path | None = None
     prefix_store_bytes: int | str = DEFAULT_PREFIX_STORE_BYTES
     kernels: KernelChoice = "auto"
+    budget_scope: BudgetScope = "model"
 
     def __post_init__(self) -> None:
+        if self.budget_scope not in BUDGET_SCOPES:
+            raise ValueError(f"budget_scope={self.budget_scope!r} is not one of {BUDGET_SCOPES}")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels={self.kernels!r} is not one of {KERNEL_CHOICES}")
         if self.policy not in POLICIES:
@@ -129,7 +141,11 @@ class EngineConfig:
             num_blocks=self.num_blocks,
         )
 
-    def plan(self, info: ModelInfo, weight_bytes: int) -> CapacityPlan:
+    def plan(
+        self, info: ModelInfo, weight_bytes: int, *, runtime_bytes: int = 0, method_bytes: int = 0
+    ) -> CapacityPlan:
+        """The plan of this config for a model of ``info`` keeping ``weight_bytes``
+        resident; the measured arenas (``runtime_bytes``, ``method_bytes``) as given."""
         budget = None if self.memory_budget is None else parse_bytes(self.memory_budget)
         return CapacityPlan(
             info,
@@ -139,4 +155,28 @@ class EngineConfig:
             budget,
             self.memory_map,
             self.prefix_cache_budget,
+            runtime_bytes=runtime_bytes,
+            method_bytes=method_bytes,
+        )
+
+    def process_plan(self, model: Any, weight_bytes: int | None = None) -> CapacityPlan:
+        """The plan the engine checks the budget against, for ``model`` (a loaded `Model`,
+        or anything with its ``info`` and ``weight_bytes``): a bundle's planned method
+        memory (``model.halves.planned_method_bytes``) and the computed arenas; with
+        ``budget_scope="process"`` also the runtime arena and the resident weights as
+        `slotserve.load` measured them (``model.load_memory``; the weights count as the
+        larger of the load's resident growth and their own bytes). ``weight_bytes``
+        (default the model's) is what the executor keeps resident."""
+        weights = model.weight_bytes if weight_bytes is None else weight_bytes
+        measured = getattr(model, "load_memory", None)
+        if self.budget_scope == "model":
+            measured = None
+        methods = int(getattr(getattr(model, "halves", None), "planned_method_bytes", 0))
+        if measured is None:
+            return self.plan(model.info, weights, method_bytes=methods)
+        return self.plan(
+            model.info,
+            max(weights, measured.growth_bytes),
+            runtime_bytes=measured.runtime_bytes,
+            method_bytes=methods,
         )

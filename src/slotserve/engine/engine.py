@@ -91,7 +91,7 @@ class Engine:
             )
         executor = executor or executor_for(model)
         self.config = _within_step_limit(self.config, executor.max_step_tokens)
-        self.plan = self.config.plan(model.info, executor.weight_bytes)
+        self.plan = self.config.process_plan(model, executor.weight_bytes)  # measured arenas too
         self.plan.check()  # PlanError: refuse to start
         attention = model.kernels.attention if self.config.kernels == "auto" else None
         self.pool = KVPool(model.info, self.config.kv_config(), attention)

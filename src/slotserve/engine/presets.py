@@ -333,8 +333,9 @@ class _Sizer:
         return self.budget is not None or self.memory_map is not None
 
     def plan(self, **kv: Any) -> CapacityPlan:
-        """The engine's plan of the current config, its KV shape changed by ``kv``."""
-        plan = self.config.plan(self.info, self.weight_bytes)
+        """The engine's plan of the current config (its measured arenas too:
+        `EngineConfig.process_plan`), its KV shape changed by ``kv``."""
+        plan = self.config.process_plan(self.model, self.weight_bytes)
         return plan.with_kv(**kv) if kv else plan
 
     @property
@@ -444,6 +445,9 @@ class _Sizer:
     def _does_not_fit(self) -> PlanError:
         cell = self.config.kv_layout == "cell"
         plan = self.plan(max_context=self.config.block_size if cell else 1, ring_window=1)
+        refusal = plan.runtime_refusal()  # the runtime alone is over the budget: say so
+        if refusal is not None:
+            return refusal
         return PlanError(
             f"preset {self.row.name} does not fit {self.limit} at max_seqs="
             f"{self.config.max_seqs} even with the smallest context: weights "

@@ -12,6 +12,7 @@ from slotserve.kv.batch import StepBatch
 from slotserve.kv.config import KVConfig
 from slotserve.kv.pool import KVPool
 from slotserve.kv.store import KVStore
+from slotserve.memory import LoadMemory
 from slotserve.model.block_forward import BlockHalves
 from slotserve.model.halves import LayerHalves, run_layers
 from slotserve.model.layers import RopeTables
@@ -42,6 +43,9 @@ class Model:
         self.halves = halves
         self.source = source
         self.kernels = kernels
+        # What `slotserve.load` measured (the process before and after the weights); None
+        # for a model built another way. The engine's plan counts it (`slotserve.plan`).
+        self.load_memory: LoadMemory | None = None
         self.rope = RopeTables(info.rope, info.head_dim, info.max_context)
         self.local_rope = (
             RopeTables(info.rope_local, info.head_dim, info.max_context)
