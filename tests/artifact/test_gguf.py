@@ -12,7 +12,12 @@ from gguf import GGUFReader
 
 import slotserve as ss
 from slotserve.artifact import load_gguf, weight_cache
-from slotserve.artifact.gguf_file import iter_tensors, model_info_from_gguf, read_metadata
+from slotserve.artifact.gguf_file import (
+    iter_tensors,
+    model_info_from_gguf,
+    open_gguf,
+    read_metadata,
+)
 from slotserve.testing import write_tiny_gguf
 
 KINDS = ("llama", "qwen2", "qwen3")
@@ -52,11 +57,11 @@ def reference_dequant(kind: str, raw: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("qtype", ["F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
 def test_dequantisation_matches_block_format(tmp_path: Path, qtype: str) -> None:
     path = write_tiny_gguf(tmp_path / "m.gguf", "qwen2", qtype)
-    reader = GGUFReader(path)
-    info = model_info_from_gguf(read_metadata(reader), {t.name for t in reader.tensors}, path)
-    loaded = dict(iter_tensors(reader, info, path))
+    ours = open_gguf(path)
+    info = model_info_from_gguf(read_metadata(ours), {t.name for t in ours.tensors}, path)
+    loaded = dict(iter_tensors(ours, info, path))
     checked = 0
-    for tensor in reader.tensors:
+    for tensor in GGUFReader(path).tensors:  # the raw blocks as gguf-py reads them
         if tensor.tensor_type.name != qtype:
             continue
         raw = np.ascontiguousarray(tensor.data).view(np.uint8).reshape(-1)

@@ -1,7 +1,9 @@
-"""Read a GGUF file with gguf-py: metadata, `ModelInfo`, and dequantised tensors.
+"""A GGUF file's metadata as text, its `ModelInfo`, and its dequantised tensors.
 
-Every way a file can be wrong (bad magic, truncated tensor data, missing keys, unknown
-quantisation or architecture) becomes an `ArtifactError` naming the file and the field.
+The container is read by `slotserve.artifact.gguf_reader`. Every way a file can be wrong
+(bad magic, a declared size beyond the file, truncated tensor data, a string that is not
+UTF-8, missing keys, unknown quantisation or architecture) becomes an `ArtifactError`
+naming the file and the field.
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 from gguf.quants import dequantize
 
+from slotserve.artifact.gguf_reader import GGUFFile, GGUFTensor, read_gguf, utf8_error
+from slotserve.artifact.gguf_tokenizer import TOKENS_KEY
 from slotserve.errors import ArtifactError
 from slotserve.info import ModelInfo, RopeConfig
 from slotserve.model.gguf_linear import BlockLinear, to_q4_1
@@ -26,7 +29,6 @@ SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 # RoPE tables for the whole context are built at load, so a corrupt context length would
 # allocate without bound; 2**24 positions is beyond every model we read.
 MAX_CONTEXT = 1 << 24
-_MAX_DIMS = 4  # GGML_MAX_DIMS
 SUPPORTED_QUANTS = (
     *("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"),
     *("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"),
@@ -64,88 +66,38 @@ _GLOBAL_NAMES = {
 }
 
 
-class _CheckedReader(GGUFReader):
-    """gguf-py's reader, but every tensor's table entry is checked before numpy maps it: a
-    known type, one to four dimensions each at least 1, whole quantisation blocks, and
-    data inside the file. A failure names the tensor, not a numpy reshape."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        super().__init__(path)
-
-    def _build_tensors(self, start_offs: int, fields: list[Any]) -> None:
-        for field in fields:
-            _, name_data, _, dims, raw_dtype, offset = field.parts
-            name = bytes(name_data).decode("utf-8", "replace")
-            self._check_tensor(
-                name, [int(n) for n in dims], int(raw_dtype[0]), start_offs + int(offset[0])
-            )
-        super()._build_tensors(start_offs, fields)
-
-    def _check_tensor(self, name: str, dims: list[int], raw_type: int, start: int) -> None:
-        try:
-            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(raw_type)]
-        except (ValueError, KeyError):
-            raise ArtifactError(self.path, f"unknown ggml tensor type {raw_type}", name) from None
-        if not 1 <= len(dims) <= _MAX_DIMS:
-            raise ArtifactError(
-                self.path, f"has {len(dims)} dimensions; GGUF tensors have 1 to {_MAX_DIMS}", name
-            )
-        for axis, size in enumerate(dims):
-            if size < 1:
-                raise ArtifactError(
-                    self.path, f"dimension {axis} is {size}; must be at least 1", name
-                )
-        if dims[0] % block:
-            raise ArtifactError(
-                self.path,
-                f"rows of {dims[0]} values are not a whole number of "
-                f"{GGMLQuantizationType(raw_type).name} blocks of {block}",
-                name,
-            )
-        # Python integers: a numpy product of huge dimensions would wrap to a small number.
-        end = start + math.prod(dims) // block * type_size
-        if end > len(self.data):
-            raise ArtifactError(
-                self.path,
-                f"tensor data ends at byte {end} but the file has {len(self.data)} bytes "
-                f"(truncated file, or corrupt dimensions {dims}?)",
-                name,
-            )
+def open_gguf(path: Path) -> GGUFFile:
+    """Read ``path``'s header, metadata and tensor table (`gguf_reader.read_gguf`: every
+    declared size checked against the file, every tensor inside it)."""
+    return read_gguf(path)
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    """Open ``path`` after checking the magic and that every tensor lies inside the file."""
-    try:
-        with path.open("rb") as handle:
-            magic = handle.read(4)
-    except OSError as exc:
-        raise ArtifactError(path, f"cannot read the file ({exc.strerror})") from exc
-    if magic != b"GGUF":
-        raise ArtifactError(path, f"not a GGUF file: magic is {magic!r}, expected b'GGUF'", "magic")
-    try:
-        return _CheckedReader(path)
-    except ArtifactError:
-        raise
-    except Exception as exc:  # gguf-py raises ValueError/struct/numpy errors on bad headers
-        raise ArtifactError(path, f"corrupt or truncated GGUF header ({exc})", "header") from exc
+def read_metadata(gguf: GGUFFile) -> dict[str, Any]:
+    """All key/value metadata as plain Python values, every string UTF-8 text.
+
+    A string that is not UTF-8 (a value, or an element of an array) is an `ArtifactError`
+    naming the key, the element's index and the first invalid byte; the one exception is
+    ``tokenizer.ggml.tokens``, whose token texts stay as the file has them (`str`, or the
+    file's `bytes` where they are not UTF-8): llama.cpp keeps token texts as bytes, and
+    whether such a token can be kept is the tokenizer's to decide
+    (`slotserve.artifact.gguf_tokenizer`)."""
+    for key, value in gguf.metadata.items():
+        if key == TOKENS_KEY:
+            continue
+        if isinstance(value, bytes):
+            raise ArtifactError(gguf.path, f"is not UTF-8 text ({utf8_error(value)})", key)
+        if isinstance(value, list):
+            for index, item in enumerate(value):
+                if isinstance(item, bytes):
+                    raise ArtifactError(
+                        gguf.path,
+                        f"element {index} is not UTF-8 text ({utf8_error(item)})",
+                        key,
+                    )
+    return dict(gguf.metadata)
 
 
-def read_metadata(reader: GGUFReader) -> dict[str, Any]:
-    """All key/value metadata as plain Python values."""
-    meta: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if field.types and field.types[0] == GGUFValueType.ARRAY and len(field.types) > 1:
-            if field.types[1] == GGUFValueType.STRING:
-                meta[key] = [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-            else:
-                meta[key] = [field.parts[i].item() for i in field.data]
-        else:
-            meta[key] = field.contents()
-    return meta
-
-
-def tensor_shapes(reader: GGUFReader) -> dict[str, tuple[int, ...]]:
+def tensor_shapes(reader: GGUFFile) -> dict[str, tuple[int, ...]]:
     """Every tensor's shape, outermost dimension first (as torch and Hugging Face order it)."""
     return {t.name: tuple(int(n) for n in reversed(t.shape)) for t in reader.tensors}
 
@@ -359,7 +311,7 @@ def hf_tensor_name(name: str, path: Path, arch: str = "llama") -> str:
 
 
 def iter_tensors(
-    reader: GGUFReader, info: ModelInfo, path: Path, *, keep_blocks: bool = False
+    reader: GGUFFile, info: ModelInfo, path: Path, *, keep_blocks: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | BlockLinear]]:
     """Yield ``(hf_name, fp32 tensor)`` for every tensor, dequantised and un-permuted. With
     ``keep_blocks``, the matrices in a type the block kernel multiplies (`BLOCK_KINDS`)
@@ -399,7 +351,7 @@ def has_block_matrices(path: Path) -> bool:
     )
 
 
-def _blocks(tensor: Any) -> BlockLinear:
+def _blocks(tensor: GGUFTensor) -> BlockLinear:
     """A 2-D tensor's blocks (of a `BLOCK_KINDS` type), copied out of the file's mapping."""
     rows = int(tensor.shape[1])
     data = torch.from_numpy(np.asarray(tensor.data).view(np.uint8).reshape(rows, -1).copy())

@@ -6,6 +6,19 @@ overrides llama.cpp's loader applies by token text (``llama_vocab::impl::load``)
 end-of-generation, end-of-turn and fill-in-the-middle markers it recognises are control
 tokens even where the file types them otherwise (Gemma 3's ``</s>`` is user-defined in the
 file, control in llama.cpp: a prompt's ``</s>`` is one token, and decoding hides it).
+
+Token texts that are not UTF-8 (`read_metadata` passes ``tokenizer.ggml.tokens`` on as the
+file has it) are decided here, by what each kind does with a text. llama.cpp keeps token
+texts as bytes and loads such a vocabulary. A "llama" (SentencePiece) token is kept: its
+text is held losslessly as surrogate escapes (``bytes.decode("utf-8", "surrogateescape")``),
+so `SpmVocab.piece` gives back the file's very bytes, as llama.cpp's ``token_to_piece`` does,
+and, as in llama.cpp, the encoder never produces it (it merges whole characters of valid
+text, and the server refuses text with lone surrogates). A "gpt2" token is refused, naming
+the key and its index: byte-level BPE texts are printable Unicode by construction (every
+byte has its own character), so raw bytes there are a corrupt file, and the BPE backend
+(Hugging Face ``tokenizers``) holds Unicode texts only. No converter of llama.cpp's writes
+such texts (SentencePiece pieces are Unicode; its GGML converter writes byte tokens as
+``<0xXX>``), so the kept case is for hand-made files.
 """
 
 from __future__ import annotations
@@ -16,9 +29,11 @@ from typing import Any
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 
+from slotserve.artifact.gguf_reader import utf8_error
 from slotserve.errors import ArtifactError
 from slotserve.tokenizer import Tokenizer, spm
 
+TOKENS_KEY = "tokenizer.ggml.tokens"
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL, _USER_DEFINED = 3, 4
 
@@ -63,7 +78,7 @@ def tokenizer_from_gguf(meta: Mapping[str, Any], path: str) -> Tokenizer:
             f"tokenizer model {kind!r} is not supported; expected 'gpt2' or 'llama'",
             "tokenizer.ggml.model",
         )
-    tokens, types = _tokens_and_types(meta, path)
+    tokens, types = _tokens_and_types(meta, path, keep_bytes=False)
     merges: list[str] = meta.get("tokenizer.ggml.merges") or []
     vocab = {token: index for index, token in enumerate(tokens)}
     pairs = _merge_pairs(merges, path)
@@ -135,7 +150,7 @@ _EOT_TEXTS = (
 def _sentencepiece(meta: Mapping[str, Any], path: str) -> Tokenizer:
     """A "llama" vocabulary as llama.cpp reads it: scores, types as attributes (with its
     text overrides), ``add_space_prefix`` and ``add_bos_token`` defaulting to true."""
-    tokens, types = _tokens_and_types(meta, path)
+    tokens, types = _tokens_and_types(meta, path, keep_bytes=True)
     scores: list[float] = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
     if len(scores) < len(tokens):
         raise ArtifactError(
@@ -166,14 +181,32 @@ def _sentencepiece(meta: Mapping[str, Any], path: str) -> Tokenizer:
     )
 
 
-def _tokens_and_types(meta: Mapping[str, Any], path: str) -> tuple[list[str], list[int]]:
-    tokens: list[str] = _required(meta, "tokenizer.ggml.tokens", list, path)
+def _tokens_and_types(
+    meta: Mapping[str, Any], path: str, *, keep_bytes: bool
+) -> tuple[list[str], list[int]]:
+    """The token texts (those that are not UTF-8 kept as surrogate escapes with
+    ``keep_bytes``, else refused: see the module's docstring) and their types."""
+    texts: list[str | bytes] = _required(meta, TOKENS_KEY, list, path)
+    tokens = [_token_text(text, index, path, keep_bytes) for index, text in enumerate(texts)]
     types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     if len(types) != len(tokens):
         raise ArtifactError(
             path, f"{len(types)} token types for {len(tokens)} tokens", "tokenizer.ggml.token_type"
         )
     return tokens, types
+
+
+def _token_text(text: str | bytes, index: int, path: str, keep_bytes: bool) -> str:
+    if isinstance(text, str):
+        return text
+    if keep_bytes:
+        return text.decode("utf-8", "surrogateescape")
+    raise ArtifactError(
+        path,
+        f"token {index} is not UTF-8 text ({utf8_error(text)}); a byte-level BPE vocabulary's "
+        "texts are Unicode characters, so the file is corrupt",
+        TOKENS_KEY,
+    )
 
 
 def _merge_pairs(merges: list[str], path: str) -> list[tuple[str, str]]:

@@ -48,6 +48,9 @@ ATTR_BYTE = 1 << 5
 SPACE = "\u2581"  # ▁, SentencePiece's escaped space
 _HIDDEN = ATTR_CONTROL | ATTR_UNKNOWN  # what skip_special leaves out
 _PARTITIONED = ATTR_CONTROL | ATTR_USER_DEFINED | ATTR_UNKNOWN
+# A token text that is not UTF-8 in the file is held as surrogate escapes (see
+# slotserve.artifact.gguf_tokenizer); its piece is the file's bytes again.
+_RAW = "surrogateescape"
 _WORD_CACHE_ENTRIES = 1 << 16
 _CACHED_WORD_CHARS = 64
 
@@ -158,7 +161,7 @@ class SpmVocab:
         equal-length tokens that overlap in a text), and an index to find which occur in a
         text: the lengths to try at each two-character start."""
         specials = [i for i, attr in enumerate(self.attrs) if attr & _PARTITIONED]
-        specials.sort(key=lambda i: (-len(self.tokens[i].encode()), i))
+        specials.sort(key=lambda i: (-len(self.tokens[i].encode("utf-8", _RAW)), i))
         self._partition_order = {token_id: rank for rank, token_id in enumerate(specials)}
         self._special_ids = {self.tokens[i]: i for i in specials}
         lengths: defaultdict[str, set[int]] = defaultdict(set)
@@ -281,9 +284,9 @@ class SpmVocab:
         if attr & _HIDDEN and skip_special:
             return b""
         if attr & _PARTITIONED:
-            return text.encode()
+            return text.encode("utf-8", _RAW)
         if attr & ATTR_NORMAL:
-            return text.replace(SPACE, " ").encode()
+            return text.replace(SPACE, " ").encode("utf-8", _RAW)
         if attr & ATTR_BYTE:
             return bytes([int(text[3:5], 16)])
         return b""  # unused or undefined
