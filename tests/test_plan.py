@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -88,7 +92,7 @@ def _weight_tensors(model: ss.Model) -> list[object]:
 def test_int8_plan_is_under_30_percent_of_fp32() -> None:
     fp32 = CapacityPlan(
         ss.ModelInfo(**{**dataclasses.asdict(INFO), "rope": INFO.rope, "head_dim": 64}),
-        KVConfig(layout="cell", max_seqs=4, max_context=256),
+        KVConfig(layout="cell", max_seqs=4, max_context=256, dtype="fp32"),
         0,
     )
     int8 = fp32.with_kv(dtype="int8")
@@ -176,3 +180,53 @@ def test_the_plan_states_what_the_prefix_cache_may_pin() -> None:
     mixed = CapacityPlan(MIXED, config, 0, prefix_cache_bytes=1 << 20)
     pool = KVPool(MIXED, config)
     assert mixed.to_dict()["prefix_cache"]["ring_copy_bytes"] == pool.snapshot_ring_nbytes > 0
+
+
+def test_a_budget_under_the_runtime_alone_is_refused_with_that_number() -> None:
+    config = KVConfig(layout="cell", max_seqs=2, max_context=256, block_size=16)
+    runtime = 300 * 2**20
+    plan = CapacityPlan(INFO, config, 1000, memory_budget=200 * 2**20, runtime_bytes=runtime)
+    assert plan.arenas["runtime"] == runtime and plan.worst_case_bytes > runtime
+    with pytest.raises(
+        ss.PlanError, match=r"runtime alone .* 300.00 MiB, more than the budget 200.00 MiB"
+    ):
+        plan.check()
+    roomy = dataclasses.replace(plan, memory_budget=plan.worst_case_bytes)
+    roomy.check()  # the whole plan, runtime included, fits exactly
+    assert not dataclasses.replace(roomy, memory_budget=plan.worst_case_bytes - 1).fits
+    assert "runtime" not in CapacityPlan(INFO, config, 1000).arenas  # unmeasured: left out
+
+
+def test_the_engine_plans_the_whole_process_as_measured_at_load(bundled: ss.Model) -> None:
+    measured = bundled.load_memory
+    assert measured is not None and measured.runtime_bytes > 100 * 2**20  # torch at least
+    process = ss.EngineConfig(max_seqs=2, max_context=256, budget_scope="process")
+    plan = process.process_plan(bundled)
+    assert plan.arenas["runtime"] == measured.runtime_bytes
+    assert plan.arenas["weights"] == max(bundled.weight_bytes, measured.growth_bytes)
+    model_only = ss.EngineConfig(max_seqs=2, max_context=256).process_plan(bundled)
+    assert "runtime" not in model_only.arenas
+    assert model_only.arenas["weights"] == bundled.weight_bytes
+    tight = dataclasses.replace(process, memory_budget=measured.runtime_bytes // 2)
+    with pytest.raises(ss.PlanError, match="runtime alone"):
+        ss.Engine(bundled, tight)
+
+
+def test_plan_measure_compares_every_arena_with_its_measurement(tmp_path: Path) -> None:
+    """In a fresh process, as `slotserve plan --measure` runs: the KV pool measured equals
+    the plan, and the activations of the largest step (every session at max_context) stay
+    under the formula and above half of it."""
+    argv = [sys.executable, "-m", "slotserve.cli", "plan", "--model", "bundled", "--json"]
+    argv += ["--measure", "--max-seqs", "2", "--max-context", "1024", "--kv-layout", "cell"]
+    argv += ["--max-batch-tokens", "256", "--prefix-store", str(tmp_path / "store")]
+    done = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=600)
+    report = json.loads(done.stdout)
+    planned, measured = report["arenas"], report["measured"]["arenas"]
+    assert set(measured) == {"runtime", "weights", "kv", "activations"} <= set(planned)
+    assert measured["runtime"] == planned["runtime"] and measured["weights"] <= planned["weights"]
+    assert abs(measured["kv"] - planned["kv"]) <= 0.02 * planned["kv"]
+    assert 0.5 * planned["activations"] <= measured["activations"] <= planned["activations"]
+    assert report["cancel_bound"]["max_step_tokens"] == 256
+    assert report["cancel_bound"]["basis"] == "measured"
+    assert report["prefix_store"]["budget_bytes"] == 4 * 2**30
+    assert report["budget_scope"] == "process"

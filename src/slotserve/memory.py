@@ -20,8 +20,27 @@ def rss_bytes(pid: int | None = None) -> int:
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far."""
+    """Peak resident set size of this process so far, or since `reset_peak_rss` (Linux's
+    VmHWM; getrusage's peak without /proc)."""
+    try:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Start `peak_rss_bytes` again from the current resident set (Linux: ``5`` written to
+    /proc/self/clear_refs); False where the system cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+    except OSError:
+        return False
+    return True
 
 
 def trim_heap() -> None:

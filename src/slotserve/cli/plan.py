@@ -1,5 +1,7 @@
-"""``slotserve plan``: print a capacity plan (table or JSON), optionally measured; with
-``--preset``, first the preset's choice and why, one line per decision."""
+"""``slotserve plan``: print a capacity plan (table or JSON) of the whole process, with the
+declared cancellation bound and, with ``--prefix-store``, the disk store's budget; with
+``--measure``, each arena measured beside its planned bytes (`slotserve.engine.plan_measure`);
+with ``--preset``, first the preset's choice and why, one line per decision."""
 
 from __future__ import annotations
 
@@ -11,7 +13,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from slotserve.cli.flags import add_engine_args, resolve_engine_config
+from slotserve.cli.flags import (
+    add_engine_args,
+    add_prefix_store_args,
+    resolve_engine_config,
+    with_prefix_store,
+)
 from slotserve.cli.serve import with_server_prefix_cache
 from slotserve.plan import format_bytes
 
@@ -21,25 +28,38 @@ def register(commands: Any) -> None:
     add_engine_args(parser)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument(
-        "--measure", action="store_true", help="also allocate the pool and measure it"
+        "--measure",
+        action="store_true",
+        help="also measure each arena: allocate the pool, run the largest step (and time it: "
+        "the cancellation bound)",
     )
     parser.add_argument(
         "--no-prefix-cache",
         action="store_true",
         help="plan without the server's default prefix cache (cell layout: a quarter of the pool)",
     )
+    add_prefix_store_args(parser)
 
 
 def run(args: argparse.Namespace) -> int:
     from slotserve.artifact import load
+    from slotserve.engine.cancel_bound import declare_cancel_bound, largest_step_tokens
+    from slotserve.engine.plan_measure import measure_arenas
     from slotserve.kv import KVPool
-    from slotserve.memory import rss_bytes
 
     model = load(args.model, weights=args.weights)
     config, choice = resolve_engine_config(args, model)
     config = with_server_prefix_cache(config, args, model)  # as `slotserve serve` runs it
-    plan = config.plan(model.info, model.weight_bytes)
+    config = with_prefix_store(config, args)
+    plan = config.process_plan(model)
     report = plan.to_dict()
+    report["budget_scope"] = config.budget_scope
+    bound = declare_cancel_bound(largest_step_tokens(config), {}, [])
+    if config.prefix_store is not None:
+        report["prefix_store"] = {
+            "directory": str(config.prefix_store),
+            "budget_bytes": config.prefix_store_budget,
+        }
     if choice is not None:
         report["preset"] = {
             "name": choice.row.name,
@@ -47,13 +67,15 @@ def run(args: argparse.Namespace) -> int:
             "decisions": [_jsonable(dataclasses.asdict(d)) for d in choice.decisions],
         }
     if args.measure:
-        before = rss_bytes()
-        pool = KVPool(model.info, plan.kv)
+        pool_bytes = KVPool(model.info, plan.kv).nbytes
+        measured = measure_arenas(model, config)
+        bound = measured.cancel_bound
         report["measured"] = {
-            "pool_bytes": pool.nbytes,
+            "pool_bytes": pool_bytes,
             "weight_bytes": model.weight_bytes,
-            "rss_growth_for_pool_bytes": rss_bytes() - before,
+            "arenas": measured.arenas,
         }
+    report["cancel_bound"] = {**bound.to_dict(), "description": bound.describe()}
     if args.json:
         print(json.dumps(report, indent=2))
         return 0 if plan.fits else 1
@@ -71,14 +93,19 @@ def _jsonable(decision: dict[str, Any]) -> dict[str, Any]:
     return decision
 
 
-def _print_table(report: dict[str, object]) -> None:
+def _print_table(report: dict[str, Any]) -> None:
     table = Table(title=f"capacity plan ({report['layout']}, {report['kv_dtype']} KV)")
     table.add_column("item")
-    table.add_column("bytes", justify="right")
-    arenas = report["arenas"]
-    assert isinstance(arenas, dict)
-    for name, size in arenas.items():
-        table.add_row(f"arena: {name}", format_bytes(size))
+    table.add_column("planned", justify="right")
+    measured = report.get("measured") or {}
+    if measured:
+        table.add_column("measured", justify="right")
+    for name, size in report["arenas"].items():
+        cells = [format_bytes(size)]
+        if measured:
+            got = measured["arenas"].get(name)
+            cells.append(format_bytes(got) if got is not None else "-")
+        table.add_row(f"arena: {name}", *cells)
     for key in ("bytes_per_session", "worst_case_bytes", "memory_budget", "headroom_bytes"):
         value = report[key]
         table.add_row(key, format_bytes(value) if isinstance(value, int) else "-")
@@ -86,13 +113,15 @@ def _print_table(report: dict[str, object]) -> None:
     if isinstance(prefix, dict):
         share = f" ({prefix['pool_fraction']:.0%} of the KV pool)"
         table.add_row("prefix cache may pin" + share, format_bytes(prefix["pinnable_bytes"]))
-    measured = report.get("measured")
-    if isinstance(measured, dict):
-        for name, size in measured.items():
-            table.add_row(f"measured: {name}", format_bytes(size))
+    store = report.get("prefix_store")
+    if isinstance(store, dict):
+        table.add_row(
+            f"prefix store on disk ({store['directory']})", format_bytes(store["budget_bytes"])
+        )
     console = Console()
     console.print(table)
     console.print(
-        f"fits: {report['fits']} · max_seqs that fit: {report['max_seqs_that_fit']} · "
-        f"max_context that fits: {report['max_context_that_fits']}"
+        f"fits: {report['fits']} ({report['budget_scope']} budget) · max_seqs that fit: "
+        f"{report['max_seqs_that_fit']} · max_context that fits: {report['max_context_that_fits']}"
     )
+    console.print(report["cancel_bound"]["description"])

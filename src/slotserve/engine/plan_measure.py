@@ -1,0 +1,89 @@
+"""The memory plan measured: each arena's bytes as the process really holds them.
+
+`measure_arenas` allocates what the plan counts and reads the resident set around each:
+the runtime and the weights as `slotserve.load` measured them (`Model.load_memory`), the KV
+pool allocated and every page written (as sessions at ``max_context`` would), and the
+activations as the peak growth of the largest step the config allows (`largest_step_tokens`,
+run on that pool with every session at its longest). `slotserve plan --measure` prints it
+beside the plan; tests compare the two. It allocates a pool of its own: call it where one
+more pool fits, never inside a running engine's budget.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from slotserve.engine.cancel_bound import CancelBound, declare_cancel_bound, largest_step_tokens
+from slotserve.engine.config import EngineConfig
+from slotserve.executor import Executor, executor_for
+from slotserve.kv.batch import StepBatch
+from slotserve.kv.pool import KVPool
+from slotserve.memory import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_heap
+from slotserve.model import Model
+
+
+@dataclass(frozen=True)
+class MeasuredArenas:
+    """Measured bytes by arena (``arenas``: the names the plan uses, those measured) and
+    the largest step's time (a measured `CancelBound`)."""
+
+    arenas: dict[str, int]
+    cancel_bound: CancelBound
+
+
+def measure_arenas(
+    model: Model, config: EngineConfig, executor: Executor | None = None
+) -> MeasuredArenas:
+    """Measure ``config``'s arenas on ``model`` (see the module docstring)."""
+    executor = executor or executor_for(model)
+    arenas: dict[str, int] = {}
+    if model.load_memory is not None:
+        arenas["runtime"] = model.load_memory.runtime_bytes
+        arenas["weights"] = model.load_memory.growth_bytes
+    trim_heap()
+    before = rss_bytes()
+    pool = KVPool(model.info, config.kv_config())
+    for group in pool.groups:
+        for storage in (*group.keys.values(), *group.values.values()):
+            storage.data.fill_(1)  # every page resident, as at the worst case
+    arenas["kv"] = rss_bytes() - before
+    tokens, seconds = _largest_step(model, config, executor, pool)
+    arenas["activations"] = seconds[1]
+    bound = declare_cancel_bound(tokens, {tokens: [seconds[0]]}, [])
+    return MeasuredArenas(arenas, bound)
+
+
+def _largest_step(
+    model: Model, config: EngineConfig, executor: Executor, pool: KVPool
+) -> tuple[int, tuple[float, int]]:
+    """Run the largest step on ``pool``: one prefill chunk per session (of ``max_seqs``)
+    ending at ``max_context``, within ``max_batch_tokens``. Returns its tokens, and its
+    time with the peak resident growth it caused."""
+    tokens = largest_step_tokens(config)
+    if executor.max_step_tokens is not None:
+        tokens = min(tokens, executor.max_step_tokens)
+    seqs = min(config.max_seqs, tokens)
+    chunk = min(tokens // seqs, config.max_context)
+    ids = [model.info.bos_id or 1] * (chunk * seqs)
+    for seq in range(seqs):  # every session at its longest: the step attends the most
+        pool.reserve(seq, config.max_context)
+        prefix = config.max_context - chunk
+        if prefix:
+            pool.begin_step(StepBatch(sessions=[seq], starts=[0], lengths=[prefix]))
+    batch = StepBatch(
+        sessions=list(range(seqs)),
+        starts=[config.max_context - chunk] * seqs,
+        lengths=[chunk] * seqs,
+    )
+    pool.begin_step(batch)
+    trim_heap()
+    reset_peak_rss()
+    before = rss_bytes()
+    began = time.perf_counter()
+    with torch.inference_mode():
+        executor.step(torch.tensor(ids), batch, pool)
+    elapsed = time.perf_counter() - began
+    return chunk * seqs, (elapsed, max(peak_rss_bytes() - before, 0))
