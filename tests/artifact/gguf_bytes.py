@@ -59,3 +59,20 @@ def replace_bytes(path: Path, old: bytes, new: bytes, *, after: int = 0) -> Path
     at = data.index(old, after)
     path.write_bytes(data[:at] + new + data[at + len(new) :])
     return path
+
+
+def gguf_string(raw: bytes) -> bytes:
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def gguf_kv(key: bytes, value_type: int, payload: bytes) -> bytes:
+    """One key/value pair: the key, its uint32 type, then ``payload`` (the encoded value)."""
+    return gguf_string(key) + struct.pack("<I", value_type) + payload
+
+
+def gguf_file(path: Path, pairs: list[bytes], *, version: int = 3, n_tensors: int = 0) -> Path:
+    """A GGUF file of ``pairs`` (`gguf_kv`) and no tensor table, written by hand so that
+    it can be wrong in ways gguf-py's writer refuses."""
+    header = b"GGUF" + struct.pack("<IQQ", version, n_tensors, len(pairs))
+    path.write_bytes(header + b"".join(pairs))
+    return path
