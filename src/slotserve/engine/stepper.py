@@ -8,6 +8,7 @@ the pool only through ``update_and_attend``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -17,6 +18,8 @@ from slotserve.engine.request import Request
 from slotserve.executor import Executor, HiddenStates
 from slotserve.kv.batch import StepBatch
 from slotserve.kv.store import KVStore
+from slotserve.native.contention import Threaded, ThreadGovernor
+from slotserve.native.threads import process_cores
 from slotserve.sampling import sample_batch, token_logprobs
 
 Work = list[tuple[Request, int]]  # each chosen request with the number of tokens it feeds
@@ -25,6 +28,7 @@ Work = list[tuple[Request, int]]  # each chosen request with the number of token
 class Stepper:
     def __init__(self, executor: Executor, kv: KVStore, clock: Callable[[], float]) -> None:
         self.executor, self.kv, self.clock = executor, kv, clock
+        self.governor = _governor_for(executor)
 
     def run(self, work: Work, batch: StepBatch) -> list[tuple[Request, FinishReason]]:
         """Advance ``work`` by one step; ``(request, finish reason)`` for those that ended."""
@@ -38,10 +42,15 @@ class Stepper:
             else:
                 assert request.pending_token is not None
                 feeds.append(request.pending_token)
+        # Real time, not `clock` (tests run the engine on a synthetic one): the governor
+        # weighs the cores this step really got.
+        wall, cpu = time.perf_counter(), time.process_time()
         if any(request.pooling is not None for request, _ in work):
             logits = self._step_pooling(work, torch.tensor(feeds), batch)
         else:
             logits = self.executor.step(torch.tensor(feeds), batch, self.kv)
+        if self.governor is not None:
+            self.governor.observe(time.perf_counter() - wall, time.process_time() - cpu)
         return self._sample_and_stream(work, logits)
 
     def _step_pooling(self, work: Work, feeds: torch.Tensor, batch: StepBatch) -> torch.Tensor:
@@ -98,3 +107,15 @@ class Stepper:
             else:
                 request.pending_token = token
         return finished
+
+
+def _governor_for(executor: Executor) -> ThreadGovernor | None:
+    """The thread governor of the model's own kernels (`slotserve.native.contention`);
+    None when the executor runs none of them (a bundle's program keeps its own threads)."""
+    kernels = getattr(getattr(executor, "model", None), "kernels", None)
+    threaded: list[Threaded] = [
+        k for k in (getattr(kernels, "blocks", None), getattr(kernels, "attention", None)) if k
+    ]
+    if not threaded:
+        return None
+    return ThreadGovernor(threaded, process_cores())  # the count the kernels were built with

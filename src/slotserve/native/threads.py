@@ -12,6 +12,10 @@ alike. It must come before the process's first parallel torch op: that op starts
 team on its thread that outlives it, and the engine thread's kernels then start a second
 one (measured: the bundled model served 79 tok/s instead of 159 when load() gave torch one
 thread only after reading the file; AMD EPYC, 2 cores).
+
+Spinning assumes the cores are the process's own. When another process takes one, the
+engine's `slotserve.native.contention.ThreadGovernor` drops the kernels to one thread until
+it is free again.
 """
 
 from __future__ import annotations
