@@ -230,3 +230,13 @@ def test_plan_measure_compares_every_arena_with_its_measurement(tmp_path: Path) 
     assert report["cancel_bound"]["basis"] == "measured"
     assert report["prefix_store"]["budget_bytes"] == 4 * 2**30
     assert report["budget_scope"] == "process"
+
+
+def test_a_bundles_planned_method_memory_is_an_arena(tiny_bundle: Path) -> None:
+    model = ss.load(tiny_bundle, progress=False)
+    planned = model.halves.planned_method_bytes  # type: ignore[attr-defined]
+    # At least one step's activations in fp32 are planned: the embed method's output.
+    assert planned >= model.halves.max_step_tokens * model.info.dim * 4  # type: ignore[operator]
+    plan = ss.EngineConfig(max_seqs=2, max_context=128).process_plan(model)
+    assert plan.arenas["methods"] == planned
+    assert plan.worst_case_bytes == sum(plan.arenas.values())
