@@ -196,6 +196,14 @@ static void quantize_q8_k(const float *x, int64_t m, int64_t k, int64_t ldx, int
 /* ---- vector helpers ------------------------------------------------------------------- */
 
 #if defined(__AVX2__)
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) || defined(__AVXVNNI__)
+/* u may take all of 0..255: the products add up in int32 (maddubs' int16 pairs would
+ * saturate), so a Q8_0 weight w is u = w + 128 with an offset -128 dw, as the others. */
+#define Q8_0_OFFSET 1
+#else
+#define Q8_0_OFFSET 0
+#endif
+
 /* acc + the 4-product sums of u (unsigned) and v (signed) bytes, in 8 int32 lanes. */
 INLINE __m256i dot_add(__m256i acc, __m256i u, __m256i v) {
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -285,10 +293,15 @@ INLINE __m256i add_fifth(__m256i u, const uint8_t *bits) {
 INLINE void pair_dot(int kind, const uint8_t *w, const acts *a, int64_t i, int rows,
                      int64_t first, const __m256 *scales, int lane, __m256 acc[][2], int slot) {
     __m256i u0, u1, w0 = _mm256_setzero_si256(), w1 = _mm256_setzero_si256();
-    if (kind == KIND_Q8_0) { /* |w| as unsigned; its sign moves to the activations */
+    if (kind == KIND_Q8_0) {
         w0 = _mm256_loadu_si256((const __m256i *)(w + first * 32));
         w1 = _mm256_loadu_si256((const __m256i *)(w + first * 32 + 32));
-        u0 = _mm256_sign_epi8(w0, w0), u1 = _mm256_sign_epi8(w1, w1);
+        if (Q8_0_OFFSET) { /* w + 128, unsigned */
+            const __m256i flip = _mm256_set1_epi8((char)0x80);
+            u0 = _mm256_xor_si256(w0, flip), u1 = _mm256_xor_si256(w1, flip);
+        } else { /* |w| as unsigned; its sign moves to the activations */
+            u0 = _mm256_sign_epi8(w0, w0), u1 = _mm256_sign_epi8(w1, w1);
+        }
     } else {
         const __m256i low = _mm256_set1_epi8(0x0F);
         __m256i packed = _mm256_loadu_si256((const __m256i *)(w + first * 16));
@@ -305,7 +318,7 @@ INLINE void pair_dot(int kind, const uint8_t *w, const acts *a, int64_t i, int r
         const int8_t *v = a->q + (i + r) * a->q_stride + first * BLOCK;
         __m256i v0 = _mm256_loadu_si256((const __m256i *)v);
         __m256i v1 = _mm256_loadu_si256((const __m256i *)(v + 32));
-        if (kind == KIND_Q8_0) v0 = _mm256_sign_epi8(v0, w0), v1 = _mm256_sign_epi8(v1, w1);
+        if (kind == KIND_Q8_0 && !Q8_0_OFFSET) v0 = _mm256_sign_epi8(v0, w0), v1 = _mm256_sign_epi8(v1, w1);
         __m256i sums = dot_add(dot_add(_mm256_setzero_si256(), u0, v0), u1, v1);
         __m256 scale = _mm256_permutevar8x32_ps(scales[r], spread);
         acc[r][slot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r][slot]);
@@ -329,12 +342,13 @@ INLINE int pair_weight(int kind, const uint8_t *w, int64_t np, int64_t b, int e)
 
 /* out[r] = packed row `w` . activation row (i + r), r < rows, for a pair type `kind`. `rows`
  * and `kind` are constants where this is inlined, so the loops over r unroll. The offset
- * of the types with one (Q4_1, Q5_1: mw; Q5_0: -16 dw) is mw * s, block by block. */
+ * of the types with one (Q4_1, Q5_1: mw; Q5_0: -16 dw; Q8_0 with VNNI: -128 dw) is mw * s,
+ * block by block. */
 INLINE void dot_pairs(int kind, const uint8_t *w, const acts *a, int64_t i, int rows, float *out) {
     const int64_t np = a->d_stride;
     const uint16_t *dw = (const uint16_t *)(w + np * pair_weight_bytes(kind)), *mw = dw + np;
-    const int offset = kind != KIND_Q8_0;
 #if defined(__AVX2__)
+    const int offset = kind != KIND_Q8_0 || Q8_0_OFFSET;
     __m256 acc[ROWS][2], offsets[ROWS];
     for (int r = 0; r < rows; r++)
         acc[r][0] = acc[r][1] = offsets[r] = _mm256_setzero_ps();
@@ -342,6 +356,7 @@ INLINE void dot_pairs(int kind, const uint8_t *w, const acts *a, int64_t i, int 
         int64_t count = np - b < 8 ? np - b : 8;
         __m256 weight_scales = load_halves(dw + b, count), scales[ROWS], weight_mins;
         if (kind == KIND_Q5_0) weight_mins = _mm256_mul_ps(weight_scales, _mm256_set1_ps(-16.0f));
+        else if (kind == KIND_Q8_0) weight_mins = _mm256_mul_ps(weight_scales, _mm256_set1_ps(-128.0f));
         else if (offset) weight_mins = load_halves(mw + b, count);
         else weight_mins = _mm256_setzero_ps();
         for (int r = 0; r < rows; r++) {
@@ -359,6 +374,7 @@ INLINE void dot_pairs(int kind, const uint8_t *w, const acts *a, int64_t i, int 
     for (int r = 0; r < rows; r++)
         out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + hsum(offsets[r]);
 #else
+    const int offset = kind != KIND_Q8_0;
     for (int r = 0; r < rows; r++) {
         const int8_t *v = a->q + (i + r) * a->q_stride;
         float total = 0.0f;
