@@ -1,10 +1,17 @@
-"""The bundled model against llama.cpp (tests/data/llamacpp_greedy.json, see its meta)."""
+"""The bundled model against llama.cpp (tests/data/llamacpp_greedy.json, see its meta):
+the chat template and tokenisation, and the agreement targets of `tests.artifact.parity`
+with the default fp16 KV and with fp32 KV, on the dequantised weights and on the file's own
+blocks."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 import slotserve as ss
+from tests.artifact.parity import check
+from tests.artifact.test_gguf_parity import KV_DTYPES
 
 
 def test_chat_template_renders_the_reference_prompt(
@@ -23,22 +30,22 @@ def test_tokenisation_matches_llama_cpp(bundled: ss.Model, reference: dict[str, 
         assert bundled.tokenizer.encode(case["prompt"]) == case["prompt_tokens"], case["prompt"]
 
 
-def test_teacher_forced_argmax_matches_llama_cpp(
-    bundled: ss.Model, reference: dict[str, Any]
-) -> None:
-    agree = total = 0
-    for case in reference["cases"]:
-        prompt, greedy = case["prompt_tokens"], case["greedy_tokens"]
-        logits = bundled.logits(prompt + greedy[:-1])[len(prompt) - 1 :]
-        ours = logits.argmax(-1).tolist()
-        for position, (mine, theirs, margin) in enumerate(
-            zip(ours, case["teacher_forced_top1"], case["teacher_forced_margin"], strict=True)
-        ):
-            total += 1
-            agree += mine == theirs
-            if margin >= 1.0:
-                assert mine == theirs, f"{case['prompt']!r} position {position}, margin {margin}"
-    assert agree / total >= 0.95, f"agreement {agree}/{total}"
+@pytest.fixture(scope="module")
+def bundled_blocks() -> ss.Model:
+    """The bundled model as it serves by default: the file's Q4_1 blocks, fused halves."""
+    return ss.load("bundled", progress=False)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_teacher_forced_argmax_matches_llama_cpp(bundled: ss.Model, kv_dtype: str) -> None:
+    """The dequantised fp32 weights (the `bundled` fixture)."""
+    check(bundled, "llamacpp_greedy.json", kv_dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+def test_served_blocks_match_llama_cpp(bundled_blocks: ss.Model, kv_dtype: str) -> None:
+    assert bundled_blocks.halves.kind == "block"
+    check(bundled_blocks, "llamacpp_greedy.json", kv_dtype)
 
 
 def test_bundled_metadata(bundled: ss.Model) -> None:

@@ -19,7 +19,9 @@ from slotserve.plan import CapacityPlan, MemoryMap, parse_bytes
 from tests.engine.conftest import RecordingExecutor
 from tests.engine.test_release_checklist import wait_until
 
-BUDGET = "1GiB"
+# Small enough that the budget, not the model's 8,192 positions, bounds every preset's
+# context with the default fp16 KV on the fp32 weights (at 1 GiB chat fits the whole context).
+BUDGET = "700MiB"
 
 
 def planned(config: ss.EngineConfig, model: ss.Model) -> CapacityPlan:
@@ -78,11 +80,12 @@ def test_a_preset_config_fits_the_budget_it_was_sized_for(
 
 def test_a_memory_map_sizes_like_a_budget(tiny: ss.Model) -> None:
     weights = tiny.weight_bytes
-    memory_map = MemoryMap(weights=weights, kv=1 << 20, activations=8 << 20)
+    kv = 1 << 19  # less than 4 sessions at the tiny model's whole context
+    memory_map = MemoryMap(weights=weights, kv=kv, activations=8 << 20)
     config = ss.preset_config("voice", tiny, None, memory_map=memory_map)
     assert config.memory_map == memory_map and config.memory_budget is None
     plan = planned(config, tiny)
-    assert plan.fits and plan.kv_bytes <= 1 << 20
+    assert plan.fits and plan.kv_bytes <= kv
     assert not grown(config, tiny, max_context=config.max_context + config.block_size).fits
 
 
@@ -96,17 +99,19 @@ def test_max_context_is_the_largest_the_budget_allows(name: str, bundled: ss.Mod
 
 
 def test_bundled_figures_at_one_gib(bundled: ss.Model) -> None:
-    """The table at 1 GiB for the bundled model (fp32 weights, fp32 KV), pinned."""
+    """The table at 700 MiB for the bundled model (fp32 weights, fp16 KV: the default),
+    pinned."""
     chosen = {name: ss.preset_config(name, bundled, BUDGET) for name in PRESETS}
     assert {n: (c.kv_layout, c.max_seqs, c.max_context) for n, c in chosen.items()} == {
-        "chat": ("flat", 1, 7704),
-        "chat+background": ("cell", 4, 2432),
-        "voice": ("cell", 4, 2736),  # its 64-token steps plan fewer activation bytes
+        "chat": ("flat", 1, 3976),
+        "chat+background": ("cell", 4, 1456),
+        "voice": ("cell", 4, 1872),  # its 64-token steps plan fewer activation bytes
         "document-agent": ("ring", 1, 8192),
-        "shared-prompt": ("cell", 8, 1264),
+        "shared-prompt": ("cell", 8, 784),
     }
+    assert all(c.kv_dtype == "fp16" for c in chosen.values())
     agent = chosen["document-agent"]
-    assert (agent.ring_window, agent.sinks) == (7483, 4)
+    assert (agent.ring_window, agent.sinks) == (225, 4)
     assert not grown(agent, bundled, ring_window=agent.ring_window + 1).fits
     assert chosen["shared-prompt"].policy == "fifo"
     assert chosen["chat+background"].background_min_share > 0

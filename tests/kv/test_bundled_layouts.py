@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 import slotserve as ss
@@ -42,4 +44,19 @@ def test_flat_cell_ring_generate_the_same_tokens(bundled: ss.Model) -> None:
     )
     assert flat == cell == ring
     agree = sum(a == b for a, b in zip(flat, int8, strict=True))
-    assert agree >= 12, f"int8 KV agrees with fp32 on {agree}/24 greedy tokens"
+    assert agree >= 12, f"int8 KV agrees with fp16 (the default) on {agree}/24 greedy tokens"
+
+
+def test_default_kv_is_fp16_at_llama_cpps_bytes_a_token(bundled: ss.Model) -> None:
+    """The engine's default pool stores fp16 K/V: 30 layers x K and V x 3 heads x 64 x 2
+    bytes = 23,040 bytes a position on the bundled model, llama.cpp's f16 default; fp32
+    is twice that, int8 (a fp32 scale per 64) about half."""
+    config = ss.EngineConfig(max_seqs=2, max_context=64)
+    assert config.kv_dtype == KVConfig().dtype == "fp16"
+    positions = config.max_seqs * config.max_context
+    per_position = {
+        dtype: KVPool(bundled.info, dataclasses.replace(config, kv_dtype=dtype).kv_config()).nbytes
+        // positions
+        for dtype in ("fp16", "fp32", "int8")
+    }
+    assert per_position == {"fp16": 23_040, "fp32": 46_080, "int8": 12_240}

@@ -63,8 +63,14 @@ def run_and_compare(
     info: ModelInfo, config: KVConfig, kernel: bool, plans: list[list[int]], seed: int
 ) -> None:
     """Drive sessions through chunked steps (plans[b] = chunk sizes) and compare each
-    layer's output with the reference over the accumulated history. With ``kernel`` the
-    pool attends decode-sized steps with the compiled kernel (where it builds)."""
+    layer's output with the reference over the accumulated history, each row of it as the
+    pool's dtype stores it (fp32 as it is, fp16/bf16 rounded). With ``kernel`` the pool
+    attends with the compiled kernel (where it builds), else with torch SDPA."""
+    assert config.dtype != "int8", "the reference rounds by casting; int8 has scales"
+
+    def stored(rows: torch.Tensor) -> torch.Tensor:
+        return rows.to(config.torch_dtype).float()
+
     gen = torch.Generator().manual_seed(seed)
     pool = KVPool(info, config, attention=build_kernels().attention if kernel else None)
     for b, plan in enumerate(plans):
@@ -92,8 +98,8 @@ def run_and_compare(
             offset = 0
             for b, length in zip(live, lengths, strict=True):
                 rows = slice(offset, offset + length)
-                hist_k[b, layer] = torch.cat([hist_k[b, layer], k[rows]])
-                hist_v[b, layer] = torch.cat([hist_v[b, layer], v[rows]])
+                hist_k[b, layer] = torch.cat([hist_k[b, layer], stored(k[rows])])
+                hist_v[b, layer] = torch.cat([hist_v[b, layer], stored(v[rows])])
                 positions = torch.arange(done[b], done[b] + length)
                 expected = reference_attention(
                     q[rows], hist_k[b, layer], hist_v[b, layer], positions, window, sinks
@@ -105,15 +111,17 @@ def run_and_compare(
         pool.check_integrity()
 
 
-# (config, whether the pool is given the compiled attention kernel)
+# (config, whether the pool is given the compiled attention kernel); the default KV dtype
+# (fp16), and fp32 where a test asks for it.
 CONFIGS = [
     (KVConfig(layout="flat", max_seqs=4, max_context=64), True),
     (KVConfig(layout="cell", max_seqs=4, max_context=64, block_size=4), True),
-    # The same layouts with torch SDPA for every step (the kernel takes chunks of <= 2).
+    # The same layouts with torch SDPA for every step (`kernels="off"`).
     (KVConfig(layout="flat", max_seqs=4, max_context=64), False),
     (KVConfig(layout="cell", max_seqs=4, max_context=64, block_size=4), False),
     (KVConfig(layout="ring", max_seqs=4, max_context=64, ring_window=6), True),
     (KVConfig(layout="ring", max_seqs=4, max_context=64, ring_window=5, sinks=2), True),
+    (KVConfig(layout="ring", max_seqs=4, max_context=64, ring_window=5, sinks=2), False),
 ]
 
 
@@ -124,12 +132,15 @@ def config_id(case: tuple[KVConfig, bool]) -> str:
     )
 
 
+@pytest.mark.parametrize("dtype", ["fp16", "fp32"])
 @pytest.mark.parametrize("case", CONFIGS, ids=config_id)
 @pytest.mark.parametrize("info", [INFO, MIXED], ids=["full", "mixed"])
-def test_ring_wrap_and_long_chunks(info: ModelInfo, case: tuple[KVConfig, bool]) -> None:
+def test_ring_wrap_and_long_chunks(
+    info: ModelInfo, case: tuple[KVConfig, bool], dtype: str
+) -> None:
     # Chunks straddle the ring's end (4+3 over 6 or 5), one chunk is longer than the whole
     # window (9), then single-token decodes wrap again.
-    config, kernel = case
+    config, kernel = dataclasses.replace(case[0], dtype=dtype), case[1]
     plans = [[4, 3, 9, 1, 1, 1, 1, 1, 1, 1], [1, 2, 3, 4, 5, 6]]
     run_and_compare(info, config, kernel, plans, seed=1)
 
@@ -152,7 +163,11 @@ def test_int8_is_close_and_small() -> None:
     # The bundled model's attention shape: 3 KV heads of 64 (one fp32 scale per 64 int8s).
     info = dataclasses.replace(INFO, n_heads=9, n_kv_heads=3, head_dim=64, dim=576)
     kernel = build_kernels().attention
-    fp32 = KVPool(info, KVConfig(layout="cell", max_seqs=4, max_context=64, block_size=4), kernel)
+    fp32 = KVPool(
+        info,
+        KVConfig(layout="cell", max_seqs=4, max_context=64, block_size=4, dtype="fp32"),
+        kernel,
+    )
     int8 = KVPool(
         info,
         KVConfig(layout="cell", max_seqs=4, max_context=64, block_size=4, dtype="int8"),
@@ -173,6 +188,6 @@ def test_int8_is_close_and_small() -> None:
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 def test_half_storage_halves_the_footprint(dtype: str) -> None:
-    fp32 = KVPool(INFO, KVConfig(layout="flat", max_seqs=2, max_context=64))
+    fp32 = KVPool(INFO, KVConfig(layout="flat", max_seqs=2, max_context=64, dtype="fp32"))
     half = KVPool(INFO, KVConfig(layout="flat", max_seqs=2, max_context=64, dtype=dtype))
     assert half.nbytes * 2 == fp32.nbytes

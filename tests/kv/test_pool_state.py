@@ -87,7 +87,8 @@ class PoolMachine(RuleBasedStateMachine):
         qkv = torch.cat([q.flatten(1), keys.flatten(1), keys.flatten(1)], 1)
         for layer in range(self.info.n_layers):
             self.pool.update_and_attend(layer, qkv, batch)
-        self.written[session] = torch.cat([self.written[session], keys])
+        stored = keys.to(self.config.torch_dtype).float()  # the default dtype's rounding
+        self.written[session] = torch.cat([self.written[session], stored])
 
     @precondition(lambda self: any(len(w) for w in self.written.values()))
     @rule(data=st.data(), into=SESSION_IDS)

@@ -14,6 +14,7 @@ from typing import Any
 from slotserve.engine.config import BUDGET_SCOPES, DEFAULT_PREFIX_STORE_BYTES, EngineConfig
 from slotserve.engine.presets import PRESET_NAMES, PresetChoice, choose_preset
 from slotserve.engine.pressure import PRESSURE_SPELLINGS, PressureSource, pressure_from
+from slotserve.kv.config import KV_DTYPES
 from slotserve.plan import MemoryMap, parse_bytes
 
 # Engine flags: argparse dest → (EngineConfig field, type, choices, help).
@@ -21,7 +22,12 @@ ENGINE_FLAGS: dict[str, tuple[str, Any, tuple[str, ...] | None, str]] = {
     "max_seqs": ("max_seqs", int, None, "live sessions at most"),
     "max_context": ("max_context", int, None, "positions per session"),
     "kv_layout": ("kv_layout", str, ("flat", "ring", "cell"), "KV layout"),
-    "kv_dtype": ("kv_dtype", str, ("fp32", "fp16", "bf16", "int8"), "KV element type"),
+    "kv_dtype": (
+        "kv_dtype",
+        str,
+        tuple(KV_DTYPES),
+        "KV element type: fp16 and bf16 half fp32's bytes, int8 about a quarter (a scale per row)",
+    ),
     "block_size": ("block_size", int, None, "cell layout: positions per block"),
     "num_blocks": ("num_blocks", int, None, "cell layout: blocks in the pool"),
     "ring_window": ("ring_window", int, None, "ring layout: positions kept"),

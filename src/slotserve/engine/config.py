@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from slotserve.info import ModelInfo
-from slotserve.kv.config import KVConfig
+from slotserve.kv.config import DEFAULT_KV_DTYPE, KVConfig
 from slotserve.native import KERNEL_CHOICES, KernelChoice
 from slotserve.plan import CapacityPlan, MemoryMap, parse_bytes
 
@@ -63,7 +63,7 @@ class EngineConfig:
     max_seqs: int = 4
     max_context: int = 2048
     kv_layout: str = "flat"
-    kv_dtype: str = "fp32"
+    kv_dtype: str = DEFAULT_KV_DTYPE
     block_size: int = 16
     ring_window: int = 1024
     sinks: int = 0

@@ -42,6 +42,7 @@ MIN_RING_WINDOW = 64
 # row's prefix cache are sized to the budget.
 TABLE_FIELDS = (
     "kv_layout",
+    "kv_dtype",
     "max_seqs",
     "policy",
     "queue_depth",
@@ -219,6 +220,8 @@ PRESETS: Mapping[str, PresetRow] = MappingProxyType(
 # Why a row keeps EngineConfig's default, where the row does not say.
 _DEFAULT_REASONS = {
     "kv_layout": "the engine's default layout",
+    "kv_dtype": "the engine's default KV element: half fp32's bytes, and agreeing with "
+    "llama.cpp (whose default it is too) on every tested family",
     "max_seqs": "the engine's default concurrency",
     "policy": "never co-batch classes; interactive first",
     "queue_depth": "the engine's default queue",

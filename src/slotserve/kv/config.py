@@ -13,6 +13,9 @@ KV_DTYPES = {
     "bf16": torch.bfloat16,
     "int8": torch.int8,
 }
+# fp16, as llama.cpp's default: half fp32's bytes, and teacher-forced agreement with
+# llama.cpp's greedy tokens holds on every family in tests/data (tests/artifact/parity.py).
+DEFAULT_KV_DTYPE = "fp16"
 
 
 @dataclass(frozen=True)
@@ -25,13 +28,16 @@ class KVConfig:
     (StreamingLLM-style, an approximation of full attention). ``num_blocks`` (cell only)
     defaults to enough blocks for every session at ``max_context``. Whether decode-sized
     steps attend with the compiled kernel is the pool's ``attention`` argument.
+    ``dtype`` is the storage element (`KV_DTYPES`): fp16 by default, bf16, fp32 (twice
+    fp16's bytes), or int8 (one fp32 scale per cell and head). Each is a different model,
+    exact on its own (docs/ARCHITECTURE.md, "Exactness").
     """
 
     layout: str = "flat"
     max_seqs: int = 1
     max_context: int = 2048
     block_size: int = 16
-    dtype: str = "fp32"
+    dtype: str = DEFAULT_KV_DTYPE
     ring_window: int = 1024
     sinks: int = 0
     num_blocks: int | None = None

@@ -328,6 +328,14 @@ class RingGroup(LayerGroup):
     def visible_positions(self, length: int) -> torch.Tensor:
         return self.kept_positions(length)
 
+    def _as_stored(self, rows: torch.Tensor) -> torch.Tensor:
+        """fp32 ``rows[T, kv_heads, head_dim]`` as the storage would give them back."""
+        if self.shape.dtype == torch.float32:
+            return rows.float()
+        buffer = KVStorage(len(rows), self.shape.kv_heads, self.shape.head_dim, self.shape.dtype)
+        buffer.write(torch.arange(len(rows)), rows)
+        return buffer.cells(0, len(rows))
+
     def copy_positions(self, src: SessionKV, dst: SessionKV, upto: int) -> None:
         """Copy the whole ring row: the clone's ring then holds what the source's holds
         (the pool checks that what ``upto`` needs is still there)."""
@@ -361,11 +369,14 @@ class RingGroup(LayerGroup):
             return out
         q, k, v = self.split(qkv)
         plan = batch.memo(("kv-plan", id(self)), lambda: self._plan(batch, sessions))
+        # The step's own rows with the storage's rounding, as the kernel path reads them:
+        # a row's attention then does not depend on how its sequence was chunked.
         keys = torch.cat(
-            [self.keys[layer].gather(plan["old_cells"]), pad_rows(k.float(), batch)], 1
+            [self.keys[layer].gather(plan["old_cells"]), pad_rows(self._as_stored(k), batch)], 1
         )
         values = torch.cat(
-            [self.values[layer].gather(plan["old_cells"]), pad_rows(v.float(), batch)], 1
+            [self.values[layer].gather(plan["old_cells"]), pad_rows(self._as_stored(v), batch)],
+            1,
         )
         out = attend(q, keys.transpose(1, 2), values.transpose(1, 2), batch, plan["mask"])
         self.keys[layer].write(plan["write"], k[plan["rows"]])
