@@ -1,4 +1,5 @@
-"""``slotserve plan``: print a capacity plan (table or JSON) of the whole process, with the
+"""``slotserve plan``: print a capacity plan (table or JSON) of the whole process (the arenas
+``slotserve serve`` checks with the same flags, its grammars arena included), with the
 declared cancellation bound and, with ``--prefix-store``, the disk store's budget; with
 ``--measure``, each arena measured beside its planned bytes (`slotserve.engine.plan_measure`);
 with ``--preset``, first the preset's choice and why, one line per decision."""
@@ -19,7 +20,7 @@ from slotserve.cli.flags import (
     resolve_engine_config,
     with_prefix_store,
 )
-from slotserve.cli.serve import with_server_prefix_cache
+from slotserve.cli.serve import add_grammar_args, grammar_config, with_server_prefix_cache
 from slotserve.plan import format_bytes
 
 
@@ -39,6 +40,7 @@ def register(commands: Any) -> None:
         help="plan without the server's default prefix cache (cell layout: a quarter of the pool)",
     )
     add_prefix_store_args(parser)
+    add_grammar_args(parser)  # serve's flags: the grammars arena is --grammar-cache-bytes
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,11 +49,13 @@ def run(args: argparse.Namespace) -> int:
     from slotserve.engine.plan_measure import measure_arenas
     from slotserve.kv import KVPool
 
+    grammars = grammar_config(args)  # checked before the model loads, as serve does
     model = load(args.model, weights=args.weights)
     config, choice = resolve_engine_config(args, model)
     config = with_server_prefix_cache(config, args, model)  # as `slotserve serve` runs it
     config = with_prefix_store(config, args)
-    plan = config.process_plan(model)
+    # serve's plan: the engine's, with the grammars arena (`cli.serve.with_grammar_arena`)
+    plan = dataclasses.replace(config.process_plan(model), grammar_cache_bytes=grammars.cache_bytes)
     report = plan.to_dict()
     report["budget_scope"] = config.budget_scope
     bound = declare_cancel_bound(largest_step_tokens(config), {}, [])

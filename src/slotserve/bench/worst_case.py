@@ -1,0 +1,310 @@
+"""Scenario ``memory``, its server half: a real ``slotserve serve`` driven to the worst case
+its memory plan covers, and the server's peak resident set against the plan's total.
+
+The plan is the server's own (the ``plan`` of its ``/dashboard/events`` snapshot: the
+engine's process plan with the grammars arena). Once the server is ready its peak resident
+set (Linux's VmHWM) is read, then reset (``5`` written to ``/proc/PID/clear_refs``), so
+the peak reported is the serving process's, apart from the load's transient one, which is
+reported beside it. The worst case, phase by phase, each read from ``/proc/PID/status``:
+
+- ``grammars``: structured requests (``response_format`` ``json_schema``), one distinct
+  schema each, so the grammars arena holds as many grammars as it keeps;
+- ``prefix``: distinct prompts of half the context, ``max_seqs`` at a time, until the prefix
+  cache's snapshots fill its budget (it evicts, or one more would not fit);
+- ``worst case``: ``max_seqs`` streams sent together, each a distinct prompt of
+  ``max_context - decode`` tokens and ``decode`` tokens (``ignore_eos``), so every session
+  runs at ``max_context`` and the concurrent prefill steps are the largest the engine
+  takes (``max_batch_tokens``, one chunk a session), ending next to ``max_context``;
+  repeated ``rounds`` times.
+
+Arenas are measured where the outside of the process can tell them apart: the resident set
+at ready (the runtime, the weights and the KV pool, which the pool's zeroing writes), each
+phase's growth, and the peak of the worst case above the resident set before it (the
+activations of the largest step).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+from rich.progress import Progress
+
+from slotserve.bench.processes import ServerProcess, slotserve_server
+
+# The server the scenario starts (`run_worst_case`'s default flags): the issue's 4 slots x
+# 2,048 tokens on the cell layout (its prefix cache on by default), and a grammars arena of
+# the least one grammar needs, which the ``grammars`` phase fills.
+SERVER_FLAGS = (
+    *("--max-seqs", "4", "--max-context", "2048", "--kv-layout", "cell"),
+    *("--grammar-max-bytes", "4MiB", "--grammar-cache-bytes", "4MiB"),
+)
+DECODE_TOKENS = 8  # each worst-case stream's tokens after its prompt
+GRAMMARS = 4  # distinct schemas the grammars phase sends
+STRUCTURED_TOKENS = 16
+PHASES = ("ready", "grammars", "prefix", "worst case")
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """The ``Vm*`` sizes of process ``pid`` in bytes (Linux ``/proc/PID/status``)."""
+    sizes = {}
+    with open(f"/proc/{pid}/status") as handle:
+        for line in handle:
+            key, _, value = line.partition(":")
+            if key.startswith("Vm") and value.strip().endswith("kB"):
+                sizes[key] = int(value.split()[0]) * 1024
+    return sizes
+
+
+def reset_peak(pid: int) -> None:
+    """Start process ``pid``'s VmHWM again from its current resident set."""
+    with open(f"/proc/{pid}/clear_refs", "w") as handle:
+        handle.write("5")
+
+
+def dashboard_snapshot(url: str, timeout_s: float = 30.0) -> dict[str, Any]:
+    """One snapshot of the server's dashboard feed (`slotserve.server.dashboard`)."""
+    with httpx.stream("GET", url + "/dashboard/events?interval=5", timeout=timeout_s) as feed:
+        for line in feed.iter_lines():
+            if line.startswith("data: "):
+                snapshot: dict[str, Any] = json.loads(line[len("data: ") :])
+                if snapshot.get("type") == "snapshot":
+                    return snapshot
+    raise RuntimeError(f"{url}/dashboard/events ended without a snapshot")
+
+
+class Prompts:
+    """Distinct token-id prompts: seeded random ids of the model's vocabulary, above its
+    first ids (where the special tokens are)."""
+
+    def __init__(self, vocab_size: int, seed: int = 0) -> None:
+        self.low = min(64, vocab_size // 4)
+        self.high = vocab_size - 1
+        self.random = random.Random(seed)
+
+    def take(self, length: int) -> list[int]:
+        return [self.random.randint(self.low, self.high) for _ in range(length)]
+
+
+class WorstCaseDriver:
+    """Drives the server at ``server`` (pid, url, served model) through `PHASES`,
+    recording its ``/proc`` sizes after each; ``advance(n)`` is told of each finished
+    request."""
+
+    def __init__(
+        self,
+        server: ServerProcess,
+        vocab_size: int,
+        *,
+        decode_tokens: int = DECODE_TOKENS,
+        grammars: int = GRAMMARS,
+        advance: Callable[[str, int], None] = lambda phase, n: None,
+    ) -> None:
+        import openai
+
+        self.server = server
+        self.pid = server.process.pid
+        self.model = server.model_name
+        self.client = openai.OpenAI(
+            base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=1800
+        )
+        self.prompts = Prompts(vocab_size)
+        self.decode_tokens = decode_tokens
+        self.grammars = grammars
+        self.advance = advance
+        snapshot = dashboard_snapshot(server.url)
+        self.plan: dict[str, Any] = snapshot["plan"]
+        self.max_seqs = int(self.plan["max_seqs"])
+        self.max_context = int(self.plan["max_context"])
+        self.phases: dict[str, dict[str, int]] = {}
+        self.requests: dict[str, int] = {}
+
+    # -- the phases ------------------------------------------------------------------
+
+    def run(self, rounds: int = 1) -> dict[str, Any]:
+        """Every phase in order; the result `memory_section` reports."""
+        load = proc_status(self.pid)
+        reset_peak(self.pid)
+        self._record("ready")
+        self.structured()
+        self._record("grammars")
+        prefix = self.fill_prefix_cache()
+        self._record("prefix")
+        rounds_peak = []
+        for _ in range(rounds):
+            reset_peak(self.pid)
+            self.worst_case()
+            rounds_peak.append(proc_status(self.pid)["VmHWM"])
+        self._record("worst case")
+        self.phases["worst case"]["VmHWM"] = max(rounds_peak)
+        return self._result(load, prefix, rounds_peak)
+
+    def structured(self) -> None:
+        """`GRAMMARS` structured requests, each with a schema of its own."""
+        for i in range(self.grammars):
+            schema = {
+                "type": "object",
+                "properties": {f"field_{i}": {"type": "integer", "minimum": 0, "maximum": 99}},
+                "required": [f"field_{i}"],
+                "additionalProperties": False,
+            }
+            self.client.chat.completions.create(
+                model=self.model,
+                messages=[{"role": "user", "content": f"A record, number {i}."}],
+                max_tokens=STRUCTURED_TOKENS,
+                temperature=0,
+                response_format={
+                    "type": "json_schema",
+                    "json_schema": {"name": f"record_{i}", "schema": schema},
+                },
+            )
+            self._count("grammars")
+
+    def fill_prefix_cache(self) -> dict[str, Any]:
+        """Distinct prompts of half the context, `max_seqs` at a time, until the prefix
+        cache evicts or holds within one prompt's snapshot of its budget; its stats."""
+        prefix = self._prefix_stats()
+        if prefix is None or not prefix["budget_bytes"]:
+            return {"off": True}
+        length = max(self.max_context // 2, 1)
+        per_token = self.plan["bytes_per_session"] / self.max_context
+        snapshot = length * per_token
+        batches = int(prefix["budget_bytes"] // max(snapshot * self.max_seqs, 1)) + 3
+        for _ in range(batches):
+            prompts = [self.prompts.take(length) for _ in range(self.max_seqs)]
+            self._together(prompts, 1, "prefix")
+            prefix = self._prefix_stats() or prefix
+            if prefix["evictions"] or prefix["bytes_pinned"] + snapshot > prefix["budget_bytes"]:
+                break
+        return dict(prefix)
+
+    def worst_case(self) -> None:
+        """`max_seqs` streams at once, each filling the context (``ignore_eos``)."""
+        length = self.max_context - self.decode_tokens
+        prompts = [self.prompts.take(length) for _ in range(self.max_seqs)]
+        self._together(prompts, self.decode_tokens, "worst case")
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _together(self, prompts: Sequence[list[int]], tokens: int, phase: str) -> None:
+        """Stream ``prompts`` at once (a barrier), ``tokens`` each, greedy, ignore_eos."""
+        start = threading.Barrier(len(prompts))
+
+        def one(prompt: list[int]) -> int:
+            start.wait()
+            stream = self.client.completions.create(
+                model=self.model,
+                prompt=prompt,
+                max_tokens=tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+            done = 0
+            for chunk in stream:
+                if chunk.usage is not None:
+                    done = chunk.usage.completion_tokens
+            self._count(phase)
+            return done
+
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            produced = list(pool.map(one, prompts))
+        if produced != [tokens] * len(prompts):
+            raise RuntimeError(f"{phase}: the streams produced {produced} tokens, not {tokens}")
+
+    def _prefix_stats(self) -> dict[str, Any] | None:
+        prefix: dict[str, Any] | None = dashboard_snapshot(self.server.url)["stats"]["prefix"]
+        return prefix
+
+    def _count(self, phase: str) -> None:
+        self.requests[phase] = self.requests.get(phase, 0) + 1
+        self.advance(phase, 1)
+
+    def _record(self, phase: str) -> None:
+        status = proc_status(self.pid)
+        self.phases[phase] = {"VmRSS": status["VmRSS"], "VmHWM": status["VmHWM"]}
+
+    def _result(
+        self, load: dict[str, int], prefix: dict[str, Any], rounds_peak: list[int]
+    ) -> dict[str, Any]:
+        arenas: dict[str, int] = self.plan["arenas"]
+        total = int(self.plan["worst_case_bytes"])
+        peak = max(p["VmHWM"] for p in self.phases.values())
+        rss = {name: p["VmRSS"] for name, p in self.phases.items()}
+        measured = {
+            "at ready (runtime, weights, KV pool)": rss["ready"],
+            "grammars phase growth": rss["grammars"] - rss["ready"],
+            "prefix phase growth": rss["prefix"] - rss["grammars"],
+            "worst case peak above its start": self.phases["worst case"]["VmHWM"] - rss["prefix"],
+        }
+        planned = {
+            "at ready (runtime, weights, KV pool)": sum(
+                arenas.get(a, 0) for a in ("runtime", "weights", "methods")
+            )
+            + int(self.plan.get("kv_pool_bytes", arenas.get("kv", 0))),
+            "grammars phase growth": arenas.get("grammars", 0),
+            "prefix phase growth": arenas.get("kv", 0) - int(self.plan.get("kv_pool_bytes", 0)),
+            "worst case peak above its start": arenas.get("activations", 0),
+        }
+        return {
+            "plan": {
+                "arenas": arenas,
+                "worst_case_bytes": total,
+                "max_seqs": self.max_seqs,
+                "max_context": self.max_context,
+                "layout": self.plan["layout"],
+                "kv_dtype": self.plan["kv_dtype"],
+                "kv_pool_bytes": self.plan.get("kv_pool_bytes"),
+            },
+            "load_peak_rss_bytes": load["VmHWM"],
+            "phases": self.phases,
+            "rounds_peak_rss_bytes": rounds_peak,
+            "peak_rss_bytes": peak,
+            "peak_over_plan": peak / total,
+            "arenas_measured": measured,
+            "arenas_planned": planned,
+            "prefix": prefix,
+            "requests": self.requests,
+            "decode_tokens": self.decode_tokens,
+        }
+
+
+def run_worst_case(
+    model_source: str,
+    vocab_size: int,
+    *flags: str,
+    rounds: int = 1,
+    decode_tokens: int = DECODE_TOKENS,
+    grammars: int = GRAMMARS,
+) -> dict[str, Any]:
+    """``slotserve serve --model MODEL_SOURCE FLAGS…`` (default `SERVER_FLAGS`) driven to
+    its worst case ``rounds`` times (see the module docstring); the figures, and the flags."""
+    flags = flags or SERVER_FLAGS
+    server = slotserve_server(model_source, *flags)
+    try:
+        seqs = int(dashboard_snapshot(server.url)["plan"]["max_seqs"])
+        totals = {"grammars": grammars, "prefix": 0, "worst case": seqs * rounds}
+        with Progress(transient=True) as progress:
+            tasks = {
+                name: progress.add_task(f"bench memory: {name}", total=n or None)
+                for name, n in totals.items()
+            }
+            driver = WorstCaseDriver(
+                server,
+                vocab_size,
+                decode_tokens=decode_tokens,
+                grammars=grammars,
+                advance=lambda phase, n: progress.advance(tasks[phase], n),
+            )
+            result = driver.run(rounds)
+    finally:
+        status = server.stop()
+    if status != 0:
+        raise RuntimeError(f"the server exited with status {status}: {server.output()[-2000:]}")
+    return {"model": model_source, "flags": list(flags), "rounds": rounds, **result}
