@@ -16,7 +16,7 @@ from tokenizers import AddedToken
 
 from slotserve.engine import TokenEvent
 from slotserve.sampling import Grammar, GrammarCompiler
-from slotserve.server.tool_calls import CallStream, reply_text
+from slotserve.server.chat_reply import CallStream, ReplyShape, read_reply
 from slotserve.server.tool_formats import (
     GENERIC,
     HERMES,
@@ -151,7 +151,11 @@ def test_a_special_token_trigger_is_written_as_that_token(compiler: GrammarCompi
         TokenEvent(t, tokenizer.decode([t], skip_special=True), i, 0.0)
         for i, t in enumerate(tokens)
     ]
-    assert calls_of(MISTRAL, reply_text(events, {special: "[TOOL_CALLS]"}))
+    text = "".join(ReplyShape(markers={special: "[TOOL_CALLS]"}).text(e) for e in events)
+    assert calls_of(MISTRAL, text)
+    shape = ReplyShape(MISTRAL, markers={special: "[TOOL_CALLS]"})
+    read = [(name, json.loads(arguments)) for name, arguments in read_reply(shape, events).calls]
+    assert read == calls_of(MISTRAL, text)
 
 
 # -- reading calls back, whole and streamed ---------------------------------------------

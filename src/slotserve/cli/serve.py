@@ -132,6 +132,14 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument("--min-p", type=float, default=None)
     sampling.add_argument("--repeat-penalty", type=float, default=None)
     parser.add_argument(
+        "--reasoning-format",
+        choices=("auto", "none"),
+        default="auto",
+        help="a thinking model's <think>...</think> section: apart from the content "
+        "(auto: reasoning_content, a reasoning item, a thinking block) or left inline "
+        "(none); a request's reasoning_format field overrides it",
+    )
+    parser.add_argument(
         "--metrics-key",
         default=None,
         help="require this key (Authorization: Bearer or X-Api-Key) for /metrics, "
@@ -364,4 +372,5 @@ def _serve(args: argparse.Namespace) -> int:
         metrics_key=args.metrics_key,
         cors_origins=args.cors_origin,
         web=not args.no_web,
+        reasoning_format=args.reasoning_format,
     )

@@ -2,52 +2,39 @@
 machinery (`chat_run.start_chat`): the same engine, classes (``priority`` field or
 ``X-Priority``), admission and cancellation on disconnect.
 
-A request's ``system``, text, ``tool_use`` and ``tool_result`` blocks become chat messages,
-its ``tools`` (``input_schema``) chat's function tools, its ``tool_choice`` (``auto``,
-``any``, ``tool``, ``none``; ``disable_parallel_tool_use``) chat's. The reply is text and
-``tool_use`` blocks with ``stop_reason`` ``end_turn``, ``max_tokens``, ``stop_sequence``
-or ``tool_use``, whole or streamed as the API's events (``message_start``,
-``content_block_start``/``delta``/``stop``, ``message_delta``, ``message_stop``). Every
-failure is that API's error shape, ``{"type": "error", "error": {"type", "message"}}``,
-with its status (an admission refusal: 429 ``rate_limit_error``; a server shutting down:
-529 ``overloaded_error``).
+A request's ``system``, text, ``tool_use`` and ``tool_result`` blocks become chat messages
+(``thinking`` blocks sent back are dropped: templates render no past reasoning), its
+``tools`` (``input_schema``) chat's function tools, its ``tool_choice`` (``auto``, ``any``,
+``tool``, ``none``; ``disable_parallel_tool_use``) chat's, its ``thinking`` (``enabled``,
+``adaptive`` or ``disabled``) the template's ``enable_thinking`` (``budget_tokens`` is not
+enforced: ``max_tokens`` bounds the whole reply). slotserve's ``reasoning_format`` and
+``chat_template_kwargs`` are chat's. The reply is `anthropic_reply`'s. Every failure is
+that API's error shape, ``{"type": "error", "error": {"type", "message"}}``, with its
+status (an admission refusal: 429 ``rate_limit_error``; a server shutting down: 529
+``overloaded_error``; a missing or wrong key: 401 ``authentication_error``).
 """
 
 from __future__ import annotations
 
 import json
-import uuid
-from collections.abc import AsyncIterator
-from contextlib import aclosing
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import Field, ValidationError
 
-from slotserve.engine import Engine, Finished
+from slotserve.engine import Engine
 from slotserve.engine.events import Priority
-from slotserve.server.chat_run import ChatRun, chat_prompt, start_chat
+from slotserve.server.anthropic_reply import ERROR_TYPES, MessageReply
+from slotserve.server.chat_run import chat_prompt, start_chat
 from slotserve.server.completions import check_finish
 from slotserve.server.errors import APIError
-from slotserve.server.generation import collect, merged
+from slotserve.server.generation import collect
+from slotserve.server.reasoning import ReasoningFormat
 from slotserve.server.schemas import Body, ChatCompletionRequest
+from slotserve.server.security import KeyedRoute
 from slotserve.server.state import ServerState
-from slotserve.server.tool_calls import CallStream, parse_reply
 from slotserve.server.validation import describe, json_kind
-
-# HTTP status → Anthropic's error type; 503 (shutting down, still loading) is its 529.
-ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    408: "timeout_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
-    529: "overloaded_error",
-}
 
 
 class MessagesRequest(Body):
@@ -64,6 +51,9 @@ class MessagesRequest(Body):
     top_k: int | None = Field(default=None, ge=0)
     metadata: dict[str, Any] | None = None
     priority: Priority | None = None  # slotserve's: the request's class
+    thinking: dict[str, Any] | None = None
+    reasoning_format: ReasoningFormat | None = None  # slotserve's, as in chat
+    chat_template_kwargs: dict[str, Any] | None = None  # slotserve's, as in chat
 
 
 class CountTokensRequest(Body):
@@ -72,6 +62,11 @@ class CountTokensRequest(Body):
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # slotserve's, as in chat
+
+
+THINKING_TYPES = ("enabled", "adaptive", "disabled")
 
 
 def error_response(
@@ -81,6 +76,14 @@ def error_response(
     kind = ERROR_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
     body = {"type": "error", "error": {"type": kind, "message": message}}
     return JSONResponse(body, status, headers=headers)
+
+
+class AnthropicRoute(KeyedRoute):
+    """A Messages API route: a request refused from its head (a missing or wrong key) is
+    answered in that API's error shape (401 ``authentication_error``)."""
+
+    def refuse(self, error: APIError) -> Response:
+        return error_response(error.status, error.message, error.headers)
 
 
 def _refuse(param: str, reason: str) -> APIError:
@@ -155,6 +158,8 @@ def chat_messages(body: MessagesRequest | CountTokensRequest) -> list[dict[str, 
                 function = {"name": _field(block, "name", str, param), "arguments": arguments}
                 call_id = _field(block, "id", str, param)
                 calls.append({"id": call_id, "type": "function", "function": function})
+            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+                continue  # past reasoning: the template renders none
             elif kind == "tool_result" and role == "user":
                 result = _text(block.get("content"), f"{param}.content")
                 if _field(block, "is_error", bool, param, False):
@@ -197,9 +202,22 @@ def chat_tools(body: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
     return fields
 
 
+def _template_kwargs(body: MessagesRequest | CountTokensRequest) -> dict[str, Any] | None:
+    """The chat template's variables: ``chat_template_kwargs``, with ``thinking`` as
+    ``enable_thinking``."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.thinking is not None:
+        kind = _field(body.thinking, "type", str, "thinking")
+        if kind not in THINKING_TYPES:
+            raise _refuse("thinking.type", f"{kind!r} is not one of {', '.join(THINKING_TYPES)}")
+        kwargs["enable_thinking"] = kind != "disabled"
+    return kwargs or None
+
+
 def chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
     fields: dict[str, Any] = {"model": body.model, "messages": chat_messages(body)}
     fields |= chat_tools(body)
+    fields["chat_template_kwargs"] = _template_kwargs(body)
     if isinstance(body, MessagesRequest):
         fields |= {
             "max_tokens": body.max_tokens,
@@ -208,6 +226,7 @@ def chat_request(body: MessagesRequest | CountTokensRequest) -> ChatCompletionRe
             "top_k": body.top_k,
             "stop": body.stop_sequences or None,
             "priority": body.priority,
+            "reasoning_format": body.reasoning_format,
         }
     try:
         return ChatCompletionRequest.model_validate(fields)
@@ -225,135 +244,10 @@ async def create_message(
 ) -> Response:
     chat = chat_request(body)
     run = await start_chat(state, engine, chat, request)
-    reply = _Reply(state, engine, body, run)
+    reply = MessageReply(state, engine, body, run)
     if body.stream:
         return StreamingResponse(reply.stream(), media_type="text/event-stream")
     (outcome,) = await collect(run.handles, request)
     assert outcome.final is not None
     check_finish(outcome.final)
-    return JSONResponse(reply.whole(run.text(outcome.events), outcome.final))
-
-
-class _Reply:
-    """One message as it is made."""
-
-    def __init__(self, state: ServerState, engine: Engine, body: MessagesRequest, run: ChatRun):
-        self.state, self.engine, self.body, self.run = state, engine, body, run
-        self.message_id = f"msg_{uuid.uuid4().hex[:24]}"
-
-    def message(self, content: list[dict[str, Any]], final: Finished | None) -> dict[str, Any]:
-        stop_reason, stop_sequence = self.stop(final, content) if final else (None, None)
-        output = final.usage.completion_tokens if final else 0
-        usage = {
-            "input_tokens": self.run.prompt_tokens,
-            "output_tokens": output,
-            "cache_read_input_tokens": final.usage.cached_tokens if final else 0,
-            "cache_creation_input_tokens": 0,
-        }
-        return {
-            "id": self.message_id,
-            "type": "message",
-            "role": "assistant",
-            "model": self.state.model_name,
-            "content": content,
-            "stop_reason": stop_reason,
-            "stop_sequence": stop_sequence,
-            "usage": usage,
-        }
-
-    def stop(self, final: Finished, content: list[dict[str, Any]]) -> tuple[str, str | None]:
-        if final.reason == "length":
-            return "max_tokens", None
-        if any(block["type"] == "tool_use" for block in content):
-            return "tool_use", None
-        stops = self.body.stop_sequences or []
-        if final.eos_token is None and stops:  # a stop sequence ended it: which one
-            rest = self.engine.model.tokenizer.decode(list(final.tokens))[len(final.text) :]
-            found = min(stops, key=lambda s: (rest.find(s) if s in rest else len(rest), -len(s)))
-            return "stop_sequence", found
-        return "end_turn", None
-
-    def whole(self, text: str, final: Finished) -> dict[str, Any]:
-        plan = self.run.plan
-        content_text, calls = parse_reply(plan.syntax, text) if plan else (final.text, [])
-        blocks: list[dict[str, Any]] = []
-        if content_text or not calls:
-            blocks.append({"type": "text", "text": content_text})
-        blocks += [tool_use(name, arguments) for name, arguments in calls]
-        return self.message(blocks, final)
-
-    async def stream(self) -> AsyncIterator[str]:
-        yield event("message_start", message=self.message([], None))
-        blocks: list[dict[str, Any]] = []
-        open_kind: str | None = None
-        reply = CallStream(self.run.plan.syntax) if self.run.plan is not None else None
-        async with aclosing(merged(self.run.handles)) as events:
-            try:
-                async for _, item in events:
-                    if isinstance(item, Finished):
-                        check_finish(item)
-                        deltas = reply.push("", final=True) if reply is not None else []
-                    else:
-                        text = item.text + self.run.markers.get(item.token_id, "")
-                        deltas = reply.push(text) if reply is not None else [{"content": text}]
-                    for delta in deltas:
-                        if delta.get("content"):
-                            if open_kind != "text":
-                                if open_kind is not None:
-                                    yield event("content_block_stop", index=len(blocks) - 1)
-                                blocks.append({"type": "text", "text": ""})
-                                open_kind = "text"
-                                yield event(
-                                    "content_block_start",
-                                    index=len(blocks) - 1,
-                                    content_block=blocks[-1],
-                                )
-                            blocks[-1]["text"] += delta["content"]
-                            text_delta = {"type": "text_delta", "text": delta["content"]}
-                            yield event(
-                                "content_block_delta", index=len(blocks) - 1, delta=text_delta
-                            )
-                        for call in delta.get("tool_calls", []):
-                            if "id" in call:
-                                if open_kind is not None:
-                                    yield event("content_block_stop", index=len(blocks) - 1)
-                                block = tool_use(call["function"]["name"], "{}")
-                                blocks.append({**block, "input": {}})
-                                open_kind = "tool_use"
-                                yield event(
-                                    "content_block_start",
-                                    index=len(blocks) - 1,
-                                    content_block=blocks[-1],
-                                )
-                            fragment = call["function"].get("arguments", "")
-                            if fragment:
-                                json_delta = {"type": "input_json_delta", "partial_json": fragment}
-                                yield event(
-                                    "content_block_delta", index=len(blocks) - 1, delta=json_delta
-                                )
-                    if isinstance(item, Finished):
-                        if open_kind is not None:
-                            yield event("content_block_stop", index=len(blocks) - 1)
-                        stop_reason, stop_sequence = self.stop(item, blocks)
-                        delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
-                        usage = {"output_tokens": item.usage.completion_tokens}
-                        yield event("message_delta", delta=delta, usage=usage)
-                        yield event("message_stop")
-            except APIError as exc:
-                status = 529 if exc.status == 503 else exc.status
-                error = {"type": ERROR_TYPES.get(status, "api_error"), "message": exc.message}
-                yield event("error", error=error)
-
-
-def tool_use(name: str, arguments: str) -> dict[str, Any]:
-    return {
-        "type": "tool_use",
-        "id": f"toolu_{uuid.uuid4().hex[:24]}",
-        "name": name,
-        "input": json.loads(arguments) if arguments else {},
-    }
-
-
-def event(kind: str, **fields: Any) -> str:
-    data = json.dumps({"type": kind, **fields}, ensure_ascii=False)
-    return f"event: {kind}\ndata: {data}\n\n"
+    return JSONResponse(reply.whole(outcome.events, outcome.final))

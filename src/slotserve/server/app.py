@@ -22,6 +22,7 @@ from slotserve.server.errors import (
     unexpected_handler,
     validation_handler,
 )
+from slotserve.server.reasoning import ReasoningFormat
 from slotserve.server.routes import V1_PREFIX, guarded, plain, v1
 from slotserve.server.security import BodyLimit
 from slotserve.server.state import DEFAULT_MAX_BODY_BYTES, ServerState
@@ -38,6 +39,7 @@ def create_app(
     cors_origins: Sequence[str] = (),  # browser origins allowed to call the API
     web: bool = True,
     connections: ConnectionTracker | None = None,  # the server's, exposed in /metrics
+    reasoning_format: ReasoningFormat = "auto",  # a thinking model's, unless a request says
 ) -> FastAPI:
     """The app serving ``engine`` as ``model_name``; closing the app closes the engine.
     ``web``: serve the page at ``/`` and its files (`page`) and its dashboard feed
@@ -52,6 +54,7 @@ def create_app(
         sampling=sampling or SamplingDefaults(),
         metrics_key=metrics_key,
         connections=connections,
+        reasoning_format=reasoning_format,
     )
     if engine is not None:
         state.attach(engine)

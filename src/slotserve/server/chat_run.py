@@ -1,7 +1,8 @@
 """`start_chat`: a chat request on the engine, whatever API it came in through (OpenAI's
-chat completions with tools, the Responses API, Anthropic's Messages): its tools planned,
-its prompt rendered and tokenised once, its grammar compiled (the tool calls', else
-``response_format``'s), its choices submitted. What answers it is the caller's."""
+chat completions with tools or reasoning, the Responses API, Anthropic's Messages): its
+tools planned, its prompt rendered (with its ``chat_template_kwargs``) and tokenised once,
+its grammar compiled (the tool calls', else ``response_format``'s), its reply's thinking
+section planned (`reasoning`), its choices submitted. What answers it is the caller's."""
 
 from __future__ import annotations
 
@@ -9,8 +10,9 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from slotserve.engine import Engine, RequestHandle, TokenEvent
+from slotserve.engine import Engine, RequestHandle
 from slotserve.sampling import Grammar
+from slotserve.server.chat_reply import ReplyShape
 from slotserve.server.completions import (
     chat_tokens,
     priority_of,
@@ -19,25 +21,44 @@ from slotserve.server.completions import (
 )
 from slotserve.server.errors import APIError
 from slotserve.server.generation import submit_all
+from slotserve.server.reasoning import Reasoning, ReasoningFormat, plan_reasoning, thinks
 from slotserve.server.schemas import ChatCompletionRequest
 from slotserve.server.state import ServerState
 from slotserve.server.structured import logit_bias, response_grammar
 from slotserve.server.tools import ToolPlan, plan_tools, tool_grammar
+from slotserve.tokenizer import Tokenizer
 
 
 @dataclass
 class ChatRun:
-    """A submitted chat request: its choices' handles, its tool plan (None: no tools), the
-    special tokens its call syntax writes (id → text) and its prompt's length."""
+    """A submitted chat request: its choices' handles, its tool plan (None: no tools), how
+    its reply is read (`ReplyShape`: call syntax, thinking section, special tokens written
+    back) and its prompt's length."""
 
     handles: list[RequestHandle]
     plan: ToolPlan | None
-    markers: dict[int, str]
+    shape: ReplyShape
     prompt_tokens: int
 
-    def text(self, events: list[TokenEvent]) -> str:
-        """A reply's text, with the call syntax's special tokens written back."""
-        return "".join(event.text + self.markers.get(event.token_id, "") for event in events)
+    @property
+    def reasoning(self) -> Reasoning | None:
+        return self.shape.reasoning
+
+
+def reasoning_format(state: ServerState, chat: ChatCompletionRequest) -> ReasoningFormat:
+    """The request's ``reasoning_format``, else the server's (``--reasoning-format``)."""
+    return chat.reasoning_format or state.reasoning_format
+
+
+def reads_reasoning(
+    tokenizer: Tokenizer, state: ServerState, chat: ChatCompletionRequest, plan: ToolPlan | None
+) -> bool:
+    """Whether ``chat``'s reply is read for a thinking section: the model thinks, the format
+    is not ``none``, and no grammar constrains the reply from its first token (a
+    ``response_format``, a ``required`` or named tool choice: the document comes at once)."""
+    structured = chat.response_format is not None and chat.response_format.type != "text"
+    constrained = structured or (plan is not None and plan.mode == "required")
+    return reasoning_format(state, chat) != "none" and thinks(tokenizer) and not constrained
 
 
 def chat_prompt(
@@ -45,7 +66,13 @@ def chat_prompt(
 ) -> tuple[list[int], ToolPlan | None]:
     """``chat``'s prompt tokens and tool plan; a prompt too long is a 400 naming ``param``."""
     plan = plan_tools(engine.model.tokenizer, chat)
-    prompt = chat_tokens(engine, chat.messages, add_generation_prompt=True, tools=plan)
+    prompt = chat_tokens(
+        engine,
+        chat.messages,
+        add_generation_prompt=True,
+        tools=plan,
+        template_kwargs=chat.chat_template_kwargs,
+    )
     return prompt_tokens(engine, prompt, param), plan
 
 
@@ -75,5 +102,10 @@ async def start_chat(
     handles = submit_all(
         engine, tokens, params, priority_of(chat, request), param, keep_conversation=True
     )
-    markers = {} if plan is None else {t: s for s, t in plan.specials(tokenizer).items()}
-    return ChatRun(handles, plan, markers, len(tokens))
+    reasoning = None
+    if reads_reasoning(tokenizer, state, chat, plan):
+        reasoning = plan_reasoning(tokenizer, tokens, reasoning_format(state, chat))
+    markers = {} if plan is None else plan.markers(tokenizer)
+    markers |= reasoning.markers if reasoning is not None else {}
+    shape = ReplyShape(plan.syntax if plan is not None else None, reasoning, markers)
+    return ChatRun(handles, plan, shape, len(tokens))

@@ -38,18 +38,23 @@ def chat_tokens(
     *,
     add_generation_prompt: bool,
     tools: ToolPlan | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     """``messages`` through the chat template, as token ids: the template's markers are
     special tokens, special-token text a client typed stays text. A conversation the
     template refuses on purpose (``raise_exception``) is the caller's (400); a template that
     fails otherwise (a type error, an undefined name, a syntax error) is the model's, 500
     ``template_error`` naming it. ``tools``: the tools the prompt offers (`tools.ToolPlan`);
-    calls and tool results in ``messages`` are rendered either way (`tools.template_input`)."""
+    calls and tool results in ``messages`` are rendered either way (`tools.template_input`).
+    ``template_kwargs``: the request's ``chat_template_kwargs`` (``enable_thinking``)."""
     tokenizer = engine.model.tokenizer
     rendered = template_input(tokenizer, messages, tools)  # its own 400s name the message
     try:
         return tokenizer.encode_chat(
-            rendered.messages, add_generation_prompt=add_generation_prompt, tools=rendered.tools
+            rendered.messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=rendered.tools,
+            template_kwargs=template_kwargs,
         )
     except ChatTemplateMissing as exc:  # the model's, not the messages': say what fixes it
         raise APIError(

@@ -4,7 +4,9 @@ every body is: `schemas.Body`) and the chat completion it asks for (`chat_reques
 A request's ``input`` (a string, or message, ``function_call`` and ``function_call_output``
 items) becomes chat messages after its ``instructions`` and, with ``previous_response_id``,
 after the stored conversation of that response; its flat function tools become chat's
-function tools, ``text.format`` chat's ``response_format``. Every refusal is a 400 whose
+function tools, ``text.format`` chat's ``response_format``; slotserve's ``reasoning_format``
+and ``chat_template_kwargs`` (`reasoning`) are chat's. A reasoning item sent back is
+dropped (templates render no past reasoning). Every refusal is a 400 whose
 ``param`` names the field as the client sent it (``input.2.content.0.text``), never chat's
 name for it.
 """
@@ -18,6 +20,7 @@ from pydantic import Field, ValidationError
 
 from slotserve.engine.events import Priority
 from slotserve.server.errors import APIError
+from slotserve.server.reasoning import ReasoningFormat
 from slotserve.server.schemas import Body, ChatCompletionRequest
 from slotserve.server.validation import describe, json_kind
 
@@ -42,6 +45,8 @@ class ResponsesRequest(Body):
     user: str | None = None
     priority: Priority | None = None  # slotserve's: the request's class
     seed: int | None = None  # slotserve's, as in chat
+    reasoning_format: ReasoningFormat | None = None  # slotserve's, as in chat
+    chat_template_kwargs: dict[str, Any] | None = None  # slotserve's, as in chat
 
 
 def refuse(param: str, reason: str) -> APIError:
@@ -153,6 +158,8 @@ def chat_request(
         "seed": body.seed,
         "priority": body.priority,
         "response_format": _response_format(body.text),
+        "reasoning_format": body.reasoning_format,
+        "chat_template_kwargs": body.chat_template_kwargs,
         **chat_tools(body),
     }
     try:
@@ -167,12 +174,15 @@ def chat_request(
 def input_error(exc: APIError, offset: int) -> APIError:
     """``exc`` naming the request's fields where it names chat's: ``input`` for
     ``messages`` (message ``offset`` is this request's first input message),
-    ``max_output_tokens`` for ``max_tokens``."""
+    ``max_output_tokens`` for ``max_tokens``, a flat tool's field for chat's
+    ``tools.N.function.…``."""
     param = exc.param or ""
     if param.startswith("messages."):
         head, _, rest = param[len("messages.") :].partition(".")
         index = int(head) - offset if head.isdigit() else head
         renamed = f"input.{index}" + (f".{rest}" if rest else "")
+    elif param.startswith("tools.") and ".function." in param:  # its tools are flat
+        renamed = param.replace(".function.", ".", 1)
     else:
         head, dot, rest = param.partition(".")
         renamed = _RESPONSES_NAME.get(head, head) + dot + rest

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from slotserve.engine import Engine
 from slotserve.engine.cancel_bound import CancelBound
 from slotserve.server import anthropic
+from slotserve.server.chat_run import reads_reasoning
 from slotserve.server.completions import chat_tokens, generate
 from slotserve.server.embeddings import EmbeddingRequest, embed
 from slotserve.server.errors import APIError
@@ -24,7 +25,7 @@ from slotserve.server.schemas import (
 )
 from slotserve.server.security import KeyedRoute, require_api_key, require_metrics_key
 from slotserve.server.state import ServerState
-from slotserve.server.tool_calls import generate_with_tools
+from slotserve.server.tool_calls import generate_chat
 from slotserve.server.tools import plan_tools
 
 # redirect_slashes=False everywhere: see create_app. `v1` (OpenAI's routes) is mounted both
@@ -68,10 +69,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     state = state_of(request)
     engine = live_engine(state)
     check_model(state, body.model)
-    tools = plan_tools(engine.model.tokenizer, body)
-    prompt = chat_tokens(engine, body.messages, add_generation_prompt=True, tools=tools)
-    if tools is not None:
-        return await generate_with_tools(state, engine, body, request, prompt, tools)
+    tokenizer = engine.model.tokenizer
+    tools = plan_tools(tokenizer, body)
+    if tools is not None or reads_reasoning(tokenizer, state, body, tools):
+        return await generate_chat(state, engine, body, request)  # the reply has structure
+    prompt = chat_tokens(
+        engine,
+        body.messages,
+        add_generation_prompt=True,
+        template_kwargs=body.chat_template_kwargs,
+    )
     return await generate(state, engine, body, request, prompt, "chat")
 
 
@@ -108,7 +115,6 @@ async def retrieve_response(response_id: str, request: Request) -> dict[str, Any
     return stored.response
 
 
-@v1.post("/messages")
 async def messages(request: Request) -> Response:
     """Anthropic's Messages API; every error in its own shape (`anthropic.error_response`)."""
     try:
@@ -121,7 +127,6 @@ async def messages(request: Request) -> Response:
         return anthropic.error_response(exc.status, exc.message, exc.headers)
 
 
-@v1.post("/messages/count_tokens")
 async def count_tokens(request: Request) -> Response:
     try:
         state = state_of(request)
@@ -131,6 +136,18 @@ async def count_tokens(request: Request) -> Response:
         return JSONResponse(await anthropic.count_tokens(engine, body))
     except APIError as exc:
         return anthropic.error_response(exc.status, exc.message, exc.headers)
+
+
+# Anthropic's routes answer a refused key in that API's error shape too (AnthropicRoute).
+v1.add_api_route(
+    "/messages", messages, methods=["POST"], route_class_override=anthropic.AnthropicRoute
+)
+v1.add_api_route(
+    "/messages/count_tokens",
+    count_tokens,
+    methods=["POST"],
+    route_class_override=anthropic.AnthropicRoute,
+)
 
 
 @v1.get("/models")
@@ -214,7 +231,10 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     tokenizer = engine.model.tokenizer
     if body.messages is not None:
         tokens = chat_tokens(
-            engine, body.messages, add_generation_prompt=body.add_generation_prompt
+            engine,
+            body.messages,
+            add_generation_prompt=body.add_generation_prompt,
+            template_kwargs=body.chat_template_kwargs,
         )
     elif body.text is not None:
         tokens = tokenizer.encode(body.text)

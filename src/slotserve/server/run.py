@@ -23,6 +23,7 @@ from slotserve.server.app import create_app
 from slotserve.server.connections import ConnectionTracker, HTTPLimits
 from slotserve.server.defaults import SamplingDefaults
 from slotserve.server.protocol import protocol_for
+from slotserve.server.reasoning import ReasoningFormat
 from slotserve.server.state import ServerState
 
 log = logging.getLogger("slotserve")
@@ -50,13 +51,15 @@ def serve(
     metrics_key: str | None = None,
     cors_origins: Sequence[str] = (),
     web: bool = True,
+    reasoning_format: ReasoningFormat = "auto",
 ) -> int:
     """Serve ``engine`` as ``model_name`` until SIGINT/SIGTERM; returns the exit status (0).
 
     ``limits``: the deadlines on request heads and bodies and the caps on open connections
     (`HTTPLimits`; its defaults if None); ``sampling`` fills the fields a request leaves
     out (logged here, at startup); ``metrics_key`` guards /metrics; ``cors_origins`` may
-    call the API from a browser."""
+    call the API from a browser; ``reasoning_format`` is how a thinking model's reasoning
+    is returned when a request does not say (`reasoning`)."""
     limits = limits or HTTPLimits()
     connections = ConnectionTracker(limits)
     app = create_app(
@@ -69,6 +72,7 @@ def serve(
         cors_origins=cors_origins,
         web=web,
         connections=connections,
+        reasoning_format=reasoning_format,
     )
     warn_if_exposed(host, api_key)
     warn_if_descriptors_short(limits.max_connections)

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from slotserve.engine.events import Priority
+from slotserve.server.reasoning import ReasoningFormat
 from slotserve.server.tool_specs import ToolCall, ToolChoice, ToolSpec
 
 UNSUPPORTED_PARAMETER = "unsupported_parameter"
@@ -271,6 +272,23 @@ class ChatMessage(Body):
         return "\n".join(part.text or "" for part in self.content)
 
 
+# The chat template's own variables, which chat_template_kwargs may not set.
+TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"}
+)
+
+
+def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``chat_template_kwargs``: more variables for the chat template (``enable_thinking``),
+    never one of the variables the server sets itself."""
+    for key in value or {}:
+        if key in TEMPLATE_VARIABLES:
+            raise ValueError(
+                f"{key!r} is the chat template's own variable, which the server sets; remove it"
+            )
+    return value
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
@@ -279,6 +297,12 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[ToolSpec] | None = None  # tool calling: `tools.plan_tools`
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Extensions, as llama.cpp's server and vLLM take them: variables for the chat
+    # template, and whether a thinking section is returned apart (`reasoning`).
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_format: ReasoningFormat | None = None
+
+    _template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -331,6 +355,9 @@ class TokenizeRequest(Body):
     text: str | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    _template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
 
 
 class DetokenizeRequest(Body):

@@ -74,7 +74,12 @@ class KeyedRoute(APIRoute):
     solves dependencies, so the dependencies alone would check only after the whole body.
     They stay on the route all the same (what the route needs is declared there, once).
 
-    Every router with a key dependency takes it: ``APIRouter(route_class=KeyedRoute)``."""
+    Every router with a key dependency takes it: ``APIRouter(route_class=KeyedRoute)``. The
+    401 is OpenAI's error shape; a route of another API answers it in its own (`refuse`)."""
+
+    def refuse(self, error: APIError) -> Response:
+        """The answer to a request refused from its head (the app's error handler's)."""
+        raise error
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
@@ -87,7 +92,7 @@ class KeyedRoute(APIRoute):
             state = request.app.state.server
             for attribute, what in needed:
                 if not carries_key(request.headers, getattr(state, attribute)):
-                    raise key_error(what, request.headers)
+                    return self.refuse(key_error(what, request.headers))
             return await handler(request)
 
         return keyed

@@ -11,6 +11,7 @@ from slotserve.engine import Engine
 from slotserve.server.connections import ConnectionTracker
 from slotserve.server.defaults import SamplingDefaults
 from slotserve.server.metrics import PrometheusMetrics
+from slotserve.server.reasoning import ReasoningFormat
 from slotserve.server.response_store import ResponseStore
 from slotserve.server.structured import GrammarCache
 
@@ -32,6 +33,9 @@ class ServerState:
     responses: ResponseStore = field(default_factory=ResponseStore)  # the Responses API's
     # The connections of the server this app runs in (`serve`); None when served otherwise.
     connections: ConnectionTracker | None = None
+    # How a thinking model's reasoning is returned when a request does not say
+    # (``--reasoning-format``): apart ("auto"), or inline in the content ("none").
+    reasoning_format: ReasoningFormat = "auto"
     _closer: threading.Thread | None = field(default=None, repr=False)
 
     def attach(self, engine: Engine) -> None:

@@ -93,12 +93,15 @@ def call_grammar(
     mode: Mode,
     parallel: bool,
     specials: Mapping[str, int] | None = None,
+    free_tokens: Sequence[int] = (),
 ) -> str:
     """The Lark grammar of a reply that calls ``functions`` ((name, arguments schema)
     pairs) in ``syntax``. ``required``: calls from the first token, at least one; ``auto``:
     free text, or (GENERIC) a JSON content reply, or the calls. ``parallel``: more than one
     call (up to the syntax's ``max_calls``). ``specials``: special tokens' text → id, so a
-    literal that is a special token's text is written as that token."""
+    literal that is a special token's text is written as that token. ``free_tokens``: tokens
+    the free text of ``auto`` may hold too (a thinking model's ``<think>`` tags), when the
+    trigger is a token (text cannot hold one, so the free text ends where it comes)."""
     specials = specials or {}
     lines = ["%llguidance {}"]
     for index, (name, schema) in enumerate(functions):
@@ -120,6 +123,12 @@ def call_grammar(
     else:
         after = _literal(opening[len(syntax.trigger) :], specials)
         trigger_id = specials.get(syntax.trigger)
+        if trigger_id is not None and free_tokens:
+            pieces = " | ".join(["TEXT", *(f"<[{token}]>" for token in free_tokens)])
+            lines.append(f"free: ({pieces})*")
+            lines.append(f"start: free | free <[{trigger_id}]> {after} rest")
+            lines.append(r"TEXT: /(.|\n)+/")
+            return "\n".join(lines) + "\n"
         if trigger_id is not None:  # text cannot hold a special token: no need to be lazy
             lines.append(f"trigger: TEXT <[{trigger_id}]>")
         else:

@@ -22,9 +22,11 @@ from typing import Any
 
 import jinja2
 import jinja2.meta
+import tokenizers
 
 from slotserve.sampling import Grammar, GrammarError
 from slotserve.server.errors import APIError
+from slotserve.server.reasoning import CLOSE, OPEN, thinks
 from slotserve.server.schemas import ChatCompletionRequest, ChatMessage
 from slotserve.server.structured import GrammarCache
 from slotserve.server.tool_formats import (
@@ -56,17 +58,30 @@ class ToolPlan:
     native: bool
 
     def specials(self, tokenizer: Tokenizer) -> dict[str, int]:
-        """The syntax's literals that are one special token of ``tokenizer`` (text → id):
-        the grammar writes them as that token, and a reply's text gets them back."""
+        """The syntax's literals that are one added token of ``tokenizer`` (text → id),
+        special or not (Qwen3's ``<tool_call>`` is not): the grammar engine reads every
+        added token as a token apart from text, so the grammar writes them as that token."""
         if not self.native:
             return {}
         texts = (self.syntax.trigger, "</tool_call>") if self.syntax is HERMES else ()
-        found: dict[str, int] = {}
-        for text in texts or (self.syntax.trigger,):
-            token = tokenizer.token_to_id(text)
-            if token is not None and tokenizer.is_special(token):
-                found[text] = token
-        return found
+        return added_tokens(tokenizer, texts or (self.syntax.trigger,))
+
+    def markers(self, tokenizer: Tokenizer) -> dict[int, str]:
+        """The `specials` that are special tokens (id → text): the engine's text leaves
+        them out, and a reply's text gets them back."""
+        return {t: text for text, t in self.specials(tokenizer).items() if tokenizer.is_special(t)}
+
+
+def added_tokens(tokenizer: Tokenizer, texts: Sequence[str]) -> dict[str, int]:
+    """Those of ``texts`` that are one added token of ``tokenizer`` (text → id)."""
+    backend = tokenizer.backend
+    added = backend.get_added_tokens_decoder() if isinstance(backend, tokenizers.Tokenizer) else {}
+    found: dict[str, int] = {}
+    for text in texts:
+        token = tokenizer.token_to_id(text)
+        if token is not None and (tokenizer.is_special(token) or token in added):
+            found[text] = token
+    return found
 
 
 @functools.lru_cache(maxsize=8)
@@ -140,12 +155,15 @@ async def tool_grammar(grammars: GrammarCache, plan: ToolPlan, tokenizer: Tokeni
         except GrammarError as exc:
             param = f"tools.{index}.function.parameters"
             raise APIError(400, f"{param}: {exc}", INVALID, param, "invalid_schema") from None
+    # A thinking model's tags may come before a call, in the free text (`reasoning`).
+    tags = added_tokens(tokenizer, (OPEN, CLOSE)) if thinks(tokenizer) else {}
     text = call_grammar(
         plan.syntax,
         [(f.name, f.arguments_schema()) for f in plan.callable],
         mode=plan.mode,
         parallel=plan.parallel,
         specials=plan.specials(tokenizer),
+        free_tokens=tuple(tags.values()),
     )
     try:
         return await asyncio.to_thread(grammars.compiler.compile, text, "tool calls")

@@ -131,6 +131,7 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """Token ids of ``messages`` rendered with the chat template, for the model to read.
 
@@ -138,13 +139,19 @@ class Tokenizer:
         special tokens; special-token text inside the messages (content, names, any string
         a client sent) is encoded as the plain text it is. For messages without such text
         the result equals ``encode(render_chat(messages))``. The BOS rule is `encode`'s.
-        ``tools`` (the template's ``tools`` variable) is escaped as the messages are.
+        ``tools`` (the template's ``tools`` variable) and ``template_kwargs`` (more variables,
+        as transformers' ``apply_chat_template(**kwargs)``: ``enable_thinking``) are escaped
+        as the messages are.
         """
         nonce = secrets.token_hex(8)
         escaped = [_escape_specials(message, self._special_pattern, nonce) for message in messages]
         offered = None if tools is None else _escape_specials(tools, self._special_pattern, nonce)
+        extra = _escape_specials(dict(template_kwargs or {}), self._special_pattern, nonce)
         rendered = self.render_chat(
-            escaped, add_generation_prompt=add_generation_prompt, tools=offered
+            escaped,
+            add_generation_prompt=add_generation_prompt,
+            tools=offered,
+            template_kwargs=extra,
         )
         ids: list[int] = []
         for index, piece in enumerate(_split_keeping(self._special_pattern, rendered)):
@@ -180,23 +187,27 @@ class Tokenizer:
         *,
         add_generation_prompt: bool = True,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """Render ``messages`` with the model's chat template (as transformers does), with
         ``tools`` as its ``tools`` variable when given (left undefined otherwise, as
-        transformers leaves it). Raises `ChatTemplateMissing` when the model has none."""
+        transformers leaves it) and ``template_kwargs`` as more variables (they never
+        replace the ones named here). Raises `ChatTemplateMissing` when the model has
+        none."""
         if not self.chat_template:
             raise ChatTemplateMissing
         template = _jinja_env().from_string(self.chat_template)
         bos = self.decode([self.bos_id]) if self.bos_id is not None else ""
         eos = self.decode([self.eos_ids[0]]) if self.eos_ids else ""
         offered = {} if tools is None else {"tools": list(tools)}
-        return template.render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            bos_token=bos,
-            eos_token=eos,
+        own = {
+            "messages": list(messages),
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": bos,
+            "eos_token": eos,
             **offered,
-        )
+        }
+        return template.render({**dict(template_kwargs or {}), **own})
 
     def stream_decoder(self, *, skip_special: bool = True) -> StreamDecoder:
         return StreamDecoder(self, skip_special=skip_special)
