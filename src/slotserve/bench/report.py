@@ -12,6 +12,7 @@ from slotserve.bench.executors import executors_section
 from slotserve.bench.prefix_store import store_section
 from slotserve.bench.servers import servers_section
 from slotserve.bench.stats import format_summary, markdown_table
+from slotserve.bench.structured_tools import tool_calls_section
 from slotserve.plan import format_bytes
 
 
@@ -220,7 +221,8 @@ def _structured(r: dict[str, Any]) -> list[str]:
         "sampling ms/token, free",
         "sampling ms/token, constrained",
     ]
-    return lines + markdown_table(header, rows)
+    lines += markdown_table(header, rows)
+    return lines + (tool_calls_section(r["tool_calls"]) if "tool_calls" in r else [])
 
 
 def _prefix(r: dict[str, Any]) -> list[str]:

@@ -11,6 +11,9 @@ Then what a compile costs everyone else (issue 30): an interactive request's int
 latency alone, and while a slow schema compiles in the compiler's bounded pool (a worker
 process at the lowest CPU priority, `GrammarCompiler.submit`), and while it compiles the
 old way (a thread of the serving process at normal priority, as ``asyncio.to_thread`` did).
+
+The tool-call case (a request with ``tools`` and ``tool_choice: "required"``, decoded under
+the server's call grammar) is `structured_tools`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Any
 from rich.progress import Progress
 
 from slotserve.bench.stats import summary
+from slotserve.bench.structured_tools import run_tool_calls
 from slotserve.engine import Engine, EngineConfig, Finished
 from slotserve.model import Model
 from slotserve.sampling import Grammar, GrammarCompiler, GrammarError, SamplingParams
@@ -218,9 +222,10 @@ def run_structured(model: Model, repeats: int = 3) -> dict[str, Any]:
     )
     engine = Engine(model, config)
     rows: list[dict[str, Any]] = []
-    try:
-        with Progress(transient=True) as progress:
-            task = progress.add_task("bench structured", total=len(BATCHES) * (repeats + 1))
+    with Progress(transient=True) as progress:
+        # The json_schema case's batches, then the tool-call case's.
+        task = progress.add_task("bench structured", total=2 * len(BATCHES) * (repeats + 1))
+        try:
             for size in BATCHES:
                 _run_batch(engine, model, size, 0, None)  # warm-up, not counted
                 _run_batch(engine, model, size, 0, grammar)
@@ -231,8 +236,10 @@ def run_structured(model: Model, repeats: int = 3) -> dict[str, Any]:
                     constrained.append(_run_batch(engine, model, size, repeat, grammar))
                     progress.advance(task)
                 rows.append(_row(size, free, constrained))
-    finally:
-        engine.close()
+        finally:
+            engine.close()
+        progress.update(task, description="bench structured: tool calls")
+        tool_calls = run_tool_calls(model, SAMPLING, repeats, lambda: progress.advance(task))
     return {
         "decode_tokens": DECODE_TOKENS,
         "repeats": repeats,
@@ -242,6 +249,7 @@ def run_structured(model: Model, repeats: int = 3) -> dict[str, Any]:
         "grammar_compile_s": round(compile_s, 4),
         "rows": rows,
         **{f"step_ratio_batch_{row['batch']}": row["step_ratio"]["median"] for row in rows},
+        "tool_calls": tool_calls,
         "itl_while_compiling": run_itl_while_compiling(model, repeats),
     }
 
