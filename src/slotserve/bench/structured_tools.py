@@ -2,13 +2,14 @@
 costs per decode step against free text, on the engine, at batch 1 and batch 8.
 
 The request is what an on-device assistant sends: three functions (`TOOLS`) and
-``tool_choice: "required"``, one call a reply (``parallel_tool_calls: false``). Its prompt,
-tool plan and grammar come from the server's own code (`tools.plan_tools`,
-`completions.chat_tokens`' rendering, `tools.tool_grammar` through a `GrammarCache`), so the call
+``tool_choice: "required"``, one call a reply (``parallel_tool_calls: false``). Its tool
+plan, prompt and grammar come from the server's own code (`tools.plan_tools`, the rendering
+of `completions.chat_tokens`, `tools.tool_grammar` through a `GrammarCache`), so the call
 syntax measured is the one the server decodes under for this model's chat template; each
 reply is read back with the server's reader (`chat_reply.read_reply`) and every call it
 holds is reported (``calls``: name and arguments; the tests validate them against their
-function's schema).
+function's schema). Every request has the same prompt, computed once and then restored
+from the prefix cache: only decoding is timed.
 
 Each request's first `STEP_TOKENS` tokens are timed: free requests (the same prompt, no
 grammar, through end-of-sequence) decode exactly that many, constrained ones go on to the
@@ -201,7 +202,7 @@ def run_tool_calls(
         max_context=max_context,
         kv_layout="cell",
         max_batch_tokens=max(BATCHES) * len(prompt),
-        # Every request has the same prompt: computed once (in the warm-up), then restored.
+        # The one prompt: computed in the first warm-up, restored after.
         prefix_cache_bytes=PREFIX_CACHE_BYTES,
     )
     engine = Engine(model, config)
