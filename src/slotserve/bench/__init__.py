@@ -41,6 +41,9 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
 # are: ``executors`` needs a bundle (`slotserve export`); ``servers`` needs llama-server
 # (`make bench-deps`), and "all" runs it with ``baselines``.
 OWN_SECTION_SCENARIOS = ("executors", "servers")
+# Scenarios that, run alone, rewrite their section of docs/BENCHMARKS.md (``memory``: a real
+# server's worst case, worth keeping beside the command that measured it).
+SECTION_SCENARIOS = (*OWN_SECTION_SCENARIOS, "memory")
 DOCS = Path("docs/BENCHMARKS.md")
 log = logging.getLogger("slotserve")
 
@@ -96,7 +99,7 @@ def run_bench(
             report = keep_sections(DOCS.read_text(), report, OWN_SECTION_SCENARIOS)
         DOCS.write_text(report)
         log.info("bench: wrote %s", DOCS)
-    elif scenario in OWN_SECTION_SCENARIOS and DOCS.exists():
+    elif scenario in SECTION_SCENARIOS and DOCS.exists():
         DOCS.write_text(replace_section(DOCS.read_text(), scenario, results, command))
         log.info("bench: updated the %s section of %s", scenario, DOCS)
     elif plot_path is not None:

@@ -1,4 +1,6 @@
-"""Scenario ``memory``: worst-case memory at max_seqs, planned vs measured, per layout.
+"""Scenario ``memory``: a real server's peak resident set at its worst case against its
+plan's total (`slotserve.bench.worst_case`), and the KV pool of each layout at max_seqs,
+planned vs measured.
 
 Each pool is measured in a fresh process, so the resident-size growth is the pool's own and
 not memory the allocator had kept from earlier work.
@@ -12,6 +14,7 @@ import subprocess
 import sys
 from typing import Any
 
+from slotserve.bench.worst_case import run_worst_case
 from slotserve.info import ModelInfo
 from slotserve.kv import KVConfig, KVPool
 from slotserve.memory import peak_rss_bytes, rss_bytes
@@ -57,7 +60,23 @@ def _measure(info: ModelInfo, config: KVConfig) -> dict[str, int]:
     return result
 
 
+# The server `run_memory` drives: the issue's 4 slots x 2,048 tokens on the cell layout (the
+# prefix cache on, as serve's default), and a grammars arena of the least one grammar needs,
+# which the driver fills (the default 128 MiB would be a budget no run fills).
+SERVER_SEQS, SERVER_CONTEXT = 4, 2048
+GRAMMAR_FLAGS = ("--grammar-max-bytes", "4MiB", "--grammar-cache-bytes", "4MiB")
+
+
+def server_flags(model: Model) -> tuple[str, ...]:
+    """`slotserve serve`'s flags for the worst case of ``model`` (its context, if shorter)."""
+    context = min(SERVER_CONTEXT, model.info.max_context)
+    sizes = ("--max-seqs", str(SERVER_SEQS), "--max-context", str(context))
+    return (*sizes, "--kv-layout", "cell", *GRAMMAR_FLAGS)
+
+
 def run_memory(model: Model, repeats: int = 1) -> dict[str, Any]:
+    """The server's worst case (``repeats`` rounds of it) and the pool of each layout."""
+    server = run_worst_case(model.source, model.info.vocab_size, server_flags(model), repeats)
     rows = {}
     for name, config in LAYOUTS.items():
         plan = CapacityPlan(model.info, config, model.weight_bytes)
@@ -74,4 +93,5 @@ def run_memory(model: Model, repeats: int = 1) -> dict[str, Any]:
         "max_context": 2048,
         "weights_bytes": model.weight_bytes,
         "layouts": rows,
+        "server": server,
     }

@@ -297,10 +297,17 @@ def _prefix(r: dict[str, Any]) -> list[str]:
 
 def _memory(r: dict[str, Any]) -> list[str]:
     lines = [
-        f"## memory: KV pool at max_seqs={r['max_seqs']}, max_context={r['max_context']}",
+        "## memory: a server's peak RSS at its worst case against its plan, and the KV pool "
+        "per layout",
         "",
-        f"Weights: {format_bytes(r['weights_bytes'])} (as loaded). RSS growth is measured "
-        "after writing every page of the pool.",
+    ]
+    if "server" in r:
+        lines += _memory_server(r["server"])
+    lines += [
+        f"### memory: KV pool at max_seqs={r['max_seqs']}, max_context={r['max_context']}",
+        "",
+        f"Weights: {format_bytes(r['weights_bytes'])} (as loaded). Each pool is measured in a "
+        "fresh process; RSS growth is measured after writing every page of the pool.",
         "",
     ]
     rows = [
@@ -314,6 +321,49 @@ def _memory(r: dict[str, Any]) -> list[str]:
         for name, x in r["layouts"].items()
     ]
     header = ["layout", "planned KV", "measured pool", "RSS growth", "plan worst case"]
+    return lines + markdown_table(header, rows)
+
+
+def _memory_server(s: dict[str, Any]) -> list[str]:
+    """The server half of ``memory`` (`slotserve.bench.worst_case`)."""
+    plan = s["plan"]
+    prefix = s["prefix"]
+    cache = (
+        "no prefix phase (the prefix cache is off)"
+        if prefix.get("off")
+        else f"distinct prompts until the prefix cache was full ({prefix['snapshots']} "
+        f"snapshots pinning {format_bytes(prefix['bytes_pinned'])} of "
+        f"{format_bytes(prefix['budget_bytes'])}, {prefix['evictions']} evictions)"
+    )
+    total, peak = plan["worst_case_bytes"], s["peak_rss_bytes"]
+    lines = [
+        f"`slotserve serve --model {s['model']} {' '.join(s['flags'])}` "
+        f"({plan['layout']}, {plan['kv_dtype']} KV), driven to its worst case "
+        f"{s['rounds']} time(s): a short chat turn and completion, "
+        f"{s['requests'].get('grammars', 0)} "
+        f"structured requests (a schema each), {cache}, then "
+        f"{plan['max_seqs']} streams at once, each a distinct prompt of "
+        f"{plan['max_context'] - s['decode_tokens']} tokens and {s['decode_tokens']} tokens "
+        "(`ignore_eos`): every session at max_context, the concurrent prefill in the largest "
+        "steps. Resident set of the server process from `/proc/PID/status`; its peak (VmHWM) "
+        "is reset when the server is ready and before each phase.",
+        "",
+        f"Peak RSS **{format_bytes(peak)}** against the plan's total "
+        f"{format_bytes(total)}: **{peak / total:.2f}×**. The load's own peak, before "
+        f"serving: {format_bytes(s['load_peak_rss_bytes'])}.",
+        "",
+    ]
+    rows = [
+        [
+            row["span"],
+            ", ".join(row["arenas"]) or "—",
+            format_bytes(row["planned_bytes"]),
+            format_bytes(row["measured_bytes"]),
+        ]
+        for row in s["arena_rows"]
+    ]
+    rows.append(["whole process, peak", "all", format_bytes(total), format_bytes(peak)])
+    header = ["span (resident set)", "plan arenas", "planned", "measured"]
     return lines + markdown_table(header, rows)
 
 

@@ -7,20 +7,25 @@ set (Linux's VmHWM) is read, then reset (``5`` written to ``/proc/PID/clear_refs
 the peak reported is the serving process's, apart from the load's transient one, which is
 reported beside it. The worst case, phase by phase, each read from ``/proc/PID/status``:
 
+- ``first request``: a short plain chat turn and a short completion (what serving costs
+  once: the first steps' buffers, the HTTP and chat-template paths), which the plan does not
+  count apart;
 - ``grammars``: structured requests (``response_format`` ``json_schema``), one distinct
-  schema each, so the grammars arena holds as many grammars as it keeps;
+  schema each, so the grammars arena holds as many grammars as it keeps (and the compiler
+  its tokenizer index);
 - ``prefix``: distinct prompts of half the context, ``max_seqs`` at a time, until the prefix
   cache's snapshots fill its budget (it evicts, or one more would not fit);
 - ``worst case``: ``max_seqs`` streams sent together, each a distinct prompt of
   ``max_context - decode`` tokens and ``decode`` tokens (``ignore_eos``), so every session
   runs at ``max_context`` and the concurrent prefill steps are the largest the engine
   takes (``max_batch_tokens``, one chunk a session), ending next to ``max_context``;
-  repeated ``rounds`` times.
+  repeated ``rounds`` times, the prefix cache full again after each.
 
-Arenas are measured where the outside of the process can tell them apart: the resident set
-at ready (the runtime, the weights and the KV pool, which the pool's zeroing writes), each
-phase's growth, and the peak of the worst case above the resident set before it (the
-activations of the largest step).
+Arenas are measured where the outside of the process can tell them apart (`ARENA_ROWS`):
+the resident set at ready (the runtime, the weights and the KV pool, which the pool's
+zeroing writes), the growth of the first request and of the grammars phase, and the peak
+of the prefix and worst-case phases above the resident set before them (the prefix
+cache's copies, and the activations of the largest steps).
 """
 
 from __future__ import annotations
@@ -37,17 +42,19 @@ from rich.progress import Progress
 
 from slotserve.bench.processes import ServerProcess, slotserve_server
 
-# The server the scenario starts (`run_worst_case`'s default flags): the issue's 4 slots x
-# 2,048 tokens on the cell layout (its prefix cache on by default), and a grammars arena of
-# the least one grammar needs, which the ``grammars`` phase fills.
-SERVER_FLAGS = (
-    *("--max-seqs", "4", "--max-context", "2048", "--kv-layout", "cell"),
-    *("--grammar-max-bytes", "4MiB", "--grammar-cache-bytes", "4MiB"),
-)
 DECODE_TOKENS = 8  # each worst-case stream's tokens after its prompt
 GRAMMARS = 4  # distinct schemas the grammars phase sends
 STRUCTURED_TOKENS = 16
-PHASES = ("ready", "grammars", "prefix", "worst case")
+PHASES = ("ready", "first request", "grammars", "prefix", "worst case")
+# What `arena_rows` compares: a measured span of the server's resident set, and the arenas
+# of the plan that span holds (``pool``: the KV pool alone, ``copies``: the kv arena less
+# the pool, the prefix cache's copies).
+ARENA_ROWS = (
+    ("at ready", ("runtime", "weights", "methods", "pool")),
+    ("first request", ()),
+    ("grammars", ("grammars",)),
+    ("prefix + worst case (peak)", ("copies", "activations")),
+)
 
 
 def proc_status(pid: int) -> dict[str, int]:
@@ -127,22 +134,41 @@ class WorstCaseDriver:
     # -- the phases ------------------------------------------------------------------
 
     def run(self, rounds: int = 1) -> dict[str, Any]:
-        """Every phase in order; the result `memory_section` reports."""
-        load = proc_status(self.pid)
+        """Every phase in order, each with its own peak (VmHWM reset before it); the
+        result `memory_section` reports."""
+        load = proc_status(self.pid)  # its VmHWM: the load's peak
         reset_peak(self.pid)
         self._record("ready")
-        self.structured()
-        self._record("grammars")
-        prefix = self.fill_prefix_cache()
-        self._record("prefix")
+        self._phase("first request", self.first_requests)
+        self._phase("grammars", self.structured)
+        prefix: dict[str, Any] = {}
+        self._phase("prefix", lambda: prefix.update(self.fill_prefix_cache()))
         rounds_peak = []
-        for _ in range(rounds):
+        for round_ in range(rounds):
             reset_peak(self.pid)
+            if round_:  # the cache full again, as the first round found it
+                self.fill_prefix_cache()
             self.worst_case()
             rounds_peak.append(proc_status(self.pid)["VmHWM"])
         self._record("worst case")
         self.phases["worst case"]["VmHWM"] = max(rounds_peak)
         return self._result(load, prefix, rounds_peak)
+
+    def _phase(self, name: str, drive: Callable[[], object]) -> None:
+        reset_peak(self.pid)
+        drive()
+        self._record(name)
+
+    def first_requests(self) -> None:
+        """A short plain chat turn and a short completion: what serving each costs once."""
+        self.client.chat.completions.create(
+            model=self.model,
+            messages=[{"role": "user", "content": "Hello."}],
+            max_tokens=4,
+            temperature=0,
+        )
+        self._count("first request")
+        self._together([self.prompts.take(8)], 4, "first request")
 
     def structured(self) -> None:
         """`GRAMMARS` structured requests, each with a schema of its own."""
@@ -236,22 +262,6 @@ class WorstCaseDriver:
         arenas: dict[str, int] = self.plan["arenas"]
         total = int(self.plan["worst_case_bytes"])
         peak = max(p["VmHWM"] for p in self.phases.values())
-        rss = {name: p["VmRSS"] for name, p in self.phases.items()}
-        measured = {
-            "at ready (runtime, weights, KV pool)": rss["ready"],
-            "grammars phase growth": rss["grammars"] - rss["ready"],
-            "prefix phase growth": rss["prefix"] - rss["grammars"],
-            "worst case peak above its start": self.phases["worst case"]["VmHWM"] - rss["prefix"],
-        }
-        planned = {
-            "at ready (runtime, weights, KV pool)": sum(
-                arenas.get(a, 0) for a in ("runtime", "weights", "methods")
-            )
-            + int(self.plan.get("kv_pool_bytes", arenas.get("kv", 0))),
-            "grammars phase growth": arenas.get("grammars", 0),
-            "prefix phase growth": arenas.get("kv", 0) - int(self.plan.get("kv_pool_bytes", 0)),
-            "worst case peak above its start": arenas.get("activations", 0),
-        }
         return {
             "plan": {
                 "arenas": arenas,
@@ -267,29 +277,58 @@ class WorstCaseDriver:
             "rounds_peak_rss_bytes": rounds_peak,
             "peak_rss_bytes": peak,
             "peak_over_plan": peak / total,
-            "arenas_measured": measured,
-            "arenas_planned": planned,
+            "arena_rows": arena_rows(self.plan, self.phases),
             "prefix": prefix,
             "requests": self.requests,
             "decode_tokens": self.decode_tokens,
         }
 
 
+def arena_rows(plan: dict[str, Any], phases: dict[str, dict[str, int]]) -> list[dict[str, Any]]:
+    """`ARENA_ROWS`, each with its measured and planned bytes: the resident set at ready,
+    each later phase's growth over the one before, and the last span's peak over its
+    start."""
+    arenas: dict[str, int] = plan["arenas"]
+    pool = int(plan.get("kv_pool_bytes") or arenas.get("kv", 0))
+    parts = {**arenas, "pool": pool, "copies": arenas.get("kv", 0) - pool}
+    rss = [phases[name]["VmRSS"] for name in PHASES]
+    measured = [
+        rss[0],
+        rss[1] - rss[0],
+        rss[2] - rss[1],
+        max(phases["prefix"]["VmHWM"], phases["worst case"]["VmHWM"]) - rss[2],
+    ]
+    return [
+        {
+            "span": span,
+            "arenas": [a for a in names if parts.get(a)],
+            "planned_bytes": sum(parts.get(a, 0) for a in names),
+            "measured_bytes": got,
+        }
+        for (span, names), got in zip(ARENA_ROWS, measured, strict=True)
+    ]
+
+
 def run_worst_case(
     model_source: str,
     vocab_size: int,
-    *flags: str,
+    flags: Sequence[str],
     rounds: int = 1,
     decode_tokens: int = DECODE_TOKENS,
     grammars: int = GRAMMARS,
 ) -> dict[str, Any]:
-    """``slotserve serve --model MODEL_SOURCE FLAGS…`` (default `SERVER_FLAGS`) driven to
-    its worst case ``rounds`` times (see the module docstring); the figures, and the flags."""
-    flags = flags or SERVER_FLAGS
+    """``slotserve serve --model MODEL_SOURCE FLAGS…`` driven to its worst case ``rounds``
+    times (see the module docstring); the figures, and the flags. ``vocab_size``: the
+    model's, for the prompts' token ids."""
     server = slotserve_server(model_source, *flags)
     try:
         seqs = int(dashboard_snapshot(server.url)["plan"]["max_seqs"])
-        totals = {"grammars": grammars, "prefix": 0, "worst case": seqs * rounds}
+        totals = {
+            "first request": 2,
+            "grammars": grammars,
+            "prefix": 0,
+            "worst case": seqs * rounds,
+        }
         with Progress(transient=True) as progress:
             tasks = {
                 name: progress.add_task(f"bench memory: {name}", total=n or None)
