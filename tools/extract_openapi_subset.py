@@ -32,7 +32,15 @@ from typing import Any
 
 import yaml
 
-OPERATION_IDS = ("createChatCompletion", "createCompletion", "listModels", "retrieveModel")
+OPERATION_IDS = (
+    "createChatCompletion",
+    "createCompletion",
+    "createEmbedding",
+    "createResponse",
+    "getResponse",
+    "listModels",
+    "retrieveModel",
+)
 PLACEHOLDER_SERVER = "http://127.0.0.1/v1"
 METHODS = ("get", "put", "post", "delete", "options", "head", "patch", "trace")
 DROPPED_KEYS = ("x-oaiMeta",)

@@ -100,6 +100,8 @@ class _Turn:
             {"type": "function", "strict": None, **{k: v for k, v in t.items() if k != "type"}}
             for t in body.tools or []
         ]
+        # The spec's Response.usage is optional, not nullable: left out until it is known.
+        counted = {} if usage is None else {"usage": usage}
         return {
             "id": self.response_id,
             "object": "response",
@@ -119,7 +121,7 @@ class _Turn:
             "store": body.store,
             "error": None,
             "incomplete_details": None,
-            "usage": usage,
+            **counted,
         }
 
     def finish(self, events: list[TokenEvent], final: Finished) -> None:

@@ -162,7 +162,11 @@ class EventWriter:
             item["content"] = [part]
         else:
             lines.append(
-                self._at("response.function_call_arguments.done", arguments=item["arguments"])
+                self._at(
+                    "response.function_call_arguments.done",
+                    name=item["name"],
+                    arguments=item["arguments"],
+                )
             )
         self.open = None
         item["status"] = "completed" if whole else "incomplete"
