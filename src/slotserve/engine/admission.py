@@ -4,6 +4,9 @@ It owns the running set (each request bound to a pool session with its whole wor
 reservation), the bounded queue with deadlines, re-admission from the queue, and refusals
 by reason. `build_request` turns a submit call into a checked `Request` (or refuses one
 that can never fit the context). The engine calls every `Admission` method under its lock.
+With ``defer_store``, a request bound to be restored from the prefix store is bound with a
+fresh reservation and its `PendingRestore` comes back, for the engine to read without the
+lock and to finish (`finish_restore`).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from slotserve.engine.timings import EngineCounters, RequestTimings
 from slotserve.errors import AdmissionRefused, KVExhausted
 from slotserve.kv.pool import KVPool
 from slotserve.model import Model
-from slotserve.prefix import PrefixCache
+from slotserve.prefix import PendingRestore, PrefixCache
 from slotserve.sampling import RequestSampler, SamplingParams, StopMatcher
 
 
@@ -91,16 +94,19 @@ class Admission:
     def idle(self) -> bool:
         return not self.running and not self.queue
 
-    def admit(self, request: Request, may_queue: bool) -> None:
+    def admit(
+        self, request: Request, may_queue: bool, *, defer_store: bool = False
+    ) -> PendingRestore | None:
         """Bind ``request`` now, or queue it (``may_queue`` and room in the queue), or
-        raise `AdmissionRefused` with the reason (counted)."""
+        raise `AdmissionRefused` with the reason (counted). With ``defer_store``, a request
+        bound to be restored from the prefix store comes back with its `PendingRestore`
+        (`PrefixCache.bind_deferring`), to read and `finish_restore`."""
         reason = self._blocker(request)
         if reason == "closed":
             self.refuse(reason)
         if reason is None and not self._queue_ahead_of(request.priority):
             try:
-                self._bind(request)
-                return
+                return self._bind(request, defer_store)
             except KVExhausted:
                 reason = "kv_exhausted"
         if not may_queue or self.config.queue_depth == 0:
@@ -109,6 +115,7 @@ class Admission:
             self.refuse("queue_full")
         request.deadline = self.clock() + self.config.queue_timeout_s
         self.queue.append(request)
+        return None
 
     def refuse(self, reason: str) -> NoReturn:
         """Count a refusal and raise it."""
@@ -194,29 +201,53 @@ class Admission:
             return "slots_full"
         return None
 
-    def _bind(self, request: Request) -> None:
+    def _bind(self, request: Request, defer_store: bool = False) -> PendingRestore | None:
         """Reserve the slot and the whole worst-case KV (raises KVExhausted, the request
         unchanged). With the prefix cache, the longest usable prefix is restored into the
         request's session (it then prefills only the rest), and the cache evicts snapshots
-        before the pool refuses."""
+        before the pool refuses; with ``defer_store``, a restore from the store is left to
+        read (its `PendingRestore`)."""
+        pending = None
         if self.prefix is None:
             self.pool.reserve(request.request_id, request.reservation)
         elif request.pooling == "mean":  # every prompt row is pooled: none may be restored
             self.prefix.bind(request.request_id, (), request.reservation)
         else:
-            self._bind_restoring(request, self.prefix)
+            pending = self._bind_restoring(request, self.prefix, defer_store)
         request.state = "running"
         request.timings.admitted = self.clock()
         self.running[request.request_id] = request
         self.counters.admitted += 1
+        return pending
 
-    def _bind_restoring(self, request: Request, prefix: PrefixCache) -> None:
+    def _bind_restoring(
+        self, request: Request, prefix: PrefixCache, defer_store: bool
+    ) -> PendingRestore | None:
         """Bind through the cache, timing the lookup and restoration: the prefill span
         starts here, so restoration is never left out of it."""
         began = self.clock()
-        restored = prefix.bind(request.request_id, request.prompt, request.reservation)
+        session, tokens, n_tokens = request.request_id, request.prompt, request.reservation
+        pending = None
+        if defer_store and prefix.store is not None:
+            restored, pending = prefix.bind_deferring(session, tokens, n_tokens)
+        else:
+            restored = prefix.bind(session, tokens, n_tokens)
         timings = request.timings
         timings.restore_started = began
+        timings.restore_time = self.clock() - began
+        timings.prompt_tokens_restored = restored
+        request.prefilled = restored
+        return pending
+
+    def finish_restore(self, request: Request, pending: PendingRestore, read: bool) -> None:
+        """After ``pending`` was read (``read``: whether the file checked out): commit it
+        (`PrefixCache.finish`) and time the restoration from the admission's start, so
+        the read is inside the prefill span."""
+        assert self.prefix is not None
+        restored = self.prefix.finish(pending, read)
+        timings = request.timings
+        began = timings.restore_started
+        assert began is not None  # set when it was bound
         timings.restore_time = self.clock() - began
         timings.prompt_tokens_restored = restored
         request.prefilled = restored

@@ -15,7 +15,12 @@ after that step, and one submitted with ``publish_completion`` hands its prompt 
 completion to the cache when it ends (a conversation's next turn restores them). Closing
 empties the cache, so the pool is back at its baseline. With ``prefix_store`` the cache has
 a disk tier (`slotserve.prefix.store`), opened and indexed here: snapshots are written by
-its own thread and a restart restores them; closing waits for its queued writes.
+its own thread and a restart restores them; closing waits for its queued writes. A
+request that `submit` binds to be restored from the store is read into its own fresh
+reservation by the engine's restore thread, without the engine lock (`PrefixCache.read`):
+`submit` returns at once and the steps of the others go on meanwhile; the request is
+neither stepped nor reaped until the read is committed (`_restore`), so a cancel of it
+waits for the read. One re-admitted from the queue is read under the lock.
 
 An engine still open when the interpreter exits is closed first (its thread stopped
 between steps), so a script may end while requests run.
@@ -32,6 +37,7 @@ import time
 import weakref
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from slotserve.engine.admission import Admission, build_request
 from slotserve.engine.cancel_bound import CancelBound, declare_cancel_bound, largest_step_tokens
@@ -55,7 +61,7 @@ from slotserve.executor import Executor, HiddenStates, executor_for
 from slotserve.kv.batch import StepBatch
 from slotserve.kv.pool import KVPool
 from slotserve.model import Model
-from slotserve.prefix import PrefixCache, PrefixStore, open_store
+from slotserve.prefix import PendingRestore, PrefixCache, PrefixStore, open_store
 from slotserve.sampling import SamplingParams
 
 log = logging.getLogger("slotserve")
@@ -112,6 +118,10 @@ class Engine:
         self._scheduler = scheduler or Scheduler(self.config)
         self._stepper = Stepper(executor, self.pool, clock)
         self._known: weakref.WeakValueDictionary[int, Request] = weakref.WeakValueDictionary()
+        self._restoring: set[int] = set()  # bound, their stored prefix being read (_restore)
+        self._restorer = (
+            ThreadPoolExecutor(1, thread_name_prefix="slotserve-restore") if store else None
+        )
         self._ids = itertools.count()
         self._steps_taken = 0
         self._thread = threading.Thread(target=self._loop, name="slotserve-engine", daemon=True)
@@ -170,10 +180,37 @@ class Engine:
         request.publish_completion = publish_completion
         request.pooling = pooling
         with self._lock:
-            self._admission.admit(request, queue)
+            pending = self._admission.admit(request, queue, defer_store=True)
             self._known[request.request_id] = request
+            if pending is not None:
+                self._restoring.add(request.request_id)
             self._lock.notify_all()
+        if pending is not None:
+            assert self._restorer is not None  # a pending restore needs the store
+            self._restorer.submit(self._restore, request, pending)
         return RequestHandle(request.request_id, request.sink, self._cancel)
+
+    def _restore(self, request: Request, pending: PendingRestore) -> None:
+        """On the restore thread: read ``request``'s stored prefix into its own cells
+        without the lock (the engine thread steps the others meanwhile; this one it neither
+        steps nor reaps), then commit it under the lock: all of it, or, if the file fails a
+        check, none (it is bound as without the file). A request the engine ended meanwhile
+        (its loop failed) stays ended."""
+        assert self.prefix is not None
+        try:
+            read = self.prefix.read(pending)
+        except Exception:  # a read that fails commits nothing: computed instead
+            log.exception("reading a stored prefix failed; computed instead")
+            read = False
+        with self._lock:
+            self._restoring.discard(request.request_id)
+            if request.state != "done":
+                try:
+                    self._admission.finish_restore(request, pending, read)
+                except Exception:
+                    log.exception("committing a stored prefix failed; ending its request")
+                    self._end(request, "error")
+            self._lock.notify_all()
 
     @property
     def embeds(self) -> bool:
@@ -225,7 +262,10 @@ class Engine:
             self._thread.join(timeout)
         if self._thread.is_alive():
             log.warning("engine did not stop within %ss", timeout)
-        elif self.prefix is not None and self.prefix.store is not None:
+            return
+        if self._restorer is not None:
+            self._restorer.shutdown(wait=True)  # a read the failed loop left (none, else)
+        if self.prefix is not None and self.prefix.store is not None:
             self.prefix.store.close()  # its queue was flushed when the cache was cleared
 
     @property
@@ -363,9 +403,11 @@ class Engine:
                 if self._admission.closing and self._admission.idle:
                     self._clear_prefix()
                     return None
-                work = self._scheduler.select(
-                    list(self._admission.running.values()), self._max_batch()
-                )
+                ready = [
+                    r for r in self._admission.running.values()
+                    if r.request_id not in self._restoring
+                ]  # fmt: skip
+                work = self._scheduler.select(ready, self._max_batch())
                 if not work:
                     self._lock.wait(IDLE_WAIT_S)
                     continue
@@ -447,8 +489,9 @@ class Engine:
     def _reap(self) -> None:
         """At the batch boundary: end cancelled requests; queued ones that leave (cancelled,
         expired, closed out) end or are refused."""
-        for request in [r for r in self._admission.running.values() if r.cancelled.is_set()]:
-            self._end(request, "cancelled")
+        for request in list(self._admission.running.values()):
+            if request.cancelled.is_set() and request.request_id not in self._restoring:
+                self._end(request, "cancelled")  # (one being restored: once it is)
         for request, outcome in self._admission.take_leaving(self.clock()):
             if outcome == "cancelled":
                 self._end(request, "cancelled")

@@ -19,7 +19,8 @@ A snapshot's payload, for the prefix cache's disk tier: `payload_parts` names it
 and their shapes, `payload_of` captures a snapshot's block table and row copies (by whoever
 drives the pool), `read_payload` copies its cells out (from another thread too: a
 snapshot's blocks are never written while it holds them), and `load_payload` writes one
-into a freshly reserved session.
+into a freshly reserved session: `write_payload` (from another thread too, while whoever
+drives the pool neither steps nor releases that session) then `commit_payload`.
 """
 
 from __future__ import annotations
@@ -446,12 +447,17 @@ class KVPool:
         ``upto``, its high-water mark ``high_water`` (with rings; else ``upto``). If
         ``parts`` raises or does not match, nothing is committed (the session stays empty;
         what was written into its own cells is never read)."""
+        self.write_payload(session, upto, parts)
+        self.commit_payload(session, upto, high_water)
+
+    def write_payload(self, session: int, upto: int, parts: Iterable[torch.Tensor]) -> None:
+        """`load_payload` without the commit: the parts written into ``session``'s own
+        cells, its length still 0. It reads the session's table and writes only its cells
+        and slot rows, so it may run on another thread while whoever drives the pool
+        neither steps ``session`` nor releases it (nothing reads what it writes until
+        `commit_payload`)."""
         bound = self._get(session)
-        if bound.length or not 0 < upto <= bound.capacity:
-            raise SessionError(
-                f"load_payload upto={upto} into session {session} (length {bound.length}, "
-                f"capacity {bound.capacity}): it must be empty and hold upto positions"
-            )
+        self._check_loadable(session, bound, upto)
         cells = self._block_cells(bound.table, upto) if self._cells else None
         items = iter(parts)
         for _name, storage, group in self._payload_storages():
@@ -466,8 +472,22 @@ class KVPool:
                 storage.scales.index_copy_(0, where, next(items)[: len(where)])
         if next(items, None) is not None:
             raise SessionError("load_payload: more parts than this pool's payload holds")
+
+    def commit_payload(self, session: int, upto: int, high_water: int) -> None:
+        """Commit the payload `write_payload` wrote into ``session``: its length becomes
+        ``upto``, its high-water mark ``high_water`` (with rings; else ``upto``)."""
+        bound = self._get(session)
+        self._check_loadable(session, bound, upto)
         bound.length = upto
         bound.high_water = high_water if self._rings else upto
+
+    @staticmethod
+    def _check_loadable(session: int, bound: SessionKV, upto: int) -> None:
+        if bound.length or not 0 < upto <= bound.capacity:
+            raise SessionError(
+                f"load_payload upto={upto} into session {session} (length {bound.length}, "
+                f"capacity {bound.capacity}): it must be empty and hold upto positions"
+            )
 
     def retains_from(self, high_water: int, upto: int) -> bool:
         """`retains` for a snapshot written up to ``high_water`` that this pool does not

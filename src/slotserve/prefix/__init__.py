@@ -4,7 +4,7 @@ and restores the longest one every layer still holds into new requests; `PrefixS
 its disk tier (one checked file a snapshot, under a byte budget), so they survive a
 restart."""
 
-from slotserve.prefix.cache import PrefixCache, PrefixCounters, Snapshot
+from slotserve.prefix.cache import PendingRestore, PrefixCache, PrefixCounters, Snapshot
 from slotserve.prefix.fingerprint import ModelFingerprint, fingerprint
 from slotserve.prefix.store import (
     REFUSAL_REASONS,
@@ -21,6 +21,7 @@ __all__ = [
     "REFUSAL_REASONS",
     "SKIP_REASONS",
     "ModelFingerprint",
+    "PendingRestore",
     "PrefixCache",
     "PrefixCounters",
     "PrefixStore",

@@ -26,10 +26,14 @@ Disk tier. With a `PrefixStore`, every snapshot the cache enters is offered to t
 `bind` also asks the store: a stored snapshot that restores more of the prompt than memory
 does is read into the request's own fresh reservation (`KVPool.load_payload`), its
 checksum checked as it is read: a file that fails commits nothing, and the memory match,
-if any, is used instead. Closing waits for queued writes first.
+if any, is used instead. `bind_deferring` leaves that read out of the bind, so that it
+happens without the engine lock (`read`, then `finish`). Closing waits for queued writes
+first.
 
 Locking: not thread-safe. The engine uses its cache only under the engine lock (admission,
-publication after a step, close), like the pool itself.
+publication after a step, close), like the pool itself, except `read`: it touches only the
+store (its own lock) and the pending session's own cells (`KVPool.write_payload`), which
+the engine neither steps nor releases until `finish`.
 """
 
 from __future__ import annotations
@@ -64,6 +68,18 @@ class PrefixCounters:
     tokens_restored: int = 0
     published: int = 0
     evictions: int = 0
+
+
+@dataclass(frozen=True)
+class PendingRestore:
+    """A session bound with a fresh reservation for ``n_tokens`` positions that the stored
+    snapshot ``match`` is to fill (`PrefixCache.bind_deferring`): `PrefixCache.read` it
+    (without the engine lock), then `PrefixCache.finish` it (under the lock)."""
+
+    session: int
+    tokens: tuple[int, ...]
+    n_tokens: int
+    match: StoreMatch
 
 
 @dataclass
@@ -125,25 +141,79 @@ class PrefixCache:
         computed again and its logits are fresh (stored logits are never served). While the
         pool lacks room it evicts the least recently used snapshot not being restored from;
         raises `KVExhausted` when nothing more can be evicted."""
+        restored, pending = self._bind(session, tokens, n_tokens, defer=False)
+        assert pending is None
+        return restored
+
+    def bind_deferring(
+        self, session: int, tokens: Sequence[int], n_tokens: int
+    ) -> tuple[int, PendingRestore | None]:
+        """`bind`, except that when the store restores the most, the file is not read
+        here: ``session`` gets a fresh reservation (length 0) and the `PendingRestore` to
+        `read` (without the engine lock) and `finish` (under it) comes back, with 0
+        restored so far; otherwise ``(restored, None)`` as `bind`."""
+        return self._bind(session, tokens, n_tokens, defer=True)
+
+    def read(self, pending: PendingRestore) -> bool:
+        """Read ``pending``'s stored snapshot into its session's own cells
+        (`KVPool.write_payload`), checking the file's SHA-256 as it goes; True when every
+        part was read and checked. Commits nothing: `finish` does. Safe without the engine
+        lock (see the module's locking rule)."""
+        assert self.store is not None
+        upto = pending.match.usable
+
+        def write(parts: Iterable[torch.Tensor]) -> None:
+            self.pool.write_payload(pending.session, upto, parts)
+
+        return self.store.restore(pending.match, write)
+
+    def finish(self, pending: PendingRestore, read: bool) -> int:
+        """Under the engine lock, after `read` (``read``: its result): commit the stored
+        positions, or, when the read failed, bind the session as `bind` would without the
+        file (memory's match, else a fresh reservation); how many positions were restored."""
+        upto, high_water = pending.match.usable, pending.match.entry.high_water
+        if read:
+            self.pool.commit_payload(pending.session, upto, high_water)
+            restored = upto
+        else:
+            restored = self._rebind(pending)
+        self._count(restored)
+        return restored
+
+    def _bind(
+        self, session: int, tokens: Sequence[int], n_tokens: int, *, defer: bool
+    ) -> tuple[int, PendingRestore | None]:
         match, rejected = self._match(tokens)
         if match is not None:
             match[0].pins += 1
+        pending = None
         try:
-            restored = self._bind_from_store(session, tokens, n_tokens, match)
+            found = self._store_match(tokens, match)
+            restored = None
+            if found is not None and self._reserve_fresh(session, n_tokens):
+                if defer:
+                    pending = PendingRestore(session, tuple(tokens), n_tokens, found)
+                    restored = 0
+                else:
+                    restored = self._load_from_store(session, found)
             if restored is None:
                 restored = self._bind_evicting(session, n_tokens, match)
         finally:
             if match is not None:
                 match[0].pins -= 1
+        if pending is None:
+            self._count(restored)
+        if rejected:
+            self.stats.rejections += 1
+            self.stats.rejections_by_rule[RING_WRAPPED_RULE] += 1
+        return restored, pending
+
+    def _count(self, restored: int) -> None:
         if restored:
             self.stats.hits += 1
             self.stats.tokens_restored += restored
         else:
             self.stats.misses += 1
-        if rejected:
-            self.stats.rejections += 1
-            self.stats.rejections_by_rule[RING_WRAPPED_RULE] += 1
-        return restored
 
     def _match(self, tokens: Sequence[int]) -> tuple[tuple[Snapshot, int] | None, bool]:
         """The most recently used snapshot sharing the most leading ``tokens`` whose every
@@ -160,35 +230,54 @@ class PrefixCache:
                 return (self._entries[key], usable), False
         return None, True
 
-    def _bind_from_store(
-        self,
-        session: int,
-        tokens: Sequence[int],
-        n_tokens: int,
-        match: tuple[Snapshot, int] | None,
-    ) -> int | None:
-        """Bind ``session`` restoring from the store when a stored snapshot restores more
-        than ``match`` (memory's); how many it restored, or None (nothing bound) when the
-        store has nothing better, the pool lacks room for a fresh reservation, or the file
-        fails its checks."""
+    def _store_match(
+        self, tokens: Sequence[int], match: tuple[Snapshot, int] | None
+    ) -> StoreMatch | None:
+        """The stored snapshot that restores more of ``tokens`` than ``match`` (memory's)."""
         if self.store is None:
             return None
-        found: StoreMatch | None = self.store.lookup(tokens, match[1] if match else 0)
-        if found is None:
-            return None
+        return self.store.lookup(tokens, match[1] if match else 0)
+
+    def _reserve_fresh(self, session: int, n_tokens: int) -> bool:
+        """Reserve ``session`` afresh for a restore from the store (evicting as need be);
+        False, nothing reserved, when the pool lacks room (memory's match may still bind,
+        consuming its snapshot)."""
         try:
             self._bind_evicting(session, n_tokens, None)
         except KVExhausted:
-            return None  # memory's match may still bind, consuming its snapshot
+            return False
+        return True
+
+    def _load_from_store(self, session: int, found: StoreMatch) -> int | None:
+        """Read ``found`` into ``session`` (freshly reserved) and commit it; how many it
+        restored, or None, ``session`` released, when the file fails its checks."""
         upto, high_water = found.usable, found.entry.high_water
 
         def load(parts: Iterable[torch.Tensor]) -> None:
             self.pool.load_payload(session, upto, high_water, parts)
 
-        if self.store.restore(found, load):
+        if self.store is not None and self.store.restore(found, load):
             return upto
         self.pool.release(session)
         return None
+
+    def _rebind(self, pending: PendingRestore) -> int:
+        """``pending``'s session bound without its failed file: released, then bound from
+        memory's match as `bind` would (rejections were counted when it was bound), else
+        afresh (the room it just gave back holds its reservation)."""
+        session, n_tokens = pending.session, pending.n_tokens
+        self.pool.release(session)
+        match, _ = self._match(pending.tokens)
+        if match is not None:
+            match[0].pins += 1
+        try:
+            return self._bind_evicting(session, n_tokens, match)
+        except KVExhausted:
+            self.pool.reserve(session, n_tokens)
+            return 0
+        finally:
+            if match is not None:
+                match[0].pins -= 1
 
     def _bind_evicting(
         self, session: int, n_tokens: int, match: tuple[Snapshot, int] | None

@@ -40,8 +40,10 @@ A directory that cannot be created or written is a `PrefixStoreError` at start (
 exits with it), not a store that silently keeps nothing. Writes that fail later (a full
 disk: ``disk_full``; any other ``io_error``) are skipped and counted; nothing crashes.
 
-Threads: the engine calls `offer`, `lookup` and `restore` under its lock; the writer thread
-takes only the store's own lock, and never while it copies, hashes or writes.
+Threads: the engine calls `offer` and `lookup` under its lock, and `restore` with or without
+it (a request admitted at submit is read by the submitting thread without the engine lock,
+into cells of its own); the writer thread takes only the store's own lock, and never while
+it copies, hashes or writes.
 """
 
 from __future__ import annotations
@@ -417,8 +419,8 @@ class PrefixStore:
     def restore(self, match: StoreMatch, load: Loader) -> bool:
         """Read ``match``'s payload, checking its SHA-256 as it goes, into ``load``
         (`KVPool.load_payload`, which commits only once every part was read and checked).
-        True when restored; False when the file is gone (evicted meanwhile) or fails its
-        checksum (counted, deleted), ``load`` having committed nothing."""
+        True when restored; False when the file is gone (evicted meanwhile), fails its
+        checksum (counted, deleted) or cannot be read, ``load`` having committed nothing."""
         entry = match.entry
         path = self.directory / entry.name
         try:
@@ -436,6 +438,9 @@ class PrefixStore:
                 self.stats.refused[refusal.reason] += 1
             self._forget(entry)
             _unlink(path)
+            return False
+        except OSError as exc:  # a read that fails (EIO): computed instead, the file kept
+            log.warning("prefix store: reading %s failed (%s); computed instead", entry.name, exc)
             return False
         with self._lock:
             if entry.key in self._entries:
