@@ -6,7 +6,7 @@ log-probabilities, bit for bit, timed inside the prefill span) or, when the file
 checksum, not at all (computed instead, equal to cache off). A cancel or a `close` during
 the read waits for it, then ends the request and leaves the pool at its baseline.
 
-The read is held open by a gate around the store's payload reader (`store._parts`), so
+The read is held open by a gate around the store's payload reader (`store.payload_parts`), so
 the tests see the engine between the bind and the commit."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import pytest
 
 import slotserve as ss
 from slotserve.prefix import store as store_module
+from slotserve.prefix import store_file
 from slotserve.testing import write_tiny_gguf
 from tests.engine.test_exactness import trace
 from tests.engine.test_prefix_store_engine import CELL, GREEDY, USER_TURNS, converse
@@ -39,14 +40,14 @@ class Gate:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.entered, self.opened = threading.Event(), threading.Event()
-        real = store_module._parts
+        real = store_file.payload_parts
 
         def gated(handle: Any, entry: store_module.StoreEntry) -> Iterator[Any]:
             self.entered.set()
             assert self.opened.wait(30), "the gate was never opened"
             yield from real(handle, entry)
 
-        monkeypatch.setattr(store_module, "_parts", gated)
+        monkeypatch.setattr(store_module, "payload_parts", gated)
 
     def open(self) -> None:
         self.opened.set()

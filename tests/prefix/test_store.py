@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from slotserve.info import ModelInfo
-from slotserve.prefix import PrefixCache, PrefixStore, PrefixStoreError, StoreIdentity
+from slotserve.prefix import PrefixCache, PrefixStore, PrefixStoreError, StoreIdentity, store_file
 from slotserve.prefix import store as store_module
 from slotserve.prefix.store import MAGIC, SUFFIX
 from tests.prefix.kvfill import (
@@ -235,17 +235,17 @@ def test_a_full_disk_skips_the_write_counts_it_and_leaves_nothing(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cache = make_cache(tmp_path)
-    real_write = store_module._write_file
+    real_write = store_file.write_file
 
     def full(path: Path, chunks: object) -> None:
         path.write_bytes(b"partial")  # what a write that ran out of space leaves
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(store_module, "_write_file", full)
+    monkeypatch.setattr(store_module, "write_file", full)
     prefill(cache, 0, [*SYSTEM, 7])
     store = written(cache)  # check_integrity: no temporary file left
     assert store.report().counters.skipped == {"disk_full": 1} and len(store) == 0
-    monkeypatch.setattr(store_module, "_write_file", real_write)
+    monkeypatch.setattr(store_module, "write_file", real_write)
     prefill(cache, 1, [*SYSTEM, 8])  # space again: the next one is written
     assert len(written(cache)) == 1
 
@@ -278,7 +278,7 @@ def crash(path, chunks):
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     os.write(fd, bytes(next(iter(chunks))))  # the magic, then the process dies
     os._exit(9)
-store._write_file = crash
+store.write_file = crash
 cache = make_cache({str(tmp_path)!r})
 prefill(cache, 0, [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 7, 1, 2])
 cache.store.drain()

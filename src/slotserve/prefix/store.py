@@ -16,16 +16,11 @@ least recently used first (a hit touches its file's mtime, so the order survives
 restart) to keep the bytes on disk within the budget; a file whose tokens a newer one
 extends, and which serves no restore the newer one does not, is deleted.
 
-A file is an artifact with a contract. It is written to a temporary name, fsynced, renamed
-into place and its directory fsynced, so a crash mid-write leaves no torn file (only a
-temporary one, deleted at the next start). Layout: ``MAGIC``, the header's length (8 bytes,
-little-endian), the header (JSON), the payload (the pool's `PayloadPart` tensors, raw, in
-order). The header holds the schema version, the model fingerprint (`ModelFingerprint`:
-weights digest, weight format, numerics version), the KV layout (`KVPool.kv_identity`:
-layout, dtype, block size, every layer group), the token ids, the retention state (the
-high-water mark of every ring), the payload's parts, size and SHA-256, and the SHA-256 of
-the header itself. At start the store indexes the directory from headers alone, so the
-first request after a restart can hit.
+A file is an artifact with a contract: its layout, header and checks are
+`slotserve.prefix.store_file`'s. It is written to a temporary name, fsynced, renamed into
+place and its directory fsynced, so a crash mid-write leaves no torn file (only a temporary
+one, deleted at the next start). At start the store indexes the directory from headers
+alone, so the first request after a restart can hit.
 
 Every file that fails a check is skipped, counted by reason (`REFUSAL_REASONS`) and never
 served: ``schema`` (not a store file, or another schema), ``model`` (other weights or weight
@@ -52,14 +47,13 @@ import contextlib
 import errno
 import hashlib
 import itertools
-import json
 import logging
 import os
 import queue
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -67,75 +61,56 @@ from typing import Any, Literal
 import torch
 
 from slotserve.errors import SlotserveError
-from slotserve.kv.pool import KVPool, PayloadPart
+from slotserve.kv.pool import KVPool
 from slotserve.model import Model
-from slotserve.prefix.fingerprint import ModelFingerprint, fingerprint
+from slotserve.prefix.fingerprint import fingerprint
+from slotserve.prefix.store_file import (
+    MAGIC,
+    PREAMBLE,
+    REFUSAL_REASONS,
+    SUFFIX,
+    TMP_PREFIX,
+    Refused,
+    StoreEntry,
+    StoreIdentity,
+    bytes_of,
+    encode_header,
+    fsync_directory,
+    payload_parts,
+    read_header,
+    write_file,
+)
 from slotserve.prefix.trie import TokenTrie
 
+# With the format's names a store's users need too (`slotserve.prefix.store_file`).
+__all__ = [
+    "MAGIC",
+    "REFUSAL_REASONS",
+    "SKIP_REASONS",
+    "SUFFIX",
+    "PrefixStore",
+    "PrefixStoreError",
+    "StoreCounters",
+    "StoreEntry",
+    "StoreIdentity",
+    "StoreMatch",
+    "StoreReport",
+    "WriteTicket",
+    "check_directory",
+    "open_store",
+]
 log = logging.getLogger("slotserve")
 
-SCHEMA = 1
-MAGIC = b"SLOTKV\r\n"
-SUFFIX = ".kvsnap"
-TMP_PREFIX = ".tmp-"
-_PREAMBLE = len(MAGIC) + 8
-MAX_HEADER_BYTES = 64 << 20
-REFUSAL_REASONS = ("schema", "model", "numerics", "layout", "checksum", "retention")
 SKIP_REASONS = ("queue_full", "too_big", "superseded", "dropped", "disk_full", "io_error")
 DEFAULT_QUEUE = 8
 DEFAULT_FLUSH_S = 30.0
 
 Retains = Callable[[int, int], bool]  # (high_water, upto) -> whether every ring holds it
 Loader = Callable[[Iterable[torch.Tensor]], None]
-_DTYPES = {
-    str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8)
-}
 
 
 class PrefixStoreError(SlotserveError):
     """The store's directory cannot be used (missing and not creatable, or not writable)."""
-
-
-class _Refused(Exception):
-    def __init__(self, reason: str, detail: str) -> None:
-        assert reason in REFUSAL_REASONS, reason
-        self.reason, self.detail = reason, detail
-        super().__init__(f"{reason}: {detail}")
-
-
-@dataclass(frozen=True)
-class StoreIdentity:
-    """What this store's files must have been computed with: the model's fingerprint, the
-    pool's KV identity and payload parts (`KVPool.kv_identity`, `KVPool.payload_parts`)."""
-
-    fingerprint: ModelFingerprint
-    kv: dict[str, Any]
-    parts: tuple[PayloadPart, ...]
-
-    def part_specs(self, length: int) -> list[list[Any]]:
-        """``[name, dtype, shape]`` of every payload part of a snapshot of ``length``."""
-        return [[p.name, p.dtype, list(p.shape(length))] for p in self.parts]
-
-    def file_name(self, tokens: Sequence[int]) -> str:
-        """The file of ``tokens``' snapshot: one per token sequence and identity."""
-        digest = hashlib.sha256(_canonical([self.fingerprint.to_json(), self.kv]))
-        digest.update(_canonical(list(tokens)))
-        return digest.hexdigest()[:32] + SUFFIX
-
-
-@dataclass
-class StoreEntry:
-    """One indexed file: ``tokens``' snapshot, written up to ``high_water``; ``nbytes`` the
-    file's size, the payload from byte ``payload_at``."""
-
-    key: int
-    name: str
-    tokens: tuple[int, ...]
-    high_water: int
-    nbytes: int
-    payload_at: int
-    parts: list[list[Any]]
-    payload_sha256: str
 
 
 @dataclass(frozen=True)
@@ -272,8 +247,8 @@ class PrefixStore:
         foreign = [0, 0]
         for path in self.directory.glob(f"*{SUFFIX}"):
             try:
-                entry = self._read_header(path)
-            except _Refused as refusal:
+                entry = read_header(path, self.identity, next(self._keys))
+            except Refused as refusal:
                 self.stats.refused[refusal.reason] += 1
                 if refusal.reason == "checksum":
                     _unlink(path)
@@ -297,69 +272,6 @@ class PrefixStore:
                 "layout or schema: never served, left in place",
                 self.directory, foreign[0], foreign[1] / 2**20,
             )  # fmt: skip
-
-    def _read_header(self, path: Path) -> StoreEntry:
-        size = path.stat().st_size
-        with path.open("rb") as handle:
-            head = handle.read(_PREAMBLE)
-            if len(head) < _PREAMBLE or head[: len(MAGIC)] != MAGIC:
-                if len(head) < _PREAMBLE and MAGIC.startswith(head[: len(MAGIC)]):
-                    raise _Refused("checksum", "truncated inside its preamble")
-                raise _Refused("schema", "not a slotserve prefix-store file")
-            length = int.from_bytes(head[len(MAGIC) :], "little")
-            if length > min(MAX_HEADER_BYTES, size - _PREAMBLE):
-                raise _Refused("checksum", f"a header of {length} bytes in a {size}-byte file")
-            raw = handle.read(length)
-        try:
-            header = json.loads(raw)
-            schema = header["schema"] if isinstance(header, dict) else None
-        except (ValueError, KeyError):
-            raise _Refused("checksum", "the header is not readable JSON") from None
-        if schema != SCHEMA:
-            raise _Refused("schema", f"schema {schema!r}, this runtime reads {SCHEMA}")
-        try:
-            return self._check_header(header, path.name, size, _PREAMBLE + length)
-        except (AttributeError, TypeError, KeyError, ValueError) as exc:  # signed, yet malformed
-            raise _Refused("checksum", f"a malformed header ({exc!r})") from None
-
-    def _check_header(
-        self, header: dict[str, Any], name: str, size: int, payload_at: int
-    ) -> StoreEntry:
-        claimed = header.pop("header_sha256", None)
-        if claimed != hashlib.sha256(_canonical(header)).hexdigest():
-            raise _Refused("checksum", "the header does not match its SHA-256")
-        ours, theirs = self.identity.fingerprint, header.get("fingerprint", {})
-        for key in ("model_sha256", "weight_format"):
-            if theirs.get(key) != getattr(ours, key):
-                found, wanted = theirs.get(key), getattr(ours, key)
-                raise _Refused("model", f"{key} {found!r}, this model's {wanted!r}")
-        if theirs.get("numerics") != ours.numerics:
-            found = theirs.get("numerics")
-            raise _Refused("numerics", f"numerics {found!r}, this runtime's {ours.numerics!r}")
-        if header.get("kv") != self.identity.kv:
-            raise _Refused("layout", f"KV {header.get('kv')}, this pool's {self.identity.kv}")
-        tokens, retention = header.get("tokens"), header.get("retention", {})
-        if not isinstance(tokens, list) or not tokens:
-            raise _Refused("checksum", "no token ids")
-        high_water = retention.get("high_water")
-        rings = [g for g in self.identity.kv["groups"] if g["kind"] == "ring"]
-        expected_rings = [{**g, "high_water": high_water} for g in rings]
-        if (
-            not isinstance(high_water, int)
-            or high_water < len(tokens)
-            or retention.get("rings") != expected_rings
-        ):
-            raise _Refused("retention", f"retention state {retention} for {len(tokens)} tokens")
-        payload = header.get("payload", {})
-        if payload.get("parts") != self.identity.part_specs(len(tokens)):
-            raise _Refused("layout", "payload parts differ from this pool's")
-        if size != payload_at + payload.get("nbytes", -1):
-            claims = f"{payload_at} + {payload.get('nbytes')}"
-            raise _Refused("checksum", f"{size} bytes, the header says {claims}")
-        return StoreEntry(
-            next(self._keys), name, tuple(tokens), high_water, size, payload_at,
-            payload["parts"], payload["sha256"],
-        )  # fmt: skip
 
     # -- reads -----------------------------------------------------------------------
 
@@ -431,8 +343,8 @@ class PrefixStore:
         try:
             with handle:
                 handle.seek(entry.payload_at)
-                load(_parts(handle, entry))
-        except _Refused as refusal:
+                load(payload_parts(handle, entry))
+        except Refused as refusal:
             log.warning("prefix store: %s refused (%s); computed instead", entry.name, refusal)
             with self._lock:
                 self.stats.refused[refusal.reason] += 1
@@ -543,7 +455,7 @@ class PrefixStore:
         if not ticket._end():  # dropped while copying: its blocks may have been reused
             self._skip(ticket.why)
             return
-        arrays = [_bytes_of(t) for t in tensors]
+        arrays = [bytes_of(t) for t in tensors]
         tokens = ticket.tokens
         expected = self.identity.part_specs(len(tokens))
         actual = [
@@ -554,8 +466,10 @@ class PrefixStore:
         for array in arrays:
             payload.update(array)
         nbytes = sum(len(a) for a in arrays)
-        header = self._header(tokens, ticket.high_water, expected, nbytes, payload.hexdigest())
-        size = _PREAMBLE + len(header) + nbytes
+        header = encode_header(
+            self.identity, tokens, ticket.high_water, expected, nbytes, payload.hexdigest()
+        )
+        size = PREAMBLE + len(header) + nbytes
         name = self.identity.file_name(tokens)
         if size > self.budget_bytes:
             self._skip("too_big")
@@ -565,9 +479,9 @@ class PrefixStore:
         final = self.directory / name
         temporary = self.directory / f"{TMP_PREFIX}{name}-{os.getpid()}-{next(self._tmp_names)}"
         try:
-            _write_file(temporary, [MAGIC, len(header).to_bytes(8, "little"), header, *arrays])
+            write_file(temporary, [MAGIC, len(header).to_bytes(8, "little"), header, *arrays])
             os.replace(temporary, final)
-            _fsync_directory(self.directory)
+            fsync_directory(self.directory)
         except OSError as exc:
             _unlink(temporary)
             reason = "disk_full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "io_error"
@@ -575,7 +489,7 @@ class PrefixStore:
             return
         entry = StoreEntry(
             next(self._keys), name, tokens, ticket.high_water, size,
-            _PREAMBLE + len(header), expected, payload.hexdigest(),
+            PREAMBLE + len(header), expected, payload.hexdigest(),
         )  # fmt: skip
         with self._lock:
             if (same := self._by_name.get(name)) is not None:
@@ -589,26 +503,6 @@ class PrefixStore:
             self.stats.covered += len(covered)
         for old in covered:
             _unlink(self.directory / old.name)
-
-    def _header(
-        self, tokens: Sequence[int], high_water: int, parts: list[list[Any]], nbytes: int,
-        sha256: str,
-    ) -> bytes:  # fmt: skip
-        rings = [g for g in self.identity.kv["groups"] if g["kind"] == "ring"]
-        header: dict[str, Any] = {
-            "schema": SCHEMA,
-            "fingerprint": self.identity.fingerprint.to_json(),
-            "kv": self.identity.kv,
-            "tokens": list(tokens),
-            "retention": {
-                "high_water": high_water,
-                "rings": [{**g, "high_water": high_water} for g in rings],
-            },
-            "payload": {"parts": parts, "nbytes": nbytes, "sha256": sha256},
-            "written_unix": round(time.time(), 3),
-        }
-        header["header_sha256"] = hashlib.sha256(_canonical(header)).hexdigest()
-        return json.dumps(header, separators=(",", ":")).encode()
 
     def _make_room(self, size: int, name: str) -> list[str]:
         """Unlist least recently used files until a file of ``size`` bytes named ``name``
@@ -712,53 +606,6 @@ def check_directory(directory: str | Path) -> None:
             f"({exc.strerror or exc}); pass a writable directory to --prefix-store "
             "(prefix_store=...), or leave it off"
         ) from None
-
-
-def _parts(handle: Any, entry: StoreEntry) -> Iterator[torch.Tensor]:
-    """The payload's tensors, read in order; raises `_Refused` ("checksum") once the last
-    is read if the payload is short, longer or does not match its SHA-256."""
-    digest = hashlib.sha256()
-    for name, dtype, shape in entry.parts:
-        kind = _DTYPES[dtype]
-        count = 1
-        for dim in shape:
-            count *= dim
-        buffer = bytearray(count * torch.empty((), dtype=kind).element_size())
-        if handle.readinto(buffer) != len(buffer):
-            raise _Refused("checksum", f"truncated in part {name}")
-        digest.update(buffer)
-        yield torch.frombuffer(buffer, dtype=kind).view(shape)
-    if handle.read(1):
-        raise _Refused("checksum", "bytes past the payload")
-    if digest.hexdigest() != entry.payload_sha256:
-        raise _Refused("checksum", "the payload does not match its SHA-256")
-
-
-def _canonical(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
-
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    flat = tensor.detach().contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().data.cast("B")
-
-
-def _write_file(path: Path, chunks: Iterable[bytes | memoryview]) -> None:
-    """``chunks`` into a new file at ``path``, fsynced before it is closed."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    with os.fdopen(fd, "wb") as handle:
-        for chunk in chunks:
-            handle.write(chunk)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def _fsync_directory(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _writer_alive(temporary: Path) -> bool:

@@ -1,0 +1,226 @@
+"""One file of the prefix store (`slotserve.prefix.store`): a KV snapshot as an artifact
+with a contract.
+
+Layout: ``MAGIC``, the header's length (8 bytes, little-endian), the header (JSON), the
+payload (the pool's `PayloadPart` tensors, raw, in order). The header holds the schema
+version, the model fingerprint (`ModelFingerprint`: weights digest, weight format, numerics
+version), the KV layout (`KVPool.kv_identity`: layout, dtype, block size, every layer
+group), the token ids, the retention state (the high-water mark of every ring), the
+payload's parts, size and SHA-256, and the SHA-256 of the header itself (`encode_header`).
+`read_header` checks a file's header against this store's `StoreIdentity` and raises
+`Refused` with the reason of the first check it fails (`REFUSAL_REASONS`); `payload_parts`
+reads a payload back, checking its SHA-256 once the last part is read; `write_file` writes
+a file and fsyncs it (the store writes it under a temporary name and renames it).
+
+Owns the format. Must not touch the index, the writer's queue or the pool.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slotserve.kv.pool import PayloadPart
+from slotserve.prefix.fingerprint import ModelFingerprint
+
+SCHEMA = 1
+MAGIC = b"SLOTKV\r\n"
+SUFFIX = ".kvsnap"
+TMP_PREFIX = ".tmp-"
+PREAMBLE = len(MAGIC) + 8
+MAX_HEADER_BYTES = 64 << 20
+REFUSAL_REASONS = ("schema", "model", "numerics", "layout", "checksum", "retention")
+DTYPES = {
+    str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8)
+}
+
+
+class Refused(Exception):
+    """A file that fails a check, with the reason (one of `REFUSAL_REASONS`) counted for it."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        assert reason in REFUSAL_REASONS, reason
+        self.reason, self.detail = reason, detail
+        super().__init__(f"{reason}: {detail}")
+
+
+@dataclass(frozen=True)
+class StoreIdentity:
+    """What this store's files must have been computed with: the model's fingerprint, the
+    pool's KV identity and payload parts (`KVPool.kv_identity`, `KVPool.payload_parts`)."""
+
+    fingerprint: ModelFingerprint
+    kv: dict[str, Any]
+    parts: tuple[PayloadPart, ...]
+
+    def part_specs(self, length: int) -> list[list[Any]]:
+        """``[name, dtype, shape]`` of every payload part of a snapshot of ``length``."""
+        return [[p.name, p.dtype, list(p.shape(length))] for p in self.parts]
+
+    def file_name(self, tokens: Sequence[int]) -> str:
+        """The file of ``tokens``' snapshot: one per token sequence and identity."""
+        digest = hashlib.sha256(canonical([self.fingerprint.to_json(), self.kv]))
+        digest.update(canonical(list(tokens)))
+        return digest.hexdigest()[:32] + SUFFIX
+
+
+@dataclass
+class StoreEntry:
+    """One indexed file: ``tokens``' snapshot, written up to ``high_water``; ``nbytes`` the
+    file's size, the payload from byte ``payload_at``."""
+
+    key: int
+    name: str
+    tokens: tuple[int, ...]
+    high_water: int
+    nbytes: int
+    payload_at: int
+    parts: list[list[Any]]
+    payload_sha256: str
+
+
+def read_header(path: Path, identity: StoreIdentity, key: int) -> StoreEntry:
+    """The header of the file at ``path``, checked against ``identity`` (this model, numerics,
+    pool and schema), as an index entry numbered ``key``; `Refused` with the reason of the
+    first check it fails."""
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        head = handle.read(PREAMBLE)
+        if len(head) < PREAMBLE or head[: len(MAGIC)] != MAGIC:
+            if len(head) < PREAMBLE and MAGIC.startswith(head[: len(MAGIC)]):
+                raise Refused("checksum", "truncated inside its preamble")
+            raise Refused("schema", "not a slotserve prefix-store file")
+        length = int.from_bytes(head[len(MAGIC) :], "little")
+        if length > min(MAX_HEADER_BYTES, size - PREAMBLE):
+            raise Refused("checksum", f"a header of {length} bytes in a {size}-byte file")
+        raw = handle.read(length)
+    try:
+        header = json.loads(raw)
+        schema = header["schema"] if isinstance(header, dict) else None
+    except (ValueError, KeyError):
+        raise Refused("checksum", "the header is not readable JSON") from None
+    if schema != SCHEMA:
+        raise Refused("schema", f"schema {schema!r}, this runtime reads {SCHEMA}")
+    try:
+        return _check_header(header, identity, path.name, size, PREAMBLE + length, key)
+    except (AttributeError, TypeError, KeyError, ValueError) as exc:  # signed, yet malformed
+        raise Refused("checksum", f"a malformed header ({exc!r})") from None
+
+
+def _check_header(
+    header: dict[str, Any], identity: StoreIdentity, name: str, size: int, payload_at: int,
+    key: int,
+) -> StoreEntry:  # fmt: skip
+    claimed = header.pop("header_sha256", None)
+    if claimed != hashlib.sha256(canonical(header)).hexdigest():
+        raise Refused("checksum", "the header does not match its SHA-256")
+    ours, theirs = identity.fingerprint, header.get("fingerprint", {})
+    for facet in ("model_sha256", "weight_format"):
+        if theirs.get(facet) != getattr(ours, facet):
+            found, wanted = theirs.get(facet), getattr(ours, facet)
+            raise Refused("model", f"{facet} {found!r}, this model's {wanted!r}")
+    if theirs.get("numerics") != ours.numerics:
+        found = theirs.get("numerics")
+        raise Refused("numerics", f"numerics {found!r}, this runtime's {ours.numerics!r}")
+    if header.get("kv") != identity.kv:
+        raise Refused("layout", f"KV {header.get('kv')}, this pool's {identity.kv}")
+    tokens, retention = header.get("tokens"), header.get("retention", {})
+    if not isinstance(tokens, list) or not tokens:
+        raise Refused("checksum", "no token ids")
+    high_water = retention.get("high_water")
+    rings = [g for g in identity.kv["groups"] if g["kind"] == "ring"]
+    expected_rings = [{**g, "high_water": high_water} for g in rings]
+    if (
+        not isinstance(high_water, int)
+        or high_water < len(tokens)
+        or retention.get("rings") != expected_rings
+    ):
+        raise Refused("retention", f"retention state {retention} for {len(tokens)} tokens")
+    payload = header.get("payload", {})
+    if payload.get("parts") != identity.part_specs(len(tokens)):
+        raise Refused("layout", "payload parts differ from this pool's")
+    if size != payload_at + payload.get("nbytes", -1):
+        claims = f"{payload_at} + {payload.get('nbytes')}"
+        raise Refused("checksum", f"{size} bytes, the header says {claims}")
+    return StoreEntry(
+        key, name, tuple(tokens), high_water, size, payload_at,
+        payload["parts"], payload["sha256"],
+    )  # fmt: skip
+
+
+def encode_header(
+    identity: StoreIdentity, tokens: Sequence[int], high_water: int, parts: list[list[Any]],
+    nbytes: int, sha256: str,
+) -> bytes:  # fmt: skip
+    """The header of a file of ``tokens``' snapshot (written up to ``high_water``) whose
+    payload is ``parts``, ``nbytes`` long with SHA-256 ``sha256``, signed with its own."""
+    rings = [g for g in identity.kv["groups"] if g["kind"] == "ring"]
+    header: dict[str, Any] = {
+        "schema": SCHEMA,
+        "fingerprint": identity.fingerprint.to_json(),
+        "kv": identity.kv,
+        "tokens": list(tokens),
+        "retention": {
+            "high_water": high_water,
+            "rings": [{**g, "high_water": high_water} for g in rings],
+        },
+        "payload": {"parts": parts, "nbytes": nbytes, "sha256": sha256},
+        "written_unix": round(time.time(), 3),
+    }
+    header["header_sha256"] = hashlib.sha256(canonical(header)).hexdigest()
+    return json.dumps(header, separators=(",", ":")).encode()
+
+
+def payload_parts(handle: Any, entry: StoreEntry) -> Iterator[torch.Tensor]:
+    """The payload's tensors, read in order; raises `Refused` ("checksum") once the last
+    is read if the payload is short, longer or does not match its SHA-256."""
+    digest = hashlib.sha256()
+    for name, dtype, shape in entry.parts:
+        kind = DTYPES[dtype]
+        count = 1
+        for dim in shape:
+            count *= dim
+        buffer = bytearray(count * torch.empty((), dtype=kind).element_size())
+        if handle.readinto(buffer) != len(buffer):
+            raise Refused("checksum", f"truncated in part {name}")
+        digest.update(buffer)
+        yield torch.frombuffer(buffer, dtype=kind).view(shape)
+    if handle.read(1):
+        raise Refused("checksum", "bytes past the payload")
+    if digest.hexdigest() != entry.payload_sha256:
+        raise Refused("checksum", "the payload does not match its SHA-256")
+
+
+def canonical(value: Any) -> bytes:
+    return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
+
+
+def bytes_of(tensor: torch.Tensor) -> memoryview:
+    flat = tensor.detach().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().data.cast("B")
+
+
+def write_file(path: Path, chunks: Iterable[bytes | memoryview]) -> None:
+    """``chunks`` into a new file at ``path``, fsynced before it is closed."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    with os.fdopen(fd, "wb") as handle:
+        for chunk in chunks:
+            handle.write(chunk)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def fsync_directory(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
