@@ -2,11 +2,11 @@
 issue 27 — at the worst case the server's peak RSS is at most the plan's total and within
 10% of it, on the bundled model.
 
-The worst case (`slotserve.bench.worst_case`): a short chat turn and completion, structured
-requests filling the grammars arena (a 4 MiB one, the least a grammar needs, so that it
-does not dominate), distinct prompts until the prefix cache's snapshots fill its budget,
-then ``max_seqs`` streams at once, every session at ``max_context``, the concurrent prefill
-in the largest steps (``max_batch_tokens``)."""
+The worst case (`slotserve.bench.worst_case`): a short chat turn and completion, distinct
+prompts until the prefix cache's snapshots fill its budget, ``max_seqs`` streams at once,
+every session at ``max_context``, the concurrent prefill in the largest steps
+(``max_batch_tokens``); then structured requests filling the grammars arena (a 4 MiB one,
+the least a grammar needs, so that it does not dominate), and the worst case again."""
 
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ def test_the_driver_reaches_the_worst_case(worst_case: dict[str, Any]) -> None:
     assert plan["arenas"]["grammars"] == 4 * 2**20  # serve's grammars arena is in its plan
     assert plan["worst_case_bytes"] == sum(plan["arenas"].values())
     requests = worst_case["requests"]
-    assert (requests["first request"], requests["grammars"], requests["worst case"]) == (2, 4, 2)
+    # Two rounds of 2 streams: the first in serving, one more with the grammars held.
+    assert (requests["first request"], requests["grammars"], requests["worst case"]) == (2, 4, 4)
     prefix = worst_case["prefix"]
     assert prefix["bytes_pinned"] > prefix["budget_bytes"] // 2 and prefix["evictions"] > 0
     assert list(worst_case["phases"]) == list(PHASES)
@@ -59,16 +60,17 @@ def test_the_driver_reaches_the_worst_case(worst_case: dict[str, Any]) -> None:
 @pytest.mark.xfail(
     strict=True,
     raises=PlanMissed,
-    reason="issue 27 target missed, measured 2026-12-01 (load ~7-12 on 2 cores): peak RSS "
-    "545.6 MiB against the plan's 466.1 MiB (1.17x). By span: at ready 420.1 MiB against "
-    "runtime+weights+pool 418.6 MiB; the first chat turn and completion +5.8 MiB (unplanned); "
-    "the grammars phase +103.5 MiB against the grammars arena's 4 MiB: llguidance's "
-    "tokenizer index (63 MiB, built in the server at the first structured request), the "
-    "compile pool's parent side (13 MiB) and the import (2.3 MiB) are in no arena; the "
-    "prefix cache and the worst case +16.1 MiB against activations 43.5 MiB. Without the "
-    "grammars' fixed cost the peak would be ~0.96x of the plan. The fix is the plan's "
-    "(plan.py / serve: count the compiler's tokenizer index, or build it at start before "
-    "the runtime arena is measured), not this test's",
+    reason="issue 27 target missed, measured 2026-12-01 (load 17-33 on 2 cores, 1 core "
+    "each): peak RSS 545.7 MiB against the plan's 467.5 MiB (1.17x, 78.2 MiB over). By span: "
+    "at ready 419.9 MiB against runtime+weights+pool 418.5 MiB (+0.3%); serving's peak (a chat "
+    "turn, a completion, the prefix cache filled, both sessions at max_context) +64.8 MiB "
+    "above ready against activations 45.0 MiB (+19.8 MiB; a first short chat turn alone adds "
+    "~43 MiB, a first completion ~10 MiB, outside tracemalloc: native buffers); the grammars "
+    "phase +59.5 MiB against the grammars arena's 4 MiB: llguidance's tokenizer index "
+    "(~63 MiB measured in-process, built at the first structured request) and the first "
+    "compile's parent side (~13 MiB) are in no arena; the worst case again with the grammars "
+    "+1.5 MiB. The fix is the plan's (plan.py, cli/serve.py, sampling/grammar.py: count or "
+    "pre-build the compiler's index, count what serving's first steps keep), not this test's",
 )
 def test_worst_case_peak_rss_is_the_plan(worst_case: dict[str, Any]) -> None:
     """The issue's target: peak RSS <= the plan's total, and within 10% of it."""
@@ -86,25 +88,25 @@ def test_worst_case_peak_rss_is_the_plan(worst_case: dict[str, Any]) -> None:
 
 
 def test_arena_rows_are_the_phases_against_the_plan() -> None:
-    plan = {"arenas": {"runtime": 100, "weights": 50, "kv": 40, "activations": 20}}
-    plan["kv_pool_bytes"] = 30  # type: ignore[assignment]
+    plan: dict[str, Any] = {"arenas": {"runtime": 100, "weights": 50, "kv": 40}}
+    plan["arenas"] |= {"activations": 20, "grammars": 4}
+    plan["kv_pool_bytes"] = 30
     phases = {
         "ready": {"VmRSS": 180, "VmHWM": 180},
-        "first request": {"VmRSS": 185, "VmHWM": 190},
-        "grammars": {"VmRSS": 187, "VmHWM": 187},
-        "prefix": {"VmRSS": 200, "VmHWM": 205},
-        "worst case": {"VmRSS": 201, "VmHWM": 215},
+        "serving": {"VmRSS": 195, "VmHWM": 210},
+        "grammars": {"VmRSS": 201, "VmHWM": 203},
+        "worst case": {"VmRSS": 202, "VmHWM": 215},
     }
-    rows = {row["span"]: row for row in arena_rows(plan, phases)}
-    assert rows["at ready"]["planned_bytes"] == 180 and rows["at ready"]["measured_bytes"] == 180
-    assert rows["at ready"]["arenas"] == ["runtime", "weights", "pool"]
-    assert (
-        rows["first request"]["planned_bytes"] == 0 and rows["first request"]["measured_bytes"] == 5
-    )
-    assert rows["grammars"]["arenas"] == [] and rows["grammars"]["measured_bytes"] == 2
-    peak = rows["prefix + worst case (peak)"]
-    assert peak["arenas"] == ["copies", "activations"] and peak["planned_bytes"] == 30
-    assert peak["measured_bytes"] == 215 - 187
+    rows = [
+        (row["span"], row["arenas"], row["planned_bytes"], row["measured_bytes"])
+        for row in arena_rows(plan, phases)
+    ]
+    assert rows == [
+        ("at ready", ["runtime", "weights", "pool"], 180, 180),
+        ("serving, its peak above ready", ["copies", "activations"], 30, 30),
+        ("grammars, growth", ["grammars"], 4, 6),
+        ("worst case with the grammars, its peak above its start", [], 0, 14),
+    ]
 
 
 def test_the_memory_section_reports_the_server(worst_case: dict[str, Any], tiny: ss.Model) -> None:

@@ -338,15 +338,15 @@ def _memory_server(s: dict[str, Any]) -> list[str]:
     total, peak = plan["worst_case_bytes"], s["peak_rss_bytes"]
     lines = [
         f"`slotserve serve --model {s['model']} {' '.join(s['flags'])}` "
-        f"({plan['layout']}, {plan['kv_dtype']} KV), driven to its worst case "
-        f"{s['rounds']} time(s): a short chat turn and completion, "
-        f"{s['requests'].get('grammars', 0)} "
-        f"structured requests (a schema each), {cache}, then "
+        f"({plan['layout']}, {plan['kv_dtype']} KV), driven to its worst case. Serving: a "
+        f"short chat turn and completion, {cache}, then a worst-case round: "
         f"{plan['max_seqs']} streams at once, each a distinct prompt of "
         f"{plan['max_context'] - s['decode_tokens']} tokens and {s['decode_tokens']} tokens "
-        "(`ignore_eos`): every session at max_context, the concurrent prefill in the largest "
-        "steps. Resident set of the server process from `/proc/PID/status`; its peak (VmHWM) "
-        "is reset when the server is ready and before each phase.",
+        "(`ignore_eos`), every session at max_context, the concurrent prefill in the largest "
+        f"steps. Grammars: {s['requests'].get('grammars', 0)} structured requests (a schema "
+        f"each). Then {s['rounds']} more round(s), the prefix cache full again and the "
+        "grammars held. Resident set of the server process from `/proc/PID/status`; its peak "
+        "(VmHWM) is reset when the server is ready and before each phase.",
         "",
         f"Peak RSS **{format_bytes(peak)}** against the plan's total "
         f"{format_bytes(total)}: **{peak / total:.2f}×**. The load's own peak, before "

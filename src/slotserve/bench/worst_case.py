@@ -5,27 +5,26 @@ The plan is the server's own (the ``plan`` of its ``/dashboard/events`` snapshot
 engine's process plan with the grammars arena). Once the server is ready its peak resident
 set (Linux's VmHWM) is read, then reset (``5`` written to ``/proc/PID/clear_refs``), so
 the peak reported is the serving process's, apart from the load's transient one, which is
-reported beside it. The worst case, phase by phase, each read from ``/proc/PID/status``:
+reported beside it. The worst case, phase by phase, each read from ``/proc/PID/status`` (`PHASES`):
 
-- ``first request``: a short plain chat turn and a short completion (what serving costs
-  once: the first steps' buffers, the HTTP and chat-template paths), which the plan does not
-  count apart;
+- ``serving``: a short plain chat turn and a short completion, then distinct prompts of
+  half the context, ``max_seqs`` at a time, until the prefix cache's snapshots fill its
+  budget (it evicts, or one more would not fit), then the first worst-case round: each of
+  ``max_seqs`` streams sent together is a distinct prompt of ``max_context - decode``
+  tokens and ``decode`` tokens (``ignore_eos``), so every session runs at ``max_context``
+  and the concurrent prefill steps are the largest the engine takes (``max_batch_tokens``,
+  one chunk a session), ending next to ``max_context``;
 - ``grammars``: structured requests (``response_format`` ``json_schema``), one distinct
   schema each, so the grammars arena holds as many grammars as it keeps (and the compiler
   its tokenizer index);
-- ``prefix``: distinct prompts of half the context, ``max_seqs`` at a time, until the prefix
-  cache's snapshots fill its budget (it evicts, or one more would not fit);
-- ``worst case``: ``max_seqs`` streams sent together, each a distinct prompt of
-  ``max_context - decode`` tokens and ``decode`` tokens (``ignore_eos``), so every session
-  runs at ``max_context`` and the concurrent prefill steps are the largest the engine
-  takes (``max_batch_tokens``, one chunk a session), ending next to ``max_context``;
-  repeated ``rounds`` times, the prefix cache full again after each.
+- ``worst case``: ``rounds`` more worst-case rounds, the prefix cache full again before
+  each and the grammars held: the whole plan at once.
 
 Arenas are measured where the outside of the process can tell them apart (`ARENA_ROWS`):
 the resident set at ready (the runtime, the weights and the KV pool, which the pool's
-zeroing writes), the growth of the first request and of the grammars phase, and the peak
-of the prefix and worst-case phases above the resident set before them (the prefix
-cache's copies, and the activations of the largest steps).
+zeroing writes), the peak of ``serving`` above it (the prefix cache's copies and the
+activations, with whatever serving costs once), the growth of ``grammars``, and the peak
+of the last rounds above their start (which the plan has nothing more for).
 """
 
 from __future__ import annotations
@@ -45,15 +44,15 @@ from slotserve.bench.processes import ServerProcess, slotserve_server
 DECODE_TOKENS = 8  # each worst-case stream's tokens after its prompt
 GRAMMARS = 4  # distinct schemas the grammars phase sends
 STRUCTURED_TOKENS = 16
-PHASES = ("ready", "first request", "grammars", "prefix", "worst case")
+PHASES = ("ready", "serving", "grammars", "worst case")
 # What `arena_rows` compares: a measured span of the server's resident set, and the arenas
 # of the plan that span holds (``pool``: the KV pool alone, ``copies``: the kv arena less
 # the pool, the prefix cache's copies).
 ARENA_ROWS = (
     ("at ready", ("runtime", "weights", "methods", "pool")),
-    ("first request", ()),
-    ("grammars", ("grammars",)),
-    ("prefix + worst case (peak)", ("copies", "activations")),
+    ("serving, its peak above ready", ("copies", "activations")),
+    ("grammars, growth", ("grammars",)),
+    ("worst case with the grammars, its peak above its start", ()),
 )
 
 
@@ -135,19 +134,23 @@ class WorstCaseDriver:
 
     def run(self, rounds: int = 1) -> dict[str, Any]:
         """Every phase in order, each with its own peak (VmHWM reset before it); the
-        result `memory_section` reports."""
+        result `slotserve.bench.report` reports."""
         load = proc_status(self.pid)  # its VmHWM: the load's peak
         reset_peak(self.pid)
         self._record("ready")
-        self._phase("first request", self.first_requests)
-        self._phase("grammars", self.structured)
         prefix: dict[str, Any] = {}
-        self._phase("prefix", lambda: prefix.update(self.fill_prefix_cache()))
+
+        def serving() -> None:
+            self.first_requests()
+            prefix.update(self.fill_prefix_cache())
+            self.worst_case()
+
+        self._phase("serving", serving)
+        self._phase("grammars", self.structured)
         rounds_peak = []
-        for round_ in range(rounds):
+        for _ in range(max(rounds, 1)):
             reset_peak(self.pid)
-            if round_:  # the cache full again, as the first round found it
-                self.fill_prefix_cache()
+            self.fill_prefix_cache()  # full again, as the first round found it
             self.worst_case()
             rounds_peak.append(proc_status(self.pid)["VmHWM"])
         self._record("worst case")
@@ -285,18 +288,17 @@ class WorstCaseDriver:
 
 
 def arena_rows(plan: dict[str, Any], phases: dict[str, dict[str, int]]) -> list[dict[str, Any]]:
-    """`ARENA_ROWS`, each with its measured and planned bytes: the resident set at ready,
-    each later phase's growth over the one before, and the last span's peak over its
-    start."""
+    """`ARENA_ROWS`, each with its measured and planned bytes (see the module docstring)."""
     arenas: dict[str, int] = plan["arenas"]
     pool = int(plan.get("kv_pool_bytes") or arenas.get("kv", 0))
     parts = {**arenas, "pool": pool, "copies": arenas.get("kv", 0) - pool}
-    rss = [phases[name]["VmRSS"] for name in PHASES]
+    rss = {name: phases[name]["VmRSS"] for name in PHASES}
+    peak = {name: phases[name]["VmHWM"] for name in PHASES}
     measured = [
-        rss[0],
-        rss[1] - rss[0],
-        rss[2] - rss[1],
-        max(phases["prefix"]["VmHWM"], phases["worst case"]["VmHWM"]) - rss[2],
+        rss["ready"],
+        peak["serving"] - rss["ready"],
+        rss["grammars"] - rss["serving"],
+        peak["worst case"] - rss["grammars"],
     ]
     return [
         {
@@ -325,9 +327,9 @@ def run_worst_case(
         seqs = int(dashboard_snapshot(server.url)["plan"]["max_seqs"])
         totals = {
             "first request": 2,
-            "grammars": grammars,
             "prefix": 0,
-            "worst case": seqs * rounds,
+            "worst case": seqs * (1 + max(rounds, 1)),
+            "grammars": grammars,
         }
         with Progress(transient=True) as progress:
             tasks = {
