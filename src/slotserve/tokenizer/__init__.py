@@ -14,6 +14,7 @@ import functools
 import json
 import re
 import secrets
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -219,6 +220,7 @@ class _HFCodec:
 
     def __init__(self, backend: tokenizers.Tokenizer) -> None:
         self.backend = backend
+        self._lock = threading.Lock()
         decoder = backend.get_added_tokens_decoder()
         self.special_ids = frozenset(index for index, token in decoder.items() if token.special)
         self.special_text_ids = {decoder[index].content: index for index in self.special_ids}
@@ -232,19 +234,18 @@ class _HFCodec:
         return int(found) if found is not None else None
 
     def encode(self, text: str, *, parse_special: bool = True) -> list[int]:
-        backend = self.backend if parse_special else self._text_backend
-        ids: list[int] = backend.encode(text, add_special_tokens=False).ids
+        # One backend, and its encode_special_tokens flag (special-token text encoded as
+        # ordinary text) set only for the call that asks, under a lock: the tokenizer is
+        # used from several threads at once (server, engine, runner). A second backend
+        # for text, the earlier way, held a copy of the vocabulary and merges: 43 MiB for
+        # the bundled model, outside the memory plan.
+        with self._lock:
+            self.backend.encode_special_tokens = not parse_special
+            try:
+                ids: list[int] = self.backend.encode(text, add_special_tokens=False).ids
+            finally:
+                self.backend.encode_special_tokens = False
         return ids
-
-    @functools.cached_property
-    def _text_backend(self) -> tokenizers.Tokenizer:
-        """A copy of the backend that encodes special-token text as ordinary text.
-
-        A copy, not a toggle of ``encode_special_tokens`` on the shared backend: the
-        tokenizer is used from several threads at once (server, engine, runner)."""
-        backend = tokenizers.Tokenizer.from_str(self.backend.to_str())
-        backend.encode_special_tokens = True
-        return backend
 
     def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
         return str(self.backend.decode(list(ids), skip_special_tokens=skip_special))
