@@ -30,7 +30,7 @@ class Spec:
     @classmethod
     def load(cls) -> Spec:
         loaded = schemathesis.openapi.from_path(SPEC, config=schemathesis.Config())
-        return cls(loaded.raw_schema)
+        return cls(with_nullable(loaded.raw_schema))
 
     def validator(self, component: str) -> jsonschema.Draft202012Validator:
         """A JSON Schema 2020-12 validator (OpenAPI 3.1's dialect) for ``component``, its
@@ -53,6 +53,19 @@ class Spec:
             for kind in schemas[name]["properties"]["type"]["enum"]:
                 kinds[kind] = name
         return kinds
+
+
+def with_nullable(node: Any) -> Any:
+    """``node`` with OpenAPI 3.0's ``nullable: true`` (which OpenAI's 3.1 document still uses
+    in places, and JSON Schema ignores) read as schemathesis reads it: null is allowed too."""
+    if isinstance(node, list):
+        return [with_nullable(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    rewritten = {k: with_nullable(v) for k, v in node.items() if k != "nullable"}
+    if node.get("nullable") is True:
+        return {"anyOf": [rewritten, {"type": "null"}]}
+    return rewritten
 
 
 def errors(validator: jsonschema.Draft202012Validator, instance: Any) -> list[str]:

@@ -16,6 +16,7 @@ OpenAI's own) are out of its reach: the steered cases ask for floats.
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -338,3 +339,56 @@ def test_checks_catch_bad_answers(
     assert judge.problems({**delta, "type": "response.text.delta"})  # not a spec event
     done = events[-1]
     assert judge.problems({**done, "response": {**done["response"], "output": "x"}})
+
+
+# -- chat with tools (issue 28's tool calls on the old route), whole and each chunk ----------
+
+CHAT_TOOLS: list[Any] = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}
+]
+
+
+def test_chat_tool_calls_conform(spec: Spec, server: ServerProcess) -> None:
+    """A chat completion's tool calls by the spec's CreateChatCompletionResponse, and each
+    streamed chunk (index, id and name, then argument fragments) by its
+    CreateChatCompletionStreamResponse, in every tool_choice mode. By JSON Schema rather
+    than schemathesis: the spec's ``ChatCompletionMessageToolCalls`` names a discriminator
+    (``type``) without a mapping, so schemathesis expects the schemas' names
+    (``ChatCompletionMessageToolCall``) where the spec's own enums say ``function``; its
+    ``oneOf`` still decides."""
+    chunk = spec.validator("CreateChatCompletionStreamResponse")
+    completion = spec.validator("CreateChatCompletionResponse")
+    question: list[Any] = [{"role": "user", "content": "weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named, "auto", "none"):
+        body: dict[str, Any] = {
+            "model": server.model_name,
+            "messages": question,
+            "tools": CHAT_TOOLS,
+            "tool_choice": choice,
+            "max_tokens": 200,
+            "seed": 1,
+        }
+        answer = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert answer.status_code == 200, answer.text
+        whole = answer.json()
+        assert not errors(completion, whole), errors(completion, whole)
+        message = whole["choices"][0]["message"]
+        if choice in ("required", named):
+            assert whole["choices"][0]["finish_reason"] == "tool_calls"
+            assert message["tool_calls"][0]["function"]["name"] == "get_weather"
+        events = stream_post(server.url + "/v1/chat/completions", body)
+        assert events[-1].data == "[DONE]"
+        payloads = [json.loads(event.data) for event in events[:-1]]
+        problems = [p for payload in payloads for p in errors(chunk, payload)]
+        assert not problems, "\n".join(problems[:20])
+        if choice in ("required", named):
+            assert any(
+                delta.get("tool_calls")
+                for payload in payloads
+                for delta in (c["delta"] for c in payload["choices"])
+            )
+    # Control: a fragment without its index is not the spec's chunk.
+    fragment = next(p for p in payloads if p["choices"])
+    broken = {**fragment, "choices": [{**fragment["choices"][0], "delta": {"tool_calls": [{}]}}]}
+    assert errors(chunk, broken)
