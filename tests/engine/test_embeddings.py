@@ -37,23 +37,33 @@ def embed(engine: ss.Engine, prompts: list[list[int]], pooling: Pooling) -> list
     return [torch.tensor(f.embedding) for f in finals if f.embedding is not None]
 
 
+# fp32 KV stores what transformers computes; fp16 KV (the default) rounds every K and V
+# (measured: at most 1.9e-4 off transformers on these models, against at most 1e-4 for fp32).
+KV_TOLERANCE = {"fp32": 1e-4, "fp16": 5e-4}
+
+
+@pytest.mark.parametrize("kv_dtype", sorted(KV_TOLERANCE))
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("pooling", ["mean", "last"])
 def test_pooled_hidden_states_match_transformers(
-    tiny_dirs: dict[str, Path], kind: str, pooling: Pooling
+    tiny_dirs: dict[str, Path], kind: str, pooling: Pooling, kv_dtype: str
 ) -> None:
-    engine = ss.Engine(ss.load(tiny_dirs[kind]), ss.EngineConfig(max_seqs=4, max_context=128))
+    config = ss.EngineConfig(max_seqs=4, max_context=128, kv_dtype=kv_dtype)
+    engine = ss.Engine(ss.load(tiny_dirs[kind]), config)
     try:
         for prompt, ours in zip(PROMPTS, embed(engine, PROMPTS, pooling), strict=True):
             expected = reference(tiny_dirs[kind], prompt, pooling)
-            torch.testing.assert_close(ours, expected, rtol=0, atol=1e-4)
+            torch.testing.assert_close(ours, expected, rtol=0, atol=KV_TOLERANCE[kv_dtype])
             assert float(ours.norm()) == pytest.approx(1.0, abs=1e-5)
     finally:
         engine.close()
 
 
 def test_batched_equals_alone_and_admission_counts(make_engine: object) -> None:
-    engine = make_engine(max_seqs=4, max_context=128, max_batch_tokens=32)  # type: ignore[operator]
+    """On the tiny model's dense fp32 weights (torch's own matmuls, which are not
+    batch-invariant bit for bit), with fp32 KV; fp16 KV rounding turns those last-bit
+    differences into up to 8e-6 (exactness is the block kernels' promise, test_exactness)."""
+    engine = make_engine(max_seqs=4, max_context=128, max_batch_tokens=32, kv_dtype="fp32")  # type: ignore[operator]
     together = embed(engine, PROMPTS, "mean")  # co-batched, the long one in chunks
     alone = [embed(engine, [p], "mean")[0] for p in PROMPTS]
     for a, b in zip(together, alone, strict=True):

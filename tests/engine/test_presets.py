@@ -281,13 +281,16 @@ def test_shared_prompt_restores_the_shared_prefix_from_its_cache(tiny: ss.Model)
 
 # -- the command line --------------------------------------------------------------------
 
+GRAMMARS_4MIB = ["--grammar-max-bytes", "4MiB", "--grammar-cache-bytes", "4MiB"]
+
 
 def test_plan_preset_prints_one_line_per_decision(
     tiny_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     model = str(tiny_dirs["llama"])
-    argv = ["plan", "--model", model, "--preset", "voice", "--memory-budget", "8MiB"]
-    assert main([*argv, "--budget-scope", "model"]) == 0  # 8 MiB: the model's arenas only
+    argv = ["plan", "--model", model, "--preset", "voice", "--memory-budget", "32MiB"]
+    argv += GRAMMARS_4MIB  # plan counts serve's grammar arenas (128 MiB unless told)
+    assert main([*argv, "--budget-scope", "model"]) == 0  # the model's arenas and grammars
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("preset voice: short sessions, frequent cancellation")
     decided = [line for line in lines if line.startswith("  [voice] ")]
@@ -300,8 +303,8 @@ def test_plan_preset_flags_override(
     tiny_dirs: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     model = str(tiny_dirs["llama"])
-    argv = ["plan", "--model", model, "--preset", "voice", "--memory-budget", "8MiB"]
-    argv += ["--budget-scope", "model"]  # 8 MiB: the model's arenas only
+    argv = ["plan", "--model", model, "--preset", "voice", "--memory-budget", "32MiB"]
+    argv += ["--budget-scope", "model", *GRAMMARS_4MIB]  # the model's arenas and grammars
     assert main([*argv, "--max-seqs", "2", "--policy", "fifo", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert (report["max_seqs"], report["layout"]) == (2, "cell")
