@@ -57,21 +57,6 @@ def test_the_driver_reaches_the_worst_case(worst_case: dict[str, Any]) -> None:
     assert abs(ready - at_ready["planned_bytes"]) <= 0.05 * at_ready["planned_bytes"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=PlanMissed,
-    reason="issue 27 target missed, measured 2026-12-01 (load 17-33 on 2 cores, 1 core "
-    "each): peak RSS 545.7 MiB against the plan's 467.5 MiB (1.17x, 78.2 MiB over). By span: "
-    "at ready 419.9 MiB against runtime+weights+pool 418.5 MiB (+0.3%); serving's peak (a chat "
-    "turn, a completion, the prefix cache filled, both sessions at max_context) +64.8 MiB "
-    "above ready against activations 45.0 MiB (+19.8 MiB; a first short chat turn alone adds "
-    "~43 MiB, a first completion ~10 MiB, outside tracemalloc: native buffers); the grammars "
-    "phase +59.5 MiB against the grammars arena's 4 MiB: llguidance's tokenizer index "
-    "(~63 MiB measured in-process, built at the first structured request) and the first "
-    "compile's parent side (~13 MiB) are in no arena; the worst case again with the grammars "
-    "+1.5 MiB. The fix is the plan's (plan.py, cli/serve.py, sampling/grammar.py: count or "
-    "pre-build the compiler's index, count what serving's first steps keep), not this test's",
-)
 def test_worst_case_peak_rss_is_the_plan(worst_case: dict[str, Any]) -> None:
     """The issue's target: peak RSS <= the plan's total, and within 10% of it."""
     total, peak = worst_case["plan"]["worst_case_bytes"], worst_case["peak_rss_bytes"]

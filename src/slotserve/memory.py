@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import os
 import resource
 from dataclasses import dataclass
+from typing import Any
 
 
 def rss_bytes(pid: int | None = None) -> int:
@@ -56,19 +58,39 @@ def trim_heap() -> None:
         trim(0)
 
 
+def release_mapped(array: Any) -> None:
+    """Drop the pages of the file-backed memory map under numpy ``array`` from this
+    process's resident set (Linux ``madvise(MADV_DONTNEED)``; nothing elsewhere). The data
+    stays readable: a later read faults it in again from the page cache. A model's load
+    reads each tensor out of the file's map once, so without this the whole file stays
+    resident until the map closes, on top of the weights copied out of it."""
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if advice is None or not array.nbytes:
+        return
+    page = mmap.PAGESIZE
+    start = array.ctypes.data // page * page
+    end = array.ctypes.data + array.nbytes
+    madvise = ctypes.CDLL(None).madvise  # the C library's, already loaded: no search
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise(start, end - start, advice)
+
+
 @dataclass(frozen=True)
 class LoadMemory:
     """What loading one model did to the process, measured: ``runtime_bytes`` its resident
     set just before the weights were read (the interpreter, torch, the libraries and
     whatever else the process already held), ``loaded_bytes`` just after. The growth is the
     weights as they are resident (with whatever the load kept: packed copies, freed pages
-    the allocator did not give back), not their file size."""
+    the allocator did not give back), not their file size. ``peak_bytes`` is the resident
+    set's peak during the load (its transient copies; 0: not measured, where the system
+    cannot reset the peak), which a budget must hold too."""
 
     runtime_bytes: int
     loaded_bytes: int
+    peak_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if self.runtime_bytes < 0 or self.loaded_bytes < 0:
+        if min(self.runtime_bytes, self.loaded_bytes, self.peak_bytes) < 0:
             raise ValueError(f"{self} holds a negative byte count")
 
     @property

@@ -1,14 +1,18 @@
 """`CapacityPlan`: will the whole process (runtime + weights + a bundle's method memory +
-activations + max_seqs × KV per session + the grammars arena) fit the budget?
+activations + max_seqs × KV per session + the grammar compiler's tokenizer index + the
+grammars arena) fit the budget, and will the model's load (its peak) fit it?
 
 The KV pool and the activations are computed from `ModelInfo` and `KVConfig` alone (no
 allocation), with the same placement rules the pool allocates by, so the planned KV bytes
 equal the pool's measured bytes. The runtime arena (the process before its weights) and the
 resident weights are measured when the model loads (`slotserve.memory.LoadMemory`), and a
 bundle's planned method memory is what its program plans; the engine passes them in
-(`EngineConfig.plan`). If the plan does not fit, `check()` raises `PlanError` naming the
-largest ``max_seqs`` and the largest ``max_context`` that would, or, when the runtime alone
-is over the budget, that number.
+(`EngineConfig.plan`), as is the load's peak resident set (its transient copies): the
+budget must hold the larger of the serving worst case and that peak (`required_bytes`).
+The grammar compiler's tokenizer index is measured where a server builds it at start
+(`slotserve.sampling.grammar_index`). If the plan does not fit, `check()` raises `PlanError`
+naming the largest ``max_seqs`` and the largest ``max_context`` that would, or, when the
+runtime alone or the load's peak is over the budget, that number (`LoadPeakError`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,16 @@ from slotserve.errors import PlanError
 from slotserve.info import ModelInfo
 from slotserve.kv.config import KVConfig
 from slotserve.kv.placement import cells_per_layer, cells_per_session, layer_rules
+
+
+class LoadPeakError(PlanError):
+    """The model's load peaks above the budget (``peak_bytes`` over ``budget_bytes``): the
+    process would be killed while loading, whatever the serving plan."""
+
+    def __init__(self, message: str, peak_bytes: int, budget_bytes: int) -> None:
+        super().__init__(message)
+        self.peak_bytes, self.budget_bytes = peak_bytes, budget_bytes
+
 
 _UNITS = {
     "": 1,
@@ -117,6 +131,13 @@ class CapacityPlan:
     # them: they count in the total.
     runtime_bytes: int = 0
     method_bytes: int = 0
+    # Measured where a server builds it at start: what llguidance's tokenizer index (and
+    # the first compile's one-time costs) hold, the ``grammar_index`` arena (0: none built).
+    grammar_index_bytes: int = 0
+    # Measured: the resident set's peak while the model loaded (`LoadMemory.peak_bytes`;
+    # 0: not measured). Not an arena (the load's copies are gone once it ends), but the
+    # budget must hold it too: `required_bytes`.
+    load_peak_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None and self.memory_map is not None:
@@ -125,7 +146,8 @@ class CapacityPlan:
             raise ValueError(f"prefix_cache_bytes={self.prefix_cache_bytes} must be >= 0")
         if self.grammar_cache_bytes < 0:
             raise ValueError(f"grammar_cache_bytes={self.grammar_cache_bytes} must be >= 0")
-        for name in ("weight_bytes", "runtime_bytes", "method_bytes"):
+        measured = ("runtime_bytes", "method_bytes", "grammar_index_bytes", "load_peak_bytes")
+        for name in ("weight_bytes", *measured):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.max_batch_tokens < 1:
@@ -160,27 +182,39 @@ class CapacityPlan:
     @property
     def arenas(self) -> dict[str, int]:
         """Bytes by arena; ``kv`` is the pool plus the prefix cache's copies
-        (`prefix_copy_bytes`). ``runtime``, ``methods`` and ``grammars`` appear when set."""
+        (`prefix_copy_bytes`). ``runtime``, ``methods``, ``grammar_index`` and ``grammars``
+        appear when set."""
         arenas = {"runtime": self.runtime_bytes} if self.runtime_bytes else {}
         arenas["weights"] = self.weight_bytes
         if self.method_bytes:
             arenas["methods"] = self.method_bytes
         arenas["kv"] = self.kv_bytes + self.prefix_copy_bytes
         arenas["activations"] = activation_bytes(self.info, self.kv, self.max_batch_tokens)
+        if self.grammar_index_bytes:
+            arenas["grammar_index"] = self.grammar_index_bytes
         if self.grammar_cache_bytes:
             arenas["grammars"] = self.grammar_cache_bytes
         return arenas
 
     @property
     def worst_case_bytes(self) -> int:
+        """The serving worst case: every arena at once."""
         return sum(self.arenas.values())
+
+    @property
+    def required_bytes(self) -> int:
+        """What the budget must hold: the serving worst case, or the load's peak where that
+        is higher."""
+        return max(self.worst_case_bytes, self.load_peak_bytes)
 
     @property
     def fits(self) -> bool:
         if self.memory_map is not None:
             limits = dataclasses.asdict(self.memory_map)
+            if self.load_peak_bytes > sum(limits.values()):
+                return False
             return all(used <= limits.get(name, used) for name, used in self.arenas.items())
-        return self.memory_budget is None or self.worst_case_bytes <= self.memory_budget
+        return self.memory_budget is None or self.required_bytes <= self.memory_budget
 
     @property
     def prefix_cache(self) -> dict[str, Any] | None:
@@ -218,8 +252,8 @@ class CapacityPlan:
     def headroom(self) -> int | None:
         if self.memory_map is not None:
             total: int = sum(dataclasses.asdict(self.memory_map).values())
-            return total - self.worst_case_bytes
-        return None if self.memory_budget is None else self.memory_budget - self.worst_case_bytes
+            return total - self.required_bytes
+        return None if self.memory_budget is None else self.memory_budget - self.required_bytes
 
     def with_kv(self, **changes: Any) -> CapacityPlan:
         return dataclasses.replace(self, kv=dataclasses.replace(self.kv, **changes))
@@ -263,16 +297,30 @@ class CapacityPlan:
         )
 
     def runtime_refusal(self) -> PlanError | None:
-        """The `PlanError` of a budget under the runtime arena alone (None otherwise): no
-        context or concurrency can fit it, so it names the runtime, the budget and the
-        budget this plan needs."""
+        """The `PlanError` of a budget under the runtime arena alone, or under the load's
+        peak (a `LoadPeakError`); None otherwise. No context or concurrency can fit either,
+        so it names the number, the budget and the budget this plan needs."""
+        limit = self.memory_budget
+        if self.memory_map is not None:
+            limit = sum(dataclasses.asdict(self.memory_map).values())
+        if limit is not None and self.load_peak_bytes > limit >= self.runtime_bytes:
+            return LoadPeakError(
+                f"loading the model peaks at {format_bytes(self.load_peak_bytes)} resident "
+                f"(the process with the load's transient copies, measured), more than the "
+                f"budget {format_bytes(limit)}: the process could be killed while loading, "
+                "whatever the context or concurrency. Raise the budget to at least "
+                f"{format_bytes(self.required_bytes)}, or load smaller weights (--weights "
+                "gguf keeps a GGUF file's quantised blocks)",
+                self.load_peak_bytes,
+                limit,
+            )
         if self.memory_budget is None or self.runtime_bytes <= self.memory_budget:
             return None
         return PlanError(
             f"the runtime alone (the interpreter, torch and the libraries, measured at start) "
             f"holds {format_bytes(self.runtime_bytes)}, more than the budget "
             f"{format_bytes(self.memory_budget)}: no context or concurrency fits. Raise the "
-            f"budget to at least {format_bytes(self.worst_case_bytes)} (this plan's whole worst "
+            f"budget to at least {format_bytes(self.required_bytes)} (this plan's whole worst "
             "case), or plan the model's arenas only (budget_scope='model', --budget-scope model)"
         )
 
@@ -287,6 +335,8 @@ class CapacityPlan:
             "arenas": self.arenas,
             "bytes_per_session": self.bytes_per_session,
             "worst_case_bytes": self.worst_case_bytes,
+            "load_peak_bytes": self.load_peak_bytes,
+            "required_bytes": self.required_bytes,
             "memory_budget": self.memory_budget,
             "memory_map": dataclasses.asdict(self.memory_map) if self.memory_map else None,
             "headroom_bytes": self.headroom,

@@ -17,7 +17,7 @@ from slotserve.artifact.hf import load_hf_dir
 from slotserve.artifact.named import NAMED_MODELS, model_path
 from slotserve.artifact.program import open_bundle
 from slotserve.errors import ArtifactError
-from slotserve.memory import LoadMemory, rss_bytes, trim_heap
+from slotserve.memory import LoadMemory, peak_rss_bytes, reset_peak_rss, rss_bytes, trim_heap
 from slotserve.model import Model
 from slotserve.model.quantized import with_weights
 from slotserve.native import (
@@ -57,9 +57,16 @@ def load(
     own ops get one thread (`slotserve.native.threads`: the kernels' threads keep the cores).
     ``bundle_threads`` sizes ExecuTorch's thread pool for a bundle (default: its manifest's
     load option).
+
+    ``model.load_memory`` is what the load did to the process (`slotserve.memory.LoadMemory`):
+    its resident set before and after, and its peak during the load (measured by resetting
+    the process's peak resident set, Linux's VmHWM, when the load starts).
     """
     built = build_kernels(kernels)
     weights = weight_format(spec, weights, built)
+    # The load's own peak (its transient copies) is measured from here: the process's peak
+    # resident set starts again (`reset_peak_rss`).
+    peak_measured = reset_peak_rss()
     runtime = rss_bytes()  # the runtime arena: what the process holds before the weights
     if weights == "gguf":
         if built.blocks is None:
@@ -79,8 +86,9 @@ def load(
                 raise ValueError(f"weights={weights!r}: a bundle's weights were fixed at export")
             quantised = with_weights(model.weights, weights)
             model = Model.from_weights(model.info, model.tokenizer, quantised, model.source, built)
+    peak = peak_rss_bytes() if peak_measured else 0
     trim_heap()  # the load's freed temporaries leave the resident set
-    model.load_memory = LoadMemory(runtime, rss_bytes())  # the plan's measured arenas
+    model.load_memory = LoadMemory(runtime, rss_bytes(), peak)  # the plan's measured arenas
     return model
 
 

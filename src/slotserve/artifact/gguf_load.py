@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +25,11 @@ from slotserve.artifact.gguf_file import (
     read_metadata,
     tensor_shapes,
 )
+from slotserve.artifact.gguf_reader import GGUFFile
 from slotserve.artifact.gguf_tokenizer import tokenizer_from_gguf
 from slotserve.errors import ArtifactError
 from slotserve.info import ModelInfo
+from slotserve.memory import release_mapped
 from slotserve.model import Model, build_weights
 from slotserve.native import NO_KERNELS, Kernels
 from slotserve.tokenizer import Tokenizer
@@ -100,7 +102,9 @@ def _read_gguf(
     shapes = tensor_shapes(reader)
     info = model_info_from_gguf(meta, shapes.keys(), path, shapes=shapes)
     tokenizer = tokenizer_from_gguf(meta, str(path))
-    tensors: Iterable[tuple[str, Any]] = iter_tensors(reader, info, path, keep_blocks=keep_blocks)
+    tensors: Iterable[tuple[str, Any]] = _released(
+        reader, iter_tensors(reader, info, path, keep_blocks=keep_blocks)
+    )
     if progress:
         console = Console(file=sys.stderr)
         tensors = track(
@@ -111,6 +115,16 @@ def _read_gguf(
             transient=True,
         )
     return info, tokenizer, dict(tensors)
+
+
+def _released(reader: GGUFFile, tensors: Iterator[tuple[str, Any]]) -> Iterator[tuple[str, Any]]:
+    """``tensors`` (one per tensor of ``reader``, in its order, each copied out of the
+    file's map), the map's pages of each dropped from the resident set once it is copied:
+    otherwise the whole file stays resident until the load ends, beside the weights read
+    from it (the bundled model's load peaked at 476 MiB with it, 410 MiB without)."""
+    for tensor, item in zip(reader.tensors, tensors, strict=True):
+        yield item
+        release_mapped(tensor.data)
 
 
 def _try_write_cache(

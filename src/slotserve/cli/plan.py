@@ -1,5 +1,6 @@
 """``slotserve plan``: print a capacity plan (table or JSON) of the whole process (the arenas
-``slotserve serve`` checks with the same flags, its grammars arena included), with the
+``slotserve serve`` checks with the same flags, its grammars arena and its grammar
+compiler's tokenizer index included, and the model load's peak), with the
 declared cancellation bound and, with ``--prefix-store``, the disk store's budget; with
 ``--measure``, each arena measured beside its planned bytes (`slotserve.engine.plan_measure`);
 with ``--preset``, first the preset's choice and why, one line per decision."""
@@ -20,7 +21,13 @@ from slotserve.cli.flags import (
     resolve_engine_config,
     with_prefix_store,
 )
-from slotserve.cli.serve import add_grammar_args, grammar_config, with_server_prefix_cache
+from slotserve.cli.serve import (
+    add_grammar_args,
+    grammar_config,
+    grammar_plan,
+    prepare_grammars,
+    with_server_prefix_cache,
+)
 from slotserve.plan import format_bytes
 
 
@@ -54,8 +61,13 @@ def run(args: argparse.Namespace) -> int:
     config, choice = resolve_engine_config(args, model)
     config = with_server_prefix_cache(config, args, model)  # as `slotserve serve` runs it
     config = with_prefix_store(config, args)
-    # serve's plan: the engine's, with the grammars arena (`cli.serve.with_grammar_arena`)
-    plan = dataclasses.replace(config.process_plan(model), grammar_cache_bytes=grammars.cache_bytes)
+    # serve's plan: the engine's, with the grammars arena and the tokenizer index, built and
+    # measured here as serve builds it (`cli.serve.with_grammar_arena`, `prepare_grammars`)
+    compiler, index_bytes = prepare_grammars(model, grammars)
+    compiler.close()
+    plan = grammar_plan(
+        config.process_plan(model), config.budget_scope, grammars.cache_bytes, index_bytes
+    )
     report = plan.to_dict()
     report["budget_scope"] = config.budget_scope
     bound = declare_cancel_bound(largest_step_tokens(config), {}, [])
@@ -110,7 +122,8 @@ def _print_table(report: dict[str, Any]) -> None:
             got = measured["arenas"].get(name)
             cells.append(format_bytes(got) if got is not None else "-")
         table.add_row(f"arena: {name}", *cells)
-    for key in ("bytes_per_session", "worst_case_bytes", "memory_budget", "headroom_bytes"):
+    keys = ("bytes_per_session", "worst_case_bytes", "load_peak_bytes", "required_bytes")
+    for key in (*keys, "memory_budget", "headroom_bytes"):
         value = report[key]
         table.add_row(key, format_bytes(value) if isinstance(value, int) else "-")
     prefix = report.get("prefix_cache")

@@ -213,12 +213,33 @@ def grammar_config(args: argparse.Namespace) -> Any:
     )
 
 
-def with_grammar_arena(engine: Any, cache_bytes: int) -> None:
-    """Count the grammars arena in ``engine``'s plan; `PlanError` if the budget then does
-    not fit (naming --grammar-cache-bytes among the levers)."""
-    plan = dataclasses.replace(engine.plan, grammar_cache_bytes=cache_bytes)
+def with_grammar_arena(engine: Any, cache_bytes: int, index_bytes: int = 0) -> None:
+    """Count the grammars arena and the compiler's tokenizer index (``index_bytes``, as
+    `prepare_grammars` measured it) in ``engine``'s plan; `PlanError` if the budget then
+    does not fit (naming --grammar-cache-bytes among the levers)."""
+    plan = grammar_plan(engine.plan, engine.config.budget_scope, cache_bytes, index_bytes)
     plan.check()
     engine.plan = plan
+
+
+def grammar_plan(plan: Any, scope: str, cache_bytes: int, index_bytes: int) -> Any:
+    """``plan`` with the grammars arena, and with the tokenizer index where the budget is
+    the whole process's (``scope`` ``"process"``: like the runtime, the index is measured
+    in the process, not the model's own)."""
+    index = index_bytes if scope == "process" else 0
+    return dataclasses.replace(plan, grammar_cache_bytes=cache_bytes, grammar_index_bytes=index)
+
+
+def prepare_grammars(model: Any, config: Any) -> tuple[Any, int]:
+    """The `GrammarCompiler` a server of ``model`` compiles with (``config``: the
+    --grammar-* flags), its tokenizer index built and its first compile taken now, and the
+    resident bytes that cost (the plan's ``grammar_index`` arena). Called before the
+    engine allocates, so the growth is the index's alone."""
+    from slotserve.sampling.grammar import GrammarCompiler
+    from slotserve.sampling.grammar_index import prepare
+
+    compiler = GrammarCompiler(model.tokenizer, model.info.vocab_size, config)
+    return compiler, prepare(compiler)
 
 
 def warn_if_template_fails(tokenizer: Any, source: object) -> bool:
@@ -350,15 +371,21 @@ def _serve(args: argparse.Namespace) -> int:
     config = with_server_queue(config, args)
     config = with_server_prefix_cache(config, args, model)
     config = with_prefix_store(config, args)
-    engine = Engine(model, config, pressure=pressure_source(args), executor=executor)
+    compiler, index_bytes = prepare_grammars(model, grammars)  # counted in the plan
     try:
-        with_grammar_arena(engine, grammars.cache_bytes)
+        engine = Engine(model, config, pressure=pressure_source(args), executor=executor)
+    except BaseException:
+        compiler.close()
+        raise
+    try:
+        with_grammar_arena(engine, grammars.cache_bytes, index_bytes)
     except BaseException:
         engine.close()
+        compiler.close()
         raise
     from slotserve.server import structured
 
-    structured.configure(grammars)
+    structured.configure(grammars, compiler)
     return serve(
         engine,
         args.served_model_name or served_name(spec),

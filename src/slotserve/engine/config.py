@@ -142,10 +142,17 @@ class EngineConfig:
         )
 
     def plan(
-        self, info: ModelInfo, weight_bytes: int, *, runtime_bytes: int = 0, method_bytes: int = 0
+        self,
+        info: ModelInfo,
+        weight_bytes: int,
+        *,
+        runtime_bytes: int = 0,
+        method_bytes: int = 0,
+        load_peak_bytes: int = 0,
     ) -> CapacityPlan:
         """The plan of this config for a model of ``info`` keeping ``weight_bytes``
-        resident; the measured arenas (``runtime_bytes``, ``method_bytes``) as given."""
+        resident; the measured arenas (``runtime_bytes``, ``method_bytes``) and the load's
+        peak (``load_peak_bytes``) as given."""
         budget = None if self.memory_budget is None else parse_bytes(self.memory_budget)
         return CapacityPlan(
             info,
@@ -157,6 +164,7 @@ class EngineConfig:
             self.prefix_cache_budget,
             runtime_bytes=runtime_bytes,
             method_bytes=method_bytes,
+            load_peak_bytes=load_peak_bytes,
         )
 
     def process_plan(self, model: Any, weight_bytes: int | None = None) -> CapacityPlan:
@@ -165,7 +173,8 @@ class EngineConfig:
         memory (``model.halves.planned_method_bytes``) and the computed arenas; with
         ``budget_scope="process"`` also the runtime arena and the resident weights as
         `slotserve.load` measured them (``model.load_memory``; the weights count as the
-        larger of the load's resident growth and their own bytes). ``weight_bytes``
+        larger of the load's resident growth and their own bytes), and the load's peak
+        resident set, which the budget must hold as well. ``weight_bytes``
         (default the model's) is what the executor keeps resident."""
         weights = model.weight_bytes if weight_bytes is None else weight_bytes
         measured = getattr(model, "load_memory", None)
@@ -179,4 +188,5 @@ class EngineConfig:
             max(weights, measured.growth_bytes),
             runtime_bytes=measured.runtime_bytes,
             method_bytes=methods,
+            load_peak_bytes=measured.peak_bytes,
         )

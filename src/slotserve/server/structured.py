@@ -9,7 +9,8 @@ waits or compiles cancels it. Grammars are kept in an LRU by schema text, bounde
 (``--grammar-cache-bytes``, the grammars arena of the memory plan): every grammar alive,
 cached or still used by a running request, is counted until it is freed. The server state
 owns one cache for its model, with one `GrammarCompiler`, so the tokenizer index is built
-once.
+once: by the ``serve`` command at start, where the plan counts it (`configure` hands that
+compiler to the cache; `slotserve.sampling.grammar_index`).
 """
 
 from __future__ import annotations
@@ -44,17 +45,31 @@ SCHEMA_PARAM = "response_format.json_schema.schema"
 DISCONNECT_POLL_S = 0.05
 
 _configured = GrammarConfig()
+_prepared: list[GrammarCompiler] = []  # at most one: the compiler `configure` was given
 
 
-def configure(config: GrammarConfig) -> None:
+def configure(config: GrammarConfig, compiler: GrammarCompiler | None = None) -> None:
     """The `GrammarConfig` of the grammar caches made from now on in this process (the
-    ``serve`` command's ``--grammar-*`` flags; the server state makes its cache itself)."""
+    ``serve`` command's ``--grammar-*`` flags; the server state makes its cache itself),
+    and the ``compiler`` whose tokenizer index was built (and counted in the plan) at
+    start, which a cache for the same tokenizer and logits width takes instead of its own."""
     global _configured
     _configured = config
+    _prepared[:] = [compiler] if compiler is not None else []
 
 
 def configured() -> GrammarConfig:
     return _configured
+
+
+def _compiler_for(model: Model, config: GrammarConfig) -> GrammarCompiler:
+    """The prepared compiler where it is this model's (same tokenizer, logits width and
+    config), else a new one."""
+    for compiler in _prepared:
+        same = compiler.tokenizer is model.tokenizer and compiler.config == config
+        if same and compiler.vocab_size == model.info.vocab_size:
+            return compiler
+    return GrammarCompiler(model.tokenizer, model.info.vocab_size, config)
 
 
 class _Pending:
@@ -78,7 +93,7 @@ class GrammarCache:
     ) -> None:
         self.size = size
         self.config = config or configured()
-        self.compiler = GrammarCompiler(model.tokenizer, model.info.vocab_size, self.config)
+        self.compiler = _compiler_for(model, self.config)
         self._grammars: OrderedDict[str, Grammar] = OrderedDict()
         self._refused: OrderedDict[str, GrammarError] = OrderedDict()
         self._pending: dict[str, _Pending] = {}

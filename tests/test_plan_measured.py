@@ -1,0 +1,134 @@
+"""The plan's measured parts beyond the runtime and the weights (issue 27): the model load's
+peak resident set, which the budget must hold too (a `LoadPeakError` naming it below), the
+file map's pages dropped as the load copies them out (`slotserve.memory.release_mapped`),
+and the grammar compiler's tokenizer index, built and measured at a server's start (the
+``grammar_index`` arena)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import slotserve as ss
+from slotserve.engine.config import EngineConfig
+from slotserve.kv import KVConfig
+from slotserve.memory import LoadMemory, release_mapped
+from slotserve.plan import CapacityPlan, LoadPeakError, format_bytes
+from slotserve.sampling.grammar import GrammarCompiler, GrammarConfig
+from slotserve.sampling.grammar_index import prepare
+from slotserve.server.structured import GrammarCache, configure, configured
+
+MIB = 2**20
+KV = KVConfig(layout="cell", max_seqs=2, max_context=256)
+
+
+def _plan(tiny: ss.Model, **fields: int) -> CapacityPlan:
+    return CapacityPlan(tiny.info, KV, tiny.weight_bytes, **fields)  # type: ignore[arg-type]
+
+
+def test_the_budget_holds_the_larger_of_the_worst_case_and_the_load_peak(tiny: ss.Model) -> None:
+    serving = _plan(tiny, runtime_bytes=200 * MIB)
+    peak = serving.worst_case_bytes + 30 * MIB
+    plan = dataclasses.replace(serving, load_peak_bytes=peak)
+    assert plan.worst_case_bytes == serving.worst_case_bytes == sum(plan.arenas.values())
+    assert plan.required_bytes == peak
+    assert "load_peak" not in plan.arenas  # not an arena: its copies are gone after the load
+    between = dataclasses.replace(plan, memory_budget=serving.worst_case_bytes + 10 * MIB)
+    assert serving.worst_case_bytes < between.memory_budget < peak  # type: ignore[operator]
+    assert not between.fits and between.headroom == -20 * MIB
+    with pytest.raises(LoadPeakError) as refused:
+        between.check()
+    assert refused.value.peak_bytes == peak and refused.value.budget_bytes == between.memory_budget
+    message = str(refused.value)
+    assert f"loading the model peaks at {format_bytes(peak)}" in message
+    assert f"at least {format_bytes(peak)}" in message
+    assert between.max_seqs_that_fit() == 0  # no concurrency loads it
+    enough = dataclasses.replace(plan, memory_budget=peak)
+    enough.check()
+    report = enough.to_dict()
+    assert (report["load_peak_bytes"], report["required_bytes"]) == (peak, peak)
+    assert report["headroom_bytes"] == 0
+
+
+def test_a_load_peak_under_the_worst_case_changes_nothing(tiny: ss.Model) -> None:
+    serving = _plan(tiny, runtime_bytes=200 * MIB, memory_budget=10**10)
+    plan = dataclasses.replace(serving, load_peak_bytes=serving.worst_case_bytes - 1)
+    assert plan.required_bytes == plan.worst_case_bytes
+    assert plan.headroom == serving.headroom and plan.fits
+
+
+def test_the_runtime_refusal_comes_before_the_load_peaks(tiny: ss.Model) -> None:
+    plan = _plan(tiny, runtime_bytes=300 * MIB, load_peak_bytes=400 * MIB)
+    plan = dataclasses.replace(plan, memory_budget=100 * MIB)
+    refusal = plan.runtime_refusal()
+    assert refusal is not None and not isinstance(refusal, LoadPeakError)
+    assert "the runtime alone" in str(refusal)
+
+
+def test_the_process_plan_takes_the_load_peak_in_process_scope(tiny: ss.Model) -> None:
+    model = ss.load(Path(tiny.source))
+    measured = model.load_memory
+    assert measured is not None and measured.peak_bytes >= measured.loaded_bytes > 0
+    process = EngineConfig(budget_scope="process").process_plan(model)
+    assert process.load_peak_bytes == measured.peak_bytes
+    assert EngineConfig(budget_scope="model").process_plan(model).load_peak_bytes == 0
+    with pytest.raises(ValueError, match="negative"):
+        LoadMemory(1, 1, -1)
+
+
+def test_the_bundled_models_load_does_not_keep_the_file_resident() -> None:
+    """The load copies each tensor out of the file's map and drops the map's pages: its peak
+    above what it ends with stays under 0.75x the weights (it was 1.3x: the whole file
+    resident beside the weights read from it)."""
+    model = ss.load("bundled", progress=False)
+    measured = model.load_memory
+    assert measured is not None and measured.peak_bytes
+    transient = measured.peak_bytes - measured.loaded_bytes
+    assert transient <= 0.75 * model.weight_bytes, (
+        f"the load peaked {format_bytes(transient)} above its end, for weights of "
+        f"{format_bytes(model.weight_bytes)}"
+    )
+
+
+def _rss_file_kib() -> int:
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("RssFile:"):
+                return int(line.split()[1])
+    pytest.skip("no RssFile in /proc/self/status")
+
+
+def test_release_mapped_drops_the_pages_and_keeps_the_data(tmp_path: Path) -> None:
+    path = tmp_path / "blob"
+    data = np.random.default_rng(0).integers(0, 255, 16 * MIB, dtype=np.uint8)
+    data.tofile(path)
+    mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    before = _rss_file_kib()
+    total = int(mapped.sum(dtype=np.int64))  # every page faulted in
+    assert _rss_file_kib() - before >= 15 * 1024
+    release_mapped(mapped[1000:])  # from inside the first page: it is dropped too
+    assert _rss_file_kib() - before <= 1024
+    assert int(mapped.sum(dtype=np.int64)) == total == int(data.sum(dtype=np.int64))
+
+
+def test_prepare_builds_the_index_and_the_server_cache_takes_that_compiler(
+    tiny: ss.Model,
+) -> None:
+    config = GrammarConfig(max_bytes=4 * MIB, cache_bytes=4 * MIB)
+    compiler = GrammarCompiler(tiny.tokenizer, tiny.info.vocab_size, config)
+    before = configured()
+    try:
+        grown = prepare(compiler)
+        assert grown >= 0 and compiler._index is not None  # built, not left to a request
+        assert compiler._pool is not None  # the first compile went through the pool
+        configure(config, compiler)
+        assert GrammarCache(tiny).compiler is compiler
+        other = GrammarConfig(max_bytes=4 * MIB, cache_bytes=8 * MIB)
+        assert GrammarCache(tiny, config=other).compiler is not compiler
+    finally:
+        configure(before)
+        compiler.close()
+    assert GrammarCache(tiny, config=config).compiler is not compiler
