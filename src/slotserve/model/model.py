@@ -9,7 +9,7 @@ import torch
 
 from slotserve.info import ModelInfo
 from slotserve.kv.batch import StepBatch
-from slotserve.kv.config import KVConfig
+from slotserve.kv.config import DEFAULT_KV_DTYPE, KVConfig
 from slotserve.kv.pool import KVPool
 from slotserve.kv.store import KVStore
 from slotserve.memory import LoadMemory
@@ -109,13 +109,15 @@ class Model:
             raise ValueError(f"decode takes one token per sequence, got lengths {batch.lengths}")
         return self.forward(tokens, batch, kv)
 
-    def logits(self, token_ids: list[int]) -> torch.Tensor:
+    def logits(self, token_ids: list[int], *, kv_dtype: str = DEFAULT_KV_DTYPE) -> torch.Tensor:
         """Teacher-forced logits ``[T, vocab]`` of ``token_ids`` from an empty context
-        (entry i scores the token after ``token_ids[: i + 1]``)."""
+        (entry i scores the token after ``token_ids[: i + 1]``), with the KV stored as
+        ``kv_dtype`` (the engine's default unless given; ``"fp32"`` to compare with an
+        fp32 reference)."""
         if not token_ids:
             raise ValueError("logits() needs at least one token")
         # A scratch pool this call owns and drives, as the engine drives its own.
-        config = KVConfig(layout="flat", max_seqs=1, max_context=len(token_ids))
+        config = KVConfig(layout="flat", max_seqs=1, max_context=len(token_ids), dtype=kv_dtype)
         kv = KVPool(self.info, config, attention=self.kernels.attention)
         kv.reserve(0, len(token_ids))
         batch = StepBatch.single(0, len(token_ids))
