@@ -31,9 +31,9 @@ LAYERS: dict[str, int] = {
     "engine": 6,
     "runner": 7,
     "server": 8,
-    "bench": 8,
     "testing": 8,
-    "cli": 9,
+    "bench": 9,  # above the server: the tool-call case uses the server's grammar and parsing
+    "cli": 10,
 }
 
 
