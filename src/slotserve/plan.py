@@ -107,7 +107,11 @@ def activation_bytes(info: ModelInfo, kv: KVConfig, max_batch_tokens: int) -> in
     gathered = 2 * seqs * context * info.kv_dim
     logits = seqs * info.vocab_size
     rope = 2 * info.max_context * info.head_dim
-    return 4 * (tokens * per_token + scores + gathered + logits + rope) + tokens * context
+    total = 4 * (tokens * per_token + scores + gathered + logits + rope) + tokens * context
+    # The same step's peak growth moves from run to run with where the allocator puts its
+    # buffers (measured: 25.0 to 27.3 MB for a formula of 26.7 MB, bundled model, 2 x 1024,
+    # fp16 KV): a plan bounds the peak, so it keeps a sixteenth more.
+    return total + total // 16
 
 
 @dataclass(frozen=True)

@@ -103,15 +103,15 @@ def test_bundled_figures_at_one_gib(bundled: ss.Model) -> None:
     pinned."""
     chosen = {name: ss.preset_config(name, bundled, BUDGET) for name in PRESETS}
     assert {n: (c.kv_layout, c.max_seqs, c.max_context) for n, c in chosen.items()} == {
-        "chat": ("flat", 1, 3976),
-        "chat+background": ("cell", 4, 1456),
-        "voice": ("cell", 4, 1872),  # its 64-token steps plan fewer activation bytes
-        "document-agent": ("ring", 1, 8192),
-        "shared-prompt": ("cell", 8, 784),
+        "chat": ("flat", 1, 3831),
+        "chat+background": ("cell", 4, 1424),
+        "voice": ("cell", 4, 1856),  # its 64-token steps plan fewer activation bytes
+        "document-agent": ("ring", 1, 7815),
+        "shared-prompt": ("cell", 8, 768),
     }
     assert all(c.kv_dtype == "fp16" for c in chosen.values())
     agent = chosen["document-agent"]
-    assert (agent.ring_window, agent.sinks) == (225, 4)
+    assert (agent.ring_window, agent.sinks) == (64, 4)
     assert not grown(agent, bundled, ring_window=agent.ring_window + 1).fits
     assert chosen["shared-prompt"].policy == "fifo"
     assert chosen["chat+background"].background_min_share > 0
