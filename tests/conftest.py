@@ -11,7 +11,7 @@ import pytest
 
 import slotserve as ss
 from slotserve.native import Kernels, build_kernels
-from slotserve.testing import write_tiny_hf_dir
+from slotserve.testing import write_tiny_gguf, write_tiny_hf_dir
 
 DATA = Path(__file__).parent / "data"
 
@@ -26,6 +26,14 @@ def kernels() -> Kernels:
 @pytest.fixture(scope="session")
 def bundled() -> ss.Model:
     return ss.load("bundled", weights="fp32", progress=False)  # the dequantised reference
+
+
+@pytest.fixture(scope="session")
+def bundled_blocks() -> ss.Model:
+    """The bundled model as its GGUF file's blocks (what ``load`` gives by default)."""
+    model = ss.load("bundled", weights="gguf", progress=False)
+    assert model.halves.kind == "block"
+    return model
 
 
 @pytest.fixture(scope="session")
@@ -64,3 +72,17 @@ def tiny_bundle(tiny: ss.Model, tmp_path_factory: pytest.TempPathFactory) -> Pat
     out = tmp_path_factory.mktemp("bundles") / "tiny-fp32"
     export_bundle(tiny, out, ExportOptions(quant="fp32"))
     return out
+
+
+@pytest.fixture(scope="session")
+def q41(tmp_path_factory: pytest.TempPathFactory) -> tuple[ss.Model, Path]:
+    """A tiny Q4_1 GGUF's fp32 model (the eager reference) and its 8da4w bundle, exported as
+    `slotserve export` does: from the model loaded with its blocks (about 40 s, once per
+    session; also the "another model" whose weights a tiny bundle must refuse)."""
+    from slotserve.export import ExportOptions, export_bundle, load_for_export
+
+    root = tmp_path_factory.mktemp("q41")
+    gguf = write_tiny_gguf(root / "tiny-q4_1.gguf", "llama", "Q4_1")
+    blocks = load_for_export(gguf, progress=False)
+    export_bundle(blocks, root / "bundle", ExportOptions(quant="8da4w", max_tokens=64))
+    return ss.load(gguf, weights="fp32", progress=False), root / "bundle"

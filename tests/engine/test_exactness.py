@@ -22,10 +22,10 @@ Trace = list[tuple[int, float | None, tuple[tuple[int, float], ...]]]
 
 
 @pytest.fixture(scope="module")
-def blocks() -> ss.Model:
-    model = ss.load("bundled", progress=False)
-    assert model.halves.kind == "block"
-    return model
+def blocks(bundled_blocks: ss.Model) -> ss.Model:
+    """The default load (tests/conftest.py's session copy): the file's blocks."""
+    assert ss.artifact.weight_format("bundled", "auto", bundled_blocks.kernels) == "gguf"
+    return bundled_blocks
 
 
 @pytest.fixture

@@ -4,7 +4,8 @@ serves it through the engine.
 The fp32 bundle must give the eager model's logits (to float rounding) and its greedy tokens,
 alone and batched. The 8da4w bundle of a Q4_1 GGUF keeps the file's 4-bit blocks exactly (read
 from the model loaded with them: tests/export/test_blocks.py), so its logits track the eager
-model's up to the kernels' per-token int8 activations.
+model's up to the kernels' per-token int8 activations. (Both bundles are session fixtures,
+``tiny_bundle`` and ``q41``, in tests/conftest.py.)
 """
 
 from __future__ import annotations
@@ -19,23 +20,11 @@ import slotserve as ss
 from slotserve.artifact.bundle import PROGRAM, TOKENIZER, WEIGHTS, read_bundle
 from slotserve.artifact.weight_cache import file_digest
 from slotserve.executor import Executor, TorchExecutor, executor_for
-from slotserve.export import ExportOptions, export_bundle, load_for_export
+from slotserve.export import ExportOptions, export_bundle
 from slotserve.export.bundle import HEAD_ROWS
 from slotserve.kv import KVConfig, KVPool, StepBatch
-from slotserve.testing import write_tiny_gguf
 
 GREEDY = ss.SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def q41(tmp_path_factory: pytest.TempPathFactory) -> tuple[ss.Model, Path]:
-    """A tiny Q4_1 GGUF's fp32 model (the eager reference) and its 8da4w bundle, exported as
-    `slotserve export` does: from the model loaded with its blocks."""
-    root = tmp_path_factory.mktemp("q41")
-    gguf = write_tiny_gguf(root / "tiny-q4_1.gguf", "llama", "Q4_1")
-    blocks = load_for_export(gguf, progress=False)
-    export_bundle(blocks, root / "bundle", ExportOptions(quant="8da4w", max_tokens=64))
-    return ss.load(gguf, weights="fp32", progress=False), root / "bundle"
 
 
 def on_the_runtime(bundle: Path) -> Executor:

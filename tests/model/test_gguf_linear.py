@@ -139,9 +139,9 @@ def test_gguf_weights_need_a_gguf_file(tmp_path: Path) -> None:
         ss.load(tmp_path / "model-dir", weights="gguf")
 
 
-def test_bundled_block_weights(bundled: ss.Model, reference: dict[str, Any]) -> None:
+def test_bundled_block_weights(bundled_blocks: ss.Model, reference: dict[str, Any]) -> None:
     """The file's own blocks: the bundle's size resident, and llama.cpp's answers."""
-    model = ss.load("bundled", weights="gguf", progress=False)
+    model = bundled_blocks
     gguf_bytes = ss.artifact.bundled_gguf_path().stat().st_size
     assert model.weight_bytes <= gguf_bytes
     agree = total = 0
