@@ -1,6 +1,6 @@
 """The bundled model exported as an fp32 XNNPACK bundle gives the eager torch executor's greedy
-tokens on public prompts, alone and batched (the export takes about two minutes on 2 cores,
-once per session)."""
+tokens on public prompts, alone and batched (the export takes about three minutes of one
+core, once per session, in a background process: tests/export/conftest.py)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,24 @@ from typing import Any
 import pytest
 
 import slotserve as ss
-from slotserve.export import ExportOptions, export_bundle
+from slotserve.artifact.bundle import read_bundle
+from tests.export.conftest import BUNDLED_FP32, BackgroundExport
 
 NEW_TOKENS = 24
 GREEDY = ss.SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def bundled_fp32(bundled: ss.Model, tmp_path_factory: pytest.TempPathFactory) -> ss.Model:
-    out = tmp_path_factory.mktemp("bundled") / "smollm2-fp32"
-    export_bundle(bundled, out, ExportOptions(quant="fp32", max_tokens=128, max_context=256))
-    return ss.load(out)
+def bundled_fp32(bundled_fp32_export: BackgroundExport) -> ss.Model:
+    """The bundle (`BUNDLED_FP32`), exported beside this directory's first tests."""
+    bundle = bundled_fp32_export.result()
+    manifest = read_bundle(bundle).manifest
+    assert (manifest.quant, manifest.max_tokens, manifest.max_context) == (
+        BUNDLED_FP32["quant"],
+        BUNDLED_FP32["max_tokens"],
+        BUNDLED_FP32["max_context"],
+    )
+    return ss.load(bundle)
 
 
 def generate(model: ss.Model, prompts: list[list[int]]) -> tuple[list[Any], list[Any]]:
