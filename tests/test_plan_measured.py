@@ -19,6 +19,7 @@ from slotserve.memory import LoadMemory, release_mapped
 from slotserve.plan import CapacityPlan, LoadPeakError, format_bytes
 from slotserve.sampling.grammar import GrammarCompiler, GrammarConfig
 from slotserve.sampling.grammar_index import prepare
+from slotserve.server.state import ServerState
 from slotserve.server.structured import GrammarCache, configure, configured
 
 MIB = 2**20
@@ -119,16 +120,23 @@ def test_prepare_builds_the_index_and_the_server_cache_takes_that_compiler(
 ) -> None:
     config = GrammarConfig(max_bytes=4 * MIB, cache_bytes=4 * MIB)
     compiler = GrammarCompiler(tiny.tokenizer, tiny.info.vocab_size, config)
-    before = configured()
     try:
         grown = prepare(compiler)
         assert grown >= 0 and compiler._index is not None  # built, not left to a request
         assert compiler._pool is not None  # the first compile went through the pool
-        configure(config, compiler)
-        assert GrammarCache(tiny).compiler is compiler
+        assert GrammarCache(tiny, config=config, compiler=compiler).compiler is compiler
         other = GrammarConfig(max_bytes=4 * MIB, cache_bytes=8 * MIB)
-        assert GrammarCache(tiny, config=other).compiler is not compiler
+        assert GrammarCache(tiny, config=other, compiler=compiler).compiler is not compiler
+        before = configured()
+        configure(config)  # as serve does before it builds the server state
+        state = ServerState(None, "tiny", grammar_compiler=compiler)
+        try:
+            state.attach(ss.Engine(tiny, ss.EngineConfig(max_seqs=1, max_context=64)))
+            assert state.grammars is not None and state.grammars.compiler is compiler
+        finally:
+            configure(before)
+            if state.engine is not None:
+                state.engine.close()
     finally:
-        configure(before)
         compiler.close()
     assert GrammarCache(tiny, config=config).compiler is not compiler

@@ -385,7 +385,7 @@ def _serve(args: argparse.Namespace) -> int:
         raise
     from slotserve.server import structured
 
-    structured.configure(grammars, compiler)
+    structured.configure(grammars)
     return serve(
         engine,
         args.served_model_name or served_name(spec),
@@ -400,4 +400,5 @@ def _serve(args: argparse.Namespace) -> int:
         cors_origins=args.cors_origin,
         web=not args.no_web,
         reasoning_format=args.reasoning_format,
+        grammar_compiler=compiler,
     )

@@ -12,6 +12,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slotserve.engine import Engine
+from slotserve.sampling.grammar import GrammarCompiler
 from slotserve.server import dashboard, page
 from slotserve.server.connections import ConnectionTracker
 from slotserve.server.defaults import SamplingDefaults
@@ -40,6 +41,7 @@ def create_app(
     web: bool = True,
     connections: ConnectionTracker | None = None,  # the server's, exposed in /metrics
     reasoning_format: ReasoningFormat = "auto",  # a thinking model's, unless a request says
+    grammar_compiler: GrammarCompiler | None = None,  # its tokenizer index built at start
 ) -> FastAPI:
     """The app serving ``engine`` as ``model_name``; closing the app closes the engine.
     ``web``: serve the page at ``/`` and its files (`page`) and its dashboard feed
@@ -55,6 +57,7 @@ def create_app(
         metrics_key=metrics_key,
         connections=connections,
         reasoning_format=reasoning_format,
+        grammar_compiler=grammar_compiler,
     )
     if engine is not None:
         state.attach(engine)

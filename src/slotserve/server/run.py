@@ -19,6 +19,7 @@ from types import FrameType
 import uvicorn
 
 from slotserve.engine import Engine
+from slotserve.sampling.grammar import GrammarCompiler
 from slotserve.server.app import create_app
 from slotserve.server.connections import ConnectionTracker, HTTPLimits
 from slotserve.server.defaults import SamplingDefaults
@@ -52,6 +53,7 @@ def serve(
     cors_origins: Sequence[str] = (),
     web: bool = True,
     reasoning_format: ReasoningFormat = "auto",
+    grammar_compiler: GrammarCompiler | None = None,
 ) -> int:
     """Serve ``engine`` as ``model_name`` until SIGINT/SIGTERM; returns the exit status (0).
 
@@ -59,7 +61,8 @@ def serve(
     (`HTTPLimits`; its defaults if None); ``sampling`` fills the fields a request leaves
     out (logged here, at startup); ``metrics_key`` guards /metrics; ``cors_origins`` may
     call the API from a browser; ``reasoning_format`` is how a thinking model's reasoning
-    is returned when a request does not say (`reasoning`)."""
+    is returned when a request does not say (`reasoning`); ``grammar_compiler``, one whose
+    tokenizer index was built at start, serves the structured outputs."""
     limits = limits or HTTPLimits()
     connections = ConnectionTracker(limits)
     app = create_app(
@@ -73,6 +76,7 @@ def serve(
         web=web,
         connections=connections,
         reasoning_format=reasoning_format,
+        grammar_compiler=grammar_compiler,
     )
     warn_if_exposed(host, api_key)
     warn_if_descriptors_short(limits.max_connections)

@@ -8,6 +8,7 @@ import threading
 from dataclasses import dataclass, field
 
 from slotserve.engine import Engine
+from slotserve.sampling.grammar import GrammarCompiler
 from slotserve.server.connections import ConnectionTracker
 from slotserve.server.defaults import SamplingDefaults
 from slotserve.server.metrics import PrometheusMetrics
@@ -36,6 +37,9 @@ class ServerState:
     # How a thinking model's reasoning is returned when a request does not say
     # (``--reasoning-format``): apart ("auto"), or inline in the content ("none").
     reasoning_format: ReasoningFormat = "auto"
+    # The compiler whose tokenizer index ``serve`` built (and counted in the plan) at
+    # start: the grammar cache takes it instead of building a second index.
+    grammar_compiler: GrammarCompiler | None = None
     _closer: threading.Thread | None = field(default=None, repr=False)
 
     def attach(self, engine: Engine) -> None:
@@ -44,7 +48,7 @@ class ServerState:
         connections = self.connections.stats if self.connections is not None else None
         self.metrics = PrometheusMetrics(engine.stats, connections)
         engine.on_finished = self.metrics.observe
-        self.grammars = GrammarCache(engine.model)
+        self.grammars = GrammarCache(engine.model, compiler=self.grammar_compiler)
 
     def grammars_of(self, engine: Engine) -> GrammarCache:
         """The grammar cache of the served model (made by `attach`)."""

@@ -45,30 +45,29 @@ SCHEMA_PARAM = "response_format.json_schema.schema"
 DISCONNECT_POLL_S = 0.05
 
 _configured = GrammarConfig()
-_prepared: list[GrammarCompiler] = []  # at most one: the compiler `configure` was given
 
 
-def configure(config: GrammarConfig, compiler: GrammarCompiler | None = None) -> None:
+def configure(config: GrammarConfig) -> None:
     """The `GrammarConfig` of the grammar caches made from now on in this process (the
-    ``serve`` command's ``--grammar-*`` flags; the server state makes its cache itself),
-    and the ``compiler`` whose tokenizer index was built (and counted in the plan) at
-    start, which a cache for the same tokenizer and logits width takes instead of its own."""
+    ``serve`` command's ``--grammar-*`` flags; the server state makes its cache itself)."""
     global _configured
     _configured = config
-    _prepared[:] = [compiler] if compiler is not None else []
 
 
 def configured() -> GrammarConfig:
     return _configured
 
 
-def _compiler_for(model: Model, config: GrammarConfig) -> GrammarCompiler:
-    """The prepared compiler where it is this model's (same tokenizer, logits width and
-    config), else a new one."""
-    for compiler in _prepared:
-        same = compiler.tokenizer is model.tokenizer and compiler.config == config
-        if same and compiler.vocab_size == model.info.vocab_size:
-            return compiler
+def _compiler_for(
+    model: Model, config: GrammarConfig, prepared: GrammarCompiler | None
+) -> GrammarCompiler:
+    """``prepared`` (the compiler whose tokenizer index ``serve`` built and counted in the
+    plan at start) where it is this model's (same tokenizer, logits width and config),
+    else a new one."""
+    if prepared is not None:
+        same = prepared.tokenizer is model.tokenizer and prepared.config == config
+        if same and prepared.vocab_size == model.info.vocab_size:
+            return prepared
     return GrammarCompiler(model.tokenizer, model.info.vocab_size, config)
 
 
@@ -89,11 +88,15 @@ class GrammarCache:
     thread may call `get` or `lookup`."""
 
     def __init__(
-        self, model: Model, size: int = GRAMMAR_CACHE_SIZE, config: GrammarConfig | None = None
+        self,
+        model: Model,
+        size: int = GRAMMAR_CACHE_SIZE,
+        config: GrammarConfig | None = None,
+        compiler: GrammarCompiler | None = None,
     ) -> None:
         self.size = size
         self.config = config or configured()
-        self.compiler = _compiler_for(model, self.config)
+        self.compiler = _compiler_for(model, self.config, compiler)
         self._grammars: OrderedDict[str, Grammar] = OrderedDict()
         self._refused: OrderedDict[str, GrammarError] = OrderedDict()
         self._pending: dict[str, _Pending] = {}
