@@ -200,9 +200,10 @@ def test_a_budget_under_the_runtime_alone_is_refused_with_that_number() -> None:
 def test_the_engine_plans_the_whole_process_as_measured_at_load(bundled: ss.Model) -> None:
     measured = bundled.load_memory
     assert measured is not None and measured.runtime_bytes > 100 * 2**20  # torch at least
+    assert 0 < measured.first_step_bytes < 64 * 2**20  # the first step's one-time state
     process = ss.EngineConfig(max_seqs=2, max_context=256, budget_scope="process")
     plan = process.process_plan(bundled)
-    assert plan.arenas["runtime"] == measured.runtime_bytes
+    assert plan.arenas["runtime"] == measured.runtime_arena_bytes
     assert plan.arenas["weights"] == max(bundled.weight_bytes, measured.growth_bytes)
     model_only = ss.EngineConfig(max_seqs=2, max_context=256).process_plan(bundled)
     assert "runtime" not in model_only.arenas

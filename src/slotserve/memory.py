@@ -83,15 +83,25 @@ class LoadMemory:
     weights as they are resident (with whatever the load kept: packed copies, freed pages
     the allocator did not give back), not their file size. ``peak_bytes`` is the resident
     set's peak during the load (its transient copies; 0: not measured, where the system
-    cannot reset the peak), which a budget must hold too."""
+    cannot reset the peak), which a budget must hold too. ``first_step_bytes`` is what
+    the first step left resident (one token, run by the load): one-time state that belongs
+    to the runtime arena (`runtime_arena_bytes`)."""
 
     runtime_bytes: int
     loaded_bytes: int
     peak_bytes: int = 0
+    first_step_bytes: int = 0
 
     def __post_init__(self) -> None:
-        if min(self.runtime_bytes, self.loaded_bytes, self.peak_bytes) < 0:
+        counts = (self.runtime_bytes, self.loaded_bytes, self.peak_bytes, self.first_step_bytes)
+        if min(counts) < 0:
             raise ValueError(f"{self} holds a negative byte count")
+
+    @property
+    def runtime_arena_bytes(self) -> int:
+        """The runtime arena: the resident set before the weights, and the first step's
+        one-time state."""
+        return self.runtime_bytes + self.first_step_bytes
 
     @property
     def growth_bytes(self) -> int:

@@ -186,7 +186,7 @@ class EngineConfig:
         return self.plan(
             model.info,
             max(weights, measured.growth_bytes),
-            runtime_bytes=measured.runtime_bytes,
+            runtime_bytes=measured.runtime_arena_bytes,
             method_bytes=methods,
             load_peak_bytes=measured.peak_bytes,
         )

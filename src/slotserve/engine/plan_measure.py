@@ -41,7 +41,7 @@ def measure_arenas(
     executor = executor or executor_for(model)
     arenas: dict[str, int] = {}
     if model.load_memory is not None:
-        arenas["runtime"] = model.load_memory.runtime_bytes
+        arenas["runtime"] = model.load_memory.runtime_arena_bytes
         arenas["weights"] = model.load_memory.growth_bytes
     trim_heap()
     before = rss_bytes()
