@@ -44,6 +44,13 @@ def test_exit_mid_request_keeps_the_status(ending: str) -> None:
     assert "terminate called" not in done.stderr
 
 
+def _as_at_a_terminal() -> None:
+    """The child's SIGINT as a terminal's shell leaves it (default), whatever this process
+    inherited: a non-interactive shell that backgrounds a command ignores SIGINT for it, and
+    Python then installs no KeyboardInterrupt handler in the child."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_in_generate_exits_130() -> None:
     process = subprocess.Popen(
         [
@@ -61,6 +68,7 @@ def test_ctrl_c_in_generate_exits_130() -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_as_at_a_terminal,
     )
     assert process.stdout is not None
     process.stdout.read(1)  # the first streamed character: generation is under way
