@@ -32,10 +32,8 @@ run: $(STAMP)
 	$(BIN)/slotserve generate --chat --max-new-tokens 48 "Say hello in one sentence."
 	$(BIN)/slotserve serve --model bundled --max-seqs 4 --kv-layout cell
 
-# One worker a core (tests/conftest.py pins each to its share of the cores); a module runs
-# whole in one worker, and the modules sharing an exported bundle share a worker.
 test: $(STAMP) $(GEMMA) lint types browser
-	$(BIN)/python -m pytest -q -n auto --dist loadgroup
+	$(BIN)/python -m pytest -q
 
 # The web page's browser test drives Debian's Chromium (playwright uses it in place;
 # never `playwright install`, which downloads a browser build this network refuses).

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -15,51 +14,6 @@ from slotserve.native import Kernels, build_kernels
 from slotserve.testing import write_tiny_gguf, write_tiny_hf_dir
 
 DATA = Path(__file__).parent / "data"
-
-# Session fixtures that export a bundle (tens of seconds to minutes of one core each).
-EXPORTING_FIXTURES = ("q41", "bundled_fp32_export", "tiny_bundle")
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    """Under pytest-xdist (`make test` runs ``-n auto --dist loadgroup``) each worker gets
-    its own share of the cores: the kernels size their threads to the process's cores
-    (`slotserve.native.threads.process_cores`), so two workers that each start a thread
-    a core would oversubscribe them and spend the time waiting on each other."""
-    worker, count = (
-        os.environ.get("PYTEST_XDIST_WORKER"),
-        os.environ.get("PYTEST_XDIST_WORKER_COUNT"),
-    )
-    if worker is None or count is None:
-        return
-    cores = sorted(os.sched_getaffinity(0))
-    if len(cores) < int(count):
-        return
-    mine = set(cores[int(worker.removeprefix("gw")) :: int(count)])
-    os.sched_setaffinity(0, mine)
-    import torch
-
-    torch.set_num_threads(len(mine))
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Groups for pytest-xdist's ``loadgroup``: a module goes to one worker whole (its
-    module fixtures, servers and engines, are built once), and the modules that share an
-    exported bundle (``q41``, the bundled fp32 export) share a group, so each export runs in
-    one worker only. The groups with an export run first: they are the longest, and a
-    long group started last would leave the other workers idle at the end."""
-    modules: dict[str, list[pytest.Item]] = {}
-    for item in items:
-        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
-    first: list[pytest.Item] = []
-    rest: list[pytest.Item] = []
-    for module, members in modules.items():
-        used = {name for item in members for name in getattr(item, "fixturenames", ())}
-        export = next((name for name in EXPORTING_FIXTURES if name in used), None)
-        group = module if export in (None, "tiny_bundle") else export
-        for item in members:
-            item.add_marker(pytest.mark.xdist_group(group))
-        (first if export else rest).extend(members)
-    items[:] = first + rest
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -71,11 +71,7 @@ def bundled_fp32_export(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ba
 
 @pytest.fixture(scope="session", autouse=True)
 def _start_the_bundled_export_early(request: pytest.FixtureRequest) -> None:
-    """Starts `bundled_fp32_export` with this directory's first test, if a test needs it.
-    Not under pytest-xdist: every worker collects every test, and which one runs the test
-    that needs it is not known here (that worker exports when the test asks)."""
-    if os.environ.get("PYTEST_XDIST_WORKER") is not None:
-        return
+    """Starts `bundled_fp32_export` with this directory's first test, if a test needs it."""
     needed = (getattr(item, "fixturenames", ()) for item in request.session.items)
     if any("bundled_fp32_export" in names for names in needed):
         request.getfixturevalue("bundled_fp32_export")
