@@ -223,3 +223,22 @@ def test_an_output_the_grammar_does_not_accept_is_never_stop(compiler: GrammarCo
     assert refusal is not None and refusal.status == 500 and refusal.code == "grammar_failed"
     assert "incomplete" in refusal.message
     assert output_refusal(grammar, _finished([*encode('{"a": 12}'), EOS])) is None
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"enum": [9007199254740993]},
+        {"const": -(2**60)},
+        {"type": "object", "properties": {"n": {"type": "integer", "maximum": 2**64}}},
+        {"enum": [{"a": [1, 2**53 + 1]}]},
+    ],
+)
+def test_an_integer_past_2_to_the_53_is_refused_naming_where(
+    compiler: GrammarCompiler, schema: dict[str, Any]
+) -> None:
+    """llguidance reads a schema's numbers as doubles, so 2**53 + 1 would be enforced as
+    2**53 (the property test above found it): refused, naming the pointer and the bound."""
+    with pytest.raises(GrammarError, match=r"JSON schema at #/.*past \+-2\*\*53"):
+        compiler.json_schema(schema)
+    compiler.json_schema({"enum": [2**53, -(2**53)]})  # the largest exact ones compile

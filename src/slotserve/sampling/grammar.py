@@ -341,6 +341,8 @@ def check_schema(schema: Any) -> None:
                 here.append((target[0], 1))
                 stack.append(target)
         for key, value in node.items():
+            if key in _LITERAL_KEYWORDS:
+                _check_exact_integers(f"{pointer}/{_escape(str(key))}", value)
             shape = _IN_PLACE.get(key) or _INSIDE.get(key)
             if shape is None:
                 continue
@@ -350,6 +352,32 @@ def check_schema(schema: Any) -> None:
                     here.append((child[0], 0))
     _check_loops(edges)
     _check_chain(edges)
+
+
+# Keywords whose values are literal JSON (or bounds) the grammar compiles as numbers.
+_LITERAL_KEYWORDS = frozenset(
+    {"const", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"}
+)
+# llguidance reads a schema's numbers as doubles: an integer past 2**53 would be enforced as
+# its nearest double (found by the property test: enum [9007199254740993] let the output
+# 9007199254740992 through), so such a schema is refused rather than half-enforced.
+MAX_EXACT_INTEGER = 2**53
+
+
+def _check_exact_integers(pointer: str, value: Any) -> None:
+    stack: list[tuple[str, Any]] = [(pointer, value)]
+    while stack:
+        where, item = stack.pop()
+        if isinstance(item, int) and not isinstance(item, bool) and abs(item) > MAX_EXACT_INTEGER:
+            raise GrammarError(
+                f"JSON schema at {where}: the integer {item} is past +-2**53 "
+                f"({MAX_EXACT_INTEGER}), which the grammar cannot enforce exactly; "
+                "send it as a string, or use a smaller value"
+            )
+        if isinstance(item, Mapping):
+            stack.extend((f"{where}/{_escape(str(k))}", v) for k, v in item.items())
+        elif isinstance(item, list):
+            stack.extend((f"{where}/{i}", v) for i, v in enumerate(item))
 
 
 def _children(pointer: str, value: Any, shape: str) -> Iterator[tuple[str, Any]]:
