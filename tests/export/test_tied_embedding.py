@@ -107,7 +107,8 @@ def serve(path):
 warm = serve(sys.argv[1])  # the runtime, kernels and engine paths, once
 before = rss_bytes()
 model = serve(sys.argv[2])
-print(json.dumps({"growth": rss_bytes() - before}))
+first_step = model.load_memory.first_step_bytes
+print(json.dumps({"growth": rss_bytes() - before, "first_step": first_step}))
 """
 
 
@@ -128,10 +129,14 @@ def test_loading_every_method_costs_one_copy_of_the_weights(
         timeout=300,
         check=True,
     )
-    growth = json.loads(probe.stdout.strip().splitlines()[-1])["growth"]
+    measured = json.loads(probe.stdout.strip().splitlines()[-1])
+    growth, first_step = measured["growth"], measured["first_step"]
     stored = (bundles[quant] / WEIGHTS).stat().st_size
     planned = 32 * VOCAB * 4  # the head's logits
-    assert growth < 1.15 * stored + planned + 2 * MiB, (growth / MiB, stored / MiB)
+    # The load's first step leaves the program's one-time state (its delegate's set-up for
+    # this quantisation), measured by the load and planned as runtime, not as weights.
+    allowed = 1.15 * stored + planned + 2 * MiB + first_step
+    assert growth < allowed, (growth / MiB, stored / MiB, first_step / MiB)
 
 
 def logits_of(bundle: Path, model: ss.Model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
