@@ -323,7 +323,8 @@ def check_schema(schema: Any) -> None:
     """Refuse what the grammar would half-enforce: a ``$ref`` loop that enters no property
     or array item (``{"$ref": "#"}``, mutual references, ``allOf``/``anyOf`` of a reference
     to itself: no finite document follows it), and a chain of more than `MAX_REF_CHAIN`
-    references. Raises `GrammarError` naming the loop or the chain."""
+    references, and an integer past +-2**53 in a literal or a bound (`MAX_EXACT_INTEGER`).
+    Raises `GrammarError` naming the loop, the chain or the integer's pointer."""
     if not isinstance(schema, Mapping):
         return
     # pointer → (pointer, 1 for a $ref hop, 0 for a subschema) applied to the same instance
