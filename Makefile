@@ -32,7 +32,10 @@ run: $(STAMP)
 	$(BIN)/slotserve generate --chat --max-new-tokens 48 "Say hello in one sentence."
 	$(BIN)/slotserve serve --model bundled --max-seqs 4 --kv-layout cell
 
-test: $(STAMP) $(GEMMA) lint types browser
+# The checks and the remaining installs run side by side first (mypy keeps a core busy for
+# about 40 s, the installs mostly wait on the disk and the network), then the suite.
+test: $(STAMP)
+	$(MAKE) --no-print-directory -j4 --output-sync=target $(GEMMA) lint types browser
 	$(BIN)/python -m pytest -q
 
 # The web page's browser test drives Debian's Chromium (playwright uses it in place;

@@ -1,9 +1,11 @@
-"""Shared fixtures: the bundled model (loaded once per session) and tiny random models."""
+"""Shared fixtures: the bundled model (loaded once per session), tiny random models, and the
+bundles the suite exports beside its tests."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +14,7 @@ import pytest
 import slotserve as ss
 from slotserve.native import Kernels, build_kernels
 from slotserve.testing import write_tiny_gguf, write_tiny_hf_dir
+from tests.exports import BUNDLED_FP32, Export, ExportFarm, write_tied_llama
 
 DATA = Path(__file__).parent / "data"
 
@@ -64,25 +67,96 @@ def tiny(tiny_dirs: dict[str, Path]) -> ss.Model:
     return ss.load(tiny_dirs["llama"])
 
 
+# -- the suite's bundles: exported in child processes while the other tests run (tests/exports.py)
+
+# What each fixture waits for: the farm's exports it reads. A test that asks for one of these
+# by `request.getfixturevalue` names it in an `exports` mark instead (the session can only
+# submit what it sees a test will need).
+EXPORTS = {
+    "tiny_bundle": ("tiny-fp32",),
+    "twin_bundle": ("twin-fp32",),
+    "q41": ("q41-8da4w",),
+    "tied_bundles": ("tied-fp32", "tied-8da4w"),
+    "bundled_fp32_export": ("bundled-fp32",),
+}
+
+
+def exports_of(item: pytest.Item) -> list[str]:
+    fixtures = list(getattr(item, "fixturenames", ()))
+    fixtures += [name for mark in item.iter_markers("exports") for name in mark.args]
+    return [export for fixture in fixtures for export in EXPORTS.get(fixture, ())]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The modules that read an export run last, whole and in their order, so the farm
+    exports while the others run."""
+    late = {item.module for item in items if exports_of(item)}  # type: ignore[attr-defined]
+    items.sort(key=lambda item: getattr(item, "module", None) in late)
+
+
 @pytest.fixture(scope="session")
-def tiny_bundle(tiny: ss.Model, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Llama exported as an fp32 XNNPACK bundle (about 20 s, once per session)."""
-    from slotserve.export import ExportOptions, export_bundle
+def export_farm(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ExportFarm]:
+    """Every export the session's tests read, submitted in the order they will be read."""
+    farm = ExportFarm(tmp_path_factory.mktemp("exports"))
+    inputs = tmp_path_factory.mktemp("export-inputs")
+    needed = dict.fromkeys(name for item in request.session.items for name in exports_of(item))
+    for name in needed:
+        farm.submit(name, _export(name, inputs, request))
+    yield farm
+    farm.stop()
 
-    out = tmp_path_factory.mktemp("bundles") / "tiny-fp32"
-    export_bundle(tiny, out, ExportOptions(quant="fp32"))
-    return out
+
+def _export(name: str, inputs: Path, request: pytest.FixtureRequest) -> Export:
+    if name in ("tiny-fp32", "twin-fp32"):  # the twin: the same weights, another pairing id
+        return Export(request.getfixturevalue("tiny_dirs")["llama"], {"quant": "fp32"})
+    if name == "q41-8da4w":  # exported as `slotserve export` does: from the GGUF's blocks
+        gguf = write_tiny_gguf(inputs / "tiny-q4_1.gguf", "llama", "Q4_1")
+        return Export(gguf, {"quant": "8da4w", "max_tokens": 64}, blocks=True)
+    if name.startswith("tied-"):
+        tied = inputs / "tied"
+        if not tied.exists():
+            write_tied_llama(tied)
+        return Export(tied, {"quant": name.removeprefix("tied-"), "max_tokens": 64})
+    assert name == "bundled-fp32", name
+    return Export("bundled", BUNDLED_FP32, load={"weights": "fp32"})
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _exports_start_with_the_session(request: pytest.FixtureRequest) -> None:
+    if any(exports_of(item) for item in request.session.items):
+        request.getfixturevalue("export_farm")
 
 
 @pytest.fixture(scope="session")
-def q41(tmp_path_factory: pytest.TempPathFactory) -> tuple[ss.Model, Path]:
+def tiny_bundle(export_farm: ExportFarm) -> Path:
+    """The tiny Llama (`tiny`) as an fp32 XNNPACK bundle."""
+    return export_farm.result("tiny-fp32")
+
+
+@pytest.fixture(scope="session")
+def twin_bundle(export_farm: ExportFarm) -> Path:
+    """The tiny Llama exported again: the same weight names, another pairing id."""
+    return export_farm.result("twin-fp32")
+
+
+@pytest.fixture(scope="session")
+def q41(export_farm: ExportFarm) -> tuple[ss.Model, Path]:
     """A tiny Q4_1 GGUF's fp32 model (the eager reference) and its 8da4w bundle, exported as
-    `slotserve export` does: from the model loaded with its blocks (about 40 s, once per
-    session; also the "another model" whose weights a tiny bundle must refuse)."""
-    from slotserve.export import ExportOptions, export_bundle, load_for_export
+    `slotserve export` does, from the model loaded with its blocks (also the "another model"
+    whose weights a tiny bundle must refuse)."""
+    bundle = export_farm.result("q41-8da4w")
+    return ss.load(export_farm.source("q41-8da4w"), weights="fp32", progress=False), bundle
 
-    root = tmp_path_factory.mktemp("q41")
-    gguf = write_tiny_gguf(root / "tiny-q4_1.gguf", "llama", "Q4_1")
-    blocks = load_for_export(gguf, progress=False)
-    export_bundle(blocks, root / "bundle", ExportOptions(quant="8da4w", max_tokens=64))
-    return ss.load(gguf, weights="fp32", progress=False), root / "bundle"
+
+@pytest.fixture(scope="session")
+def tied_bundles(export_farm: ExportFarm) -> dict[str, Path]:
+    """The tied-embedding model (`write_tied_llama`) as an fp32 and an 8da4w bundle."""
+    return {quant: export_farm.result(f"tied-{quant}") for quant in ("fp32", "8da4w")}
+
+
+@pytest.fixture(scope="session")
+def bundled_fp32_export(export_farm: ExportFarm) -> Path:
+    """The bundled model as an fp32 bundle (`BUNDLED_FP32`), about three minutes of a core."""
+    return export_farm.result("bundled-fp32")

@@ -15,6 +15,8 @@ import pytest
 import slotserve as ss
 from slotserve.engine.scheduler import Scheduler
 
+pytestmark = pytest.mark.exports("tiny_bundle")  # `served`, for the executorch cases
+
 LONG = ss.SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True)
 
 

@@ -22,7 +22,6 @@ from slotserve.artifact.bundle import MANIFEST, PROGRAM, WEIGHTS, read_bundle
 from slotserve.artifact.program import ProgramHalves
 from slotserve.artifact.weight_cache import file_digest
 from slotserve.errors import ArtifactError, SchemaVersionError
-from slotserve.export import ExportOptions, export_bundle
 from tests.server.conftest import ServerProcess
 
 
@@ -63,14 +62,6 @@ def delegate_keys(weights: Path) -> set[str]:
     return {e.key for e in flat.named_data if len(e.key) == 64 and "." not in e.key}
 
 
-@pytest.fixture(scope="module")
-def twin(tiny: ss.Model, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The same model exported again: the same weight names, another pairing id."""
-    out = tmp_path_factory.mktemp("twin") / "tiny-fp32"
-    export_bundle(tiny, out, ExportOptions(quant="fp32"))
-    return out
-
-
 def test_a_newer_schema_is_refused_with_the_versions_and_the_fix(
     tiny_bundle: Path, tmp_path: Path
 ) -> None:
@@ -106,12 +97,12 @@ def test_a_damaged_weights_file_is_refused(tiny_bundle: Path, tmp_path: Path) ->
 
 
 def test_the_weights_of_another_export_are_refused(
-    tiny_bundle: Path, twin: Path, tmp_path: Path
+    tiny_bundle: Path, twin_bundle: Path, tmp_path: Path
 ) -> None:
     # The same weights under the same names: only the pairing tells the exports apart.
-    assert delegate_keys(twin / WEIGHTS) == delegate_keys(tiny_bundle / WEIGHTS)
+    assert delegate_keys(twin_bundle / WEIGHTS) == delegate_keys(tiny_bundle / WEIGHTS)
     bundle = copy_of(tiny_bundle, tmp_path)
-    shutil.copy(twin / WEIGHTS, bundle / WEIGHTS)
+    shutil.copy(twin_bundle / WEIGHTS, bundle / WEIGHTS)
     assert "belongs to another export" in str(refused(bundle))
     # Even with a manifest that agrees with the files, the program and the weights carry
     # different pairing ids: the runtime's own check refuses the pair, naming both files.

@@ -1,6 +1,6 @@
 """The bundled model exported as an fp32 XNNPACK bundle gives the eager torch executor's greedy
 tokens on public prompts, alone and batched (the export takes about three minutes of one
-core, once per session, in a background process: tests/export/conftest.py)."""
+core, once per session, in a background process: tests/exports.py)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,16 @@ import pytest
 
 import slotserve as ss
 from slotserve.artifact.bundle import read_bundle
-from tests.export.conftest import BUNDLED_FP32, BackgroundExport
+from tests.exports import BUNDLED_FP32
 
 NEW_TOKENS = 24
 GREEDY = ss.SamplingParams(temperature=0, max_new_tokens=NEW_TOKENS, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def bundled_fp32(bundled_fp32_export: BackgroundExport) -> ss.Model:
-    """The bundle (`BUNDLED_FP32`), exported beside this directory's first tests."""
-    bundle = bundled_fp32_export.result()
+def bundled_fp32(bundled_fp32_export: Path) -> ss.Model:
+    """The bundle (`BUNDLED_FP32`), exported beside the suite's other tests."""
+    bundle = bundled_fp32_export
     manifest = read_bundle(bundle).manifest
     assert (manifest.quant, manifest.max_tokens, manifest.max_context) == (
         BUNDLED_FP32["quant"],

@@ -17,46 +17,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 import slotserve as ss
 from slotserve.artifact.bundle import MANIFEST, WEIGHTS, read_bundle
 from slotserve.errors import ArtifactError
-from slotserve.export import ExportOptions, export_bundle
 from slotserve.kv import KVConfig, KVPool, StepBatch
-from slotserve.testing import random_state_dict, tiny_config, write_tiny_hf_dir
+from tests.exports import TIED_DIM, TIED_VOCAB, ExportFarm
 
-VOCAB, DIM = 32768, 256
+VOCAB, DIM = TIED_VOCAB, TIED_DIM
 MiB = 2**20
 
 
 @pytest.fixture(scope="module")
-def tied(tmp_path_factory: pytest.TempPathFactory) -> ss.Model:
-    path = write_tiny_hf_dir(tmp_path_factory.mktemp("tied") / "hf", "llama")
-    config = {
-        **tiny_config("llama"),
-        "tie_word_embeddings": True,
-        "vocab_size": VOCAB,
-        "hidden_size": DIM,
-        "intermediate_size": 2 * DIM,
-        "num_hidden_layers": 2,
-    }
-    (path / "config.json").write_text(json.dumps(config, indent=2))
-    save_file(random_state_dict(config, 0), str(path / "model.safetensors"))
-    model = ss.load(path)
+def tied(export_farm: ExportFarm) -> ss.Model:
+    """The eager model the farm exported as `tied_bundles` (`write_tied_llama`)."""
+    model = ss.load(export_farm.source("tied-fp32"))
     assert model.weights is not None and model.weights.tied
     return model
-
-
-@pytest.fixture(scope="module")
-def bundles(tied: ss.Model, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """The tied model as an fp32 and an 8da4w bundle (about a minute on 2 cores)."""
-    root = tmp_path_factory.mktemp("tied-bundles")
-    out = {}
-    for quant in ("fp32", "8da4w"):
-        out[quant] = root / quant
-        export_bundle(tied, out[quant], ExportOptions(quant=quant, max_tokens=64))  # type: ignore[arg-type]
-    return out
 
 
 def embedding_bytes(quant: str) -> int:
@@ -64,8 +41,10 @@ def embedding_bytes(quant: str) -> int:
 
 
 @pytest.mark.parametrize("quant", ["fp32", "8da4w"])
-def test_the_manifest_says_where_the_heads_rows_are(bundles: dict[str, Path], quant: str) -> None:
-    manifest = read_bundle(bundles[quant]).manifest
+def test_the_manifest_says_where_the_heads_rows_are(
+    tied_bundles: dict[str, Path], quant: str
+) -> None:
+    manifest = read_bundle(tied_bundles[quant]).manifest
     assert manifest.schema == 2 and manifest.readable_by == (2,)
     tied = manifest.tied_embedding
     assert tied is not None
@@ -85,9 +64,9 @@ def test_the_manifest_says_where_the_heads_rows_are(bundles: dict[str, Path], qu
 
 @pytest.mark.parametrize("quant", ["fp32", "8da4w"])
 def test_the_weights_file_holds_the_embedding_once(
-    tied: ss.Model, bundles: dict[str, Path], quant: str
+    tied: ss.Model, tied_bundles: dict[str, Path], quant: str
 ) -> None:
-    stored = (bundles[quant] / WEIGHTS).stat().st_size
+    stored = (tied_bundles[quant] / WEIGHTS).stat().st_size
     rest = tied.weight_bytes - VOCAB * DIM * 4  # the layers' fp32 bytes
     # One table, plus the layers (fp32, or int4 with their scales), never a second table.
     assert stored < embedding_bytes(quant) + (1.1 if quant == "fp32" else 0.5) * rest + MiB
@@ -114,7 +93,7 @@ print(json.dumps({"growth": rss_bytes() - before, "first_step": first_step}))
 
 @pytest.mark.parametrize("quant", ["fp32", "8da4w"])
 def test_loading_every_method_costs_one_copy_of_the_weights(
-    tiny_bundle: Path, bundles: dict[str, Path], quant: str
+    tiny_bundle: Path, tied_bundles: dict[str, Path], quant: str
 ) -> None:
     """The design's shipping check: cross-method weight sharing reduces resident memory,
     never duplicates it. In a fresh process (after a warm-up bundle), loading the bundle
@@ -123,7 +102,7 @@ def test_loading_every_method_costs_one_copy_of_the_weights(
     rows a step looks up are read from the file's pages: clean page cache, a few MiB here,
     where the old layout held a second table, mlocked, beside the head's packed copy.)"""
     probe = subprocess.run(
-        [sys.executable, "-c", RSS_PROBE, str(tiny_bundle), str(bundles[quant])],
+        [sys.executable, "-c", RSS_PROBE, str(tiny_bundle), str(tied_bundles[quant])],
         capture_output=True,
         text=True,
         timeout=300,
@@ -131,7 +110,7 @@ def test_loading_every_method_costs_one_copy_of_the_weights(
     )
     measured = json.loads(probe.stdout.strip().splitlines()[-1])
     growth, first_step = measured["growth"], measured["first_step"]
-    stored = (bundles[quant] / WEIGHTS).stat().st_size
+    stored = (tied_bundles[quant] / WEIGHTS).stat().st_size
     planned = 32 * VOCAB * 4  # the head's logits
     # The load's first step leaves the program's one-time state (its delegate's set-up for
     # this quantisation), measured by the load and planned as runtime, not as weights.
@@ -153,21 +132,21 @@ def logits_of(bundle: Path, model: ss.Model, ids: list[int]) -> tuple[torch.Tens
 
 
 def test_an_fp32_tied_bundle_gives_the_eager_logits(
-    tied: ss.Model, bundles: dict[str, Path]
+    tied: ss.Model, tied_bundles: dict[str, Path]
 ) -> None:
     for ids in ([5], [5, 6, 7, 8, 9, 10, 11], list(range(3, 43))):
-        ours, expected = logits_of(bundles["fp32"], tied, ids)
+        ours, expected = logits_of(tied_bundles["fp32"], tied, ids)
         torch.testing.assert_close(ours, expected, rtol=1e-3, atol=1e-3)  # float rounding
 
 
 def test_an_8da4w_tied_embedding_is_the_heads_int8_rows(
-    tied: ss.Model, bundles: dict[str, Path]
+    tied: ss.Model, tied_bundles: dict[str, Path]
 ) -> None:
     """The embed method reads the head's int8 rows and their scales: each row within half a
     step of per-row symmetric int8 of the eager table, rows near both ends of the table."""
     assert tied.weights is not None and isinstance(tied.weights.embed, torch.Tensor)
     tokens = torch.tensor([5, 6, 200, 12345, VOCAB - 1])
-    rows = ss.load(bundles["8da4w"]).halves.embed(tokens)
+    rows = ss.load(tied_bundles["8da4w"]).halves.embed(tokens)
     table = tied.weights.embed[tokens].float()
     half_step = table.abs().amax(-1, keepdim=True) / 127 / 2
     assert rows.shape == table.shape
@@ -175,9 +154,9 @@ def test_an_8da4w_tied_embedding_is_the_heads_int8_rows(
 
 
 def test_a_tied_embedding_outside_the_weights_file_is_refused(
-    bundles: dict[str, Path], tmp_path: Path
+    tied_bundles: dict[str, Path], tmp_path: Path
 ) -> None:
-    bundle = Path(shutil.copytree(bundles["8da4w"], tmp_path / "bundle"))
+    bundle = Path(shutil.copytree(tied_bundles["8da4w"], tmp_path / "bundle"))
     fields = json.loads((bundle / MANIFEST).read_text())
     fields["tied_embedding"]["scales"]["offset"] = (bundle / WEIGHTS).stat().st_size - 8
     (bundle / MANIFEST).write_text(json.dumps(fields))

@@ -156,5 +156,12 @@ def test_prefix_store_state_machine(case: str, tmp_path: Path) -> None:
     StoreMachine.seen = {"disk hits": 0, "refused": 0}
     machine = StoreMachine.TestCase
     machine.settings = settings(max_examples=25, stateful_step_count=30, deadline=None)
-    machine().runTest()
-    assert all(StoreMachine.seen.values()), StoreMachine.seen  # the machine reached both
+    # The machine must reach both a restore from disk and a refused file. A round of 25
+    # random examples reaches them nearly always (40 rounds of the window case refused
+    # 3 to 126 files each), but CI once met a round that refused none: so up to three more
+    # rounds, each as random, before the reach counts as missed.
+    for _ in range(4):
+        machine().runTest()
+        if all(StoreMachine.seen.values()):
+            break
+    assert all(StoreMachine.seen.values()), StoreMachine.seen
