@@ -7,6 +7,9 @@ and the grammar compiler's tokenizer index, built and measured at a server's sta
 from __future__ import annotations
 
 import dataclasses
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -80,17 +83,31 @@ def test_the_process_plan_takes_the_load_peak_in_process_scope(tiny: ss.Model) -
         LoadMemory(1, 1, -1)
 
 
+LOAD_PROBE = """
+import json
+import slotserve as ss
+model = ss.load("bundled", progress=False)
+m = model.load_memory
+print(json.dumps({"peak": m.peak_bytes, "loaded": m.loaded_bytes, "weights": model.weight_bytes}))
+"""
+
+
 def test_the_bundled_models_load_does_not_keep_the_file_resident() -> None:
     """The load copies each tensor out of the file's map and drops the map's pages: its peak
     above what it ends with stays under 0.75x the weights (it was 1.3x: the whole file
-    resident beside the weights read from it)."""
-    model = ss.load("bundled", progress=False)
-    measured = model.load_memory
-    assert measured is not None and measured.peak_bytes
-    transient = measured.peak_bytes - measured.loaded_bytes
-    assert transient <= 0.75 * model.weight_bytes, (
+    resident beside the weights read from it). Measured in a fresh process, as a server
+    loads: in the suite's process the peak depends on what it loaded and freed before (it
+    missed at 0.79x once, after the export modules moved)."""
+    probe = subprocess.run(
+        [sys.executable, "-c", LOAD_PROBE], capture_output=True, text=True, timeout=300
+    )
+    assert probe.returncode == 0, probe.stderr
+    measured = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert measured["peak"]
+    transient = measured["peak"] - measured["loaded"]
+    assert transient <= 0.75 * measured["weights"], (
         f"the load peaked {format_bytes(transient)} above its end, for weights of "
-        f"{format_bytes(model.weight_bytes)}"
+        f"{format_bytes(measured['weights'])}"
     )
 
 

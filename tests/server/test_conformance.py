@@ -6,12 +6,14 @@ request schema; every response must not be a 5xx, and a documented status (200) 
 documented content type and response schema. Undocumented statuses (our 400/401/404/429 error
 bodies) are not judged. About 3 in 4 cases are steered toward success: the served model name,
 small token budgets, ``n`` <= 2, no streaming (the spec's SSE schema describes the payload, not
-the events) and prompts the tiny model can take; so 200s are exercised and counted.
+the events), prompts the tiny model can take, no ``logit_bias``, function tools with valid
+names and tool results that answer a call; so 200s are exercised and counted.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -104,6 +106,48 @@ def _servable_prompt(prompt: Any) -> str | list[int]:
     return "Hello"
 
 
+def _answered(messages: Any) -> list[dict[str, Any]]:
+    """The messages kept (falsy entries dropped), less each tool result that answers no
+    earlier assistant tool call; a call's arguments that are not JSON become ``{}``."""
+    kept: list[dict[str, Any]] = []
+    calls: set[Any] = set()
+    for message in messages:
+        if not message:
+            continue
+        if message["role"] == "tool" and message.get("tool_call_id") not in calls:
+            continue
+        if message["role"] == "assistant" and isinstance(message.get("tool_calls"), list):
+            message["tool_calls"] = [
+                call
+                for call in message["tool_calls"]
+                if isinstance(call, dict) and call.get("type") == "function" and call.get("id")
+            ] or None
+        for call in message.get("tool_calls") or []:
+            function = call.get("function")
+            if isinstance(function, dict):
+                try:
+                    json.loads(function.get("arguments", ""))
+                except (TypeError, ValueError):
+                    function["arguments"] = "{}"
+            calls.add(call["id"])
+        kept.append(message)
+    return kept
+
+
+def _function_tools(tools: list[Any]) -> list[Any]:
+    """The function tools, each under a valid name given once."""
+    kept, names = [], set()
+    for tool in tools:
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or tool.get("type") != "function":
+            continue
+        name = re.sub(r"[^A-Za-z0-9_-]", "_", str(function.get("name", "")))[:60] or "f"
+        function["name"] = name if name not in names else f"{name}{len(names)}"
+        names.add(function["name"])
+        kept.append(tool)
+    return kept
+
+
 def steer(case: Case[Operation], model: str) -> None:
     """Make ``case`` likely to succeed: served model, bounded work, no streaming."""
     if case.path_parameters and "model" in case.path_parameters:
@@ -120,13 +164,21 @@ def steer(case: Case[Operation], model: str) -> None:
         body[key] = _capped(body.get(key), MAX_TOKENS, default=MAX_TOKENS)
     if body.get("n") is not None:
         body["n"] = _capped(body["n"], MAX_N, default=1)
+    for key in ("seed", "top_logprobs"):  # the spec's integers, drawn as 0.0
+        if isinstance(body.get(key), float) and body[key].is_integer():
+            body[key] = int(body[key])
     if "messages" in body:
-        kept = [m for m in body["messages"] if _servable_message(m)][:4]
+        kept = _answered(_servable_message(m) and m for m in body["messages"])[:4]
         for message in kept:
             message["content"] = _short(message.get("content"))
             for part in message["content"] if isinstance(message["content"], list) else []:
                 part["text"] = _short(part.get("text", ""))
         body["messages"] = kept or [{"role": "user", "content": "Hello"}]
+    body.pop("logit_bias", None)  # random keys are not token ids
+    if isinstance(body.get("tools"), list):
+        body["tools"] = _function_tools(body["tools"])
+    if "tool_choice" in body and body["tool_choice"] not in ("none", "auto", "required"):
+        body["tool_choice"] = "auto"  # a named or allowed-tools choice rarely names a tool
     if "prompt" in body:
         body["prompt"] = _servable_prompt(body["prompt"])
 
