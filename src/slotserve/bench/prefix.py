@@ -185,7 +185,7 @@ def run_prefix(model: Model, repeats: int = 3) -> dict[str, Any]:
             "on": _chat(model, system_text, context, cache=True),
         }
         progress.advance(task)
-        store = run_prefix_store(model, system, repeats)
+        store = run_prefix_store(model, system, repeats, warm_up=repeats > 1)  # 1: a smoke run
         progress.advance(task)
     return {
         "system_tokens": n_system,

@@ -8,7 +8,8 @@ a fresh engine on the copied store answers turn 5 (it restores the history from 
 a fresh engine without a store answers it cold (it computes the whole history). Both fresh
 engines take turns going first across repeats. Reported: TTFT of each, the cold ÷ restored
 ratio per repeat, the tokens each restored, and the disk read's own time (inside the
-prefill span, ``restore_time``).
+prefill span, ``restore_time``). The same at the server (`slotserve.bench.prefix_restart`):
+a real ``serve`` killed with SIGKILL and started again on its store, against a cold one.
 
 Writes under load. A storm of distinct prompts, one after another beside a long decode
 stream, on a two-slot engine with the cache on and the store on (a disk budget of a few
@@ -26,6 +27,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from slotserve.bench.prefix_restart import run_restart_server
 from slotserve.bench.stats import format_summary, markdown_table, percentile, summary
 from slotserve.engine import Engine, EngineConfig, Finished
 from slotserve.model import Model
@@ -39,6 +41,7 @@ REPLY_TOKENS = 16
 STORM_PROMPTS = 12
 STORM_FILES = 4  # the storm's disk budget, in snapshots
 STREAM_PROMPT = 16
+SERVER_MIN_CONTEXT = 512
 
 
 def _config(
@@ -209,10 +212,28 @@ def run_storm(model: Model, prompt_tokens: int, repeats: int) -> dict[str, Any]:
     return result
 
 
-def run_prefix_store(model: Model, system: list[int], repeats: int) -> dict[str, Any]:
-    """Both parts (`run_restart`, `run_storm`)."""
+def run_prefix_store(
+    model: Model, system: list[int], repeats: int, warm_up: bool = True
+) -> dict[str, Any]:
+    """The three parts: `run_restart`, the server's (`run_restart_server`), `run_storm`."""
+    # The server's chat: the system prompt and 5 turns of a short question (up to 40 tokens
+    # where a token is a byte), a reply and the template's own tokens, in whole blocks.
+    want = len(system) + (HISTORY_TURNS + 1) * 96 + 64
+    context = min(model.info.max_context, -(-want // BLOCK_SIZE) * BLOCK_SIZE)
+    context = context // BLOCK_SIZE * BLOCK_SIZE
+    system_text = model.tokenizer.decode(system)
+    cache_bytes = int(_config(model, 1, context, None).prefix_cache_bytes)
+    server: dict[str, Any] = {
+        "skipped": f"the model's context ({model.info.max_context} tokens) is under the "
+        f"{SERVER_MIN_CONTEXT} the server's chat of {HISTORY_TURNS + 1} turns takes"
+    }
+    if model.info.max_context >= SERVER_MIN_CONTEXT:
+        server = run_restart_server(
+            model.source, system_text, context, cache_bytes, repeats, warm_up=warm_up
+        )
     return {
         "restart": run_restart(model, system, repeats),
+        "restart_server": server,
         "storm": run_storm(model, max(len(system) // 8, 8), repeats),
         "repeats": repeats,
     }
@@ -221,13 +242,13 @@ def run_prefix_store(model: Model, system: list[int], repeats: int) -> dict[str,
 # -- report --------------------------------------------------------------------------
 
 
+def _ms(cell: dict[str, float]) -> str:
+    return format_summary({k: v * 1000 for k, v in cell.items()})
+
+
 def store_section(r: dict[str, Any]) -> list[str]:
     """The markdown of `run_prefix_store`'s figures (a part of the prefix section)."""
-    restart, storm = r["restart"], r["storm"]
-
-    def ms(cell: dict[str, float]) -> str:
-        return format_summary({k: v * 1000 for k, v in cell.items()})
-
+    restart = r["restart"]
     lines = [
         "### prefix: the disk tier (`--prefix-store`), on and off",
         "",
@@ -240,17 +261,50 @@ def store_section(r: dict[str, Any]) -> list[str]:
         "",
     ]
     rows = [
-        ["never restarted (memory)", ms(restart["ttft_s_never_restarted"]),
+        ["never restarted (memory)", _ms(restart["ttft_s_never_restarted"]),
          str(restart["never_restarted_tokens"])],
-        ["restarted, store on", ms(restart["ttft_s_restored"]), str(restart["restored_tokens"])],
-        ["restarted, store off (cold)", ms(restart["ttft_s_cold"]), "0"],
+        ["restarted, store on", _ms(restart["ttft_s_restored"]), str(restart["restored_tokens"])],
+        ["restarted, store off (cold)", _ms(restart["ttft_s_cold"]), "0"],
     ]  # fmt: skip
     lines += markdown_table(["turn 5", "TTFT ms", "tokens restored"], rows)
     lines += [
         f"Cold ÷ restored TTFT: **{format_summary(restart['ratio_cold_over_restored'], 2)}×**; "
-        f"the disk read itself {ms(restart['read_s'])} ms "
+        f"the disk read itself {_ms(restart['read_s'])} ms "
         f"({restart['store_files']} files, {format_bytes(restart['store_bytes'])}).",
         "",
+    ]
+    return [*lines, *_server_lines(r["restart_server"], r["repeats"]), *_storm_lines(r["storm"])]
+
+
+def _server_lines(server: dict[str, Any], repeats: int) -> list[str]:
+    if "skipped" in server:
+        return [f"Restart TTFT, server-level: not run: {server['skipped']}.", ""]
+    lines = [
+        "Restart TTFT, server-level. `slotserve serve --prefix-store` on a one-slot cell "
+        f"pool ({server['context']} tokens) holds {HISTORY_TURNS} chat turns after the same "
+        "system prompt; it answers turn 5 (never restarted), is killed with SIGKILL, and a "
+        "server started on the store's files (restored) and one without a store (cold) "
+        "answer the same turn 5 as their first request, taking turns going first. TTFT is "
+        "the client's, to the first streamed content chunk; the tokens restored are the "
+        f"response's `cached_tokens` (fewest over the repeats); {repeats} repeats.",
+        "",
+    ]
+    rows = [
+        [label, _ms(server[f"ttft_s_{side}"]), str(server[f"cached_{side}"])]
+        for label, side in (
+            ("never restarted (memory)", "never_restarted"),
+            ("killed, restarted, store on", "restored"),
+            ("fresh server, no store (cold)", "cold"),
+        )
+    ]
+    header = f"turn 5 ({server['history_tokens']} prompt tokens)"
+    lines += markdown_table([header, "TTFT ms", "tokens restored"], rows)
+    ratio = format_summary(server["ratio_cold_over_restored"], 2)
+    return [*lines, f"Cold ÷ restored TTFT: **{ratio}×**.", ""]
+
+
+def _storm_lines(storm: dict[str, Any]) -> list[str]:
+    lines = [
         f"Writes under load. {storm['prompts']} distinct {storm['prompt_tokens']}-token "
         "prompts one after another beside a long decode stream on a two-slot engine, the "
         "store on (a budget of a few snapshots) and off: every prompt's snapshot is "
@@ -258,8 +312,8 @@ def store_section(r: dict[str, Any]) -> list[str]:
         "",
     ]
     rows = [
-        [side, ms(storm[side]["step_p50_s"]), ms(storm[side]["step_p99_s"]),
-         ms(storm[side]["itl_p50_s"]), ms(storm[side]["itl_p99_s"])]
+        [side, _ms(storm[side]["step_p50_s"]), _ms(storm[side]["step_p99_s"]),
+         _ms(storm[side]["itl_p50_s"]), _ms(storm[side]["itl_p99_s"])]
         for side in ("off", "on")
     ]  # fmt: skip
     lines += markdown_table(
