@@ -255,17 +255,27 @@ def _gguf_tensor_name(hf_name: str, arch: str = "llama") -> str:
 
 
 def write_tiny_gguf(
-    path: Path, kind: str = "llama", qtype: str = "F32", seed: int = 0, drop: tuple[str, ...] = ()
+    path: Path,
+    kind: str = "llama",
+    qtype: str = "F32",
+    seed: int = 0,
+    drop: tuple[str, ...] = (),
+    layers: int | None = None,
 ) -> Path:
     """Write the tiny model ``kind`` (llama, qwen2, qwen3 or gemma3) as a GGUF file, its 2-D
     weights stored as ``qtype`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, ..., or ``Q4_K_M``:
     llama.cpp's mix of types, `Q4_K_M_TYPES`, with random K-quant blocks), laid out as
     llama.cpp's converter lays them out (Q/K rows permuted for llama). The GGUF tensors
-    named in ``drop`` are left out (a broken file, for tests)."""
+    named in ``drop`` are left out (a broken file, for tests); ``layers`` replaces the
+    kind's layer count (fewer layers: a quicker export)."""
     import gguf
     import numpy as np
 
     config = tiny_config(kind)
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"layers={layers} must be >= 1")
+        config = {**config, "num_hidden_layers": layers}
     arch = config["model_type"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     writer = gguf.GGUFWriter(str(path), arch)
