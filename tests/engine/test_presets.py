@@ -103,10 +103,10 @@ def test_bundled_figures_at_one_gib(bundled: ss.Model) -> None:
     pinned."""
     chosen = {name: ss.preset_config(name, bundled, BUDGET) for name in PRESETS}
     assert {n: (c.kv_layout, c.max_seqs, c.max_context) for n, c in chosen.items()} == {
-        "chat": ("flat", 1, 3831),
-        "chat+background": ("cell", 4, 1424),
-        "voice": ("cell", 4, 1856),  # its 64-token steps plan fewer activation bytes
-        "document-agent": ("ring", 1, 7815),
+        "chat": ("flat", 1, 3693),
+        "chat+background": ("cell", 4, 1408),
+        "voice": ("cell", 4, 1840),  # its 64-token steps plan fewer activation bytes
+        "document-agent": ("ring", 1, 7319),
         "shared-prompt": ("cell", 8, 768),
     }
     assert all(c.kv_dtype == "fp16" for c in chosen.values())
