@@ -59,7 +59,7 @@ def test_the_driver_reaches_the_worst_case(worst_case: dict[str, Any]) -> None:
     assert abs(ready - at_ready["planned_bytes"]) <= 0.05 * at_ready["planned_bytes"]
 
 
-def test_worst_case_peak_rss_is_the_plan(worst_case: dict[str, Any]) -> None:
+def check_target(worst_case: dict[str, Any]) -> None:
     """The issue's target: peak RSS <= the plan's total, and within 10% of it."""
     total, peak = worst_case["plan"]["worst_case_bytes"], worst_case["peak_rss_bytes"]
     spans = "; ".join(
@@ -74,21 +74,23 @@ def test_worst_case_peak_rss_is_the_plan(worst_case: dict[str, Any]) -> None:
         raise PlanMissed(figures)
 
 
+def test_worst_case_peak_rss_is_the_plan(worst_case: dict[str, Any]) -> None:
+    check_target(worst_case)
+
+
 def test_worst_case_peak_rss_is_the_plan_on_a_bundle(tiny_bundle: Path) -> None:
     """The same target on an exported bundle on ExecuTorch (the tiny Llama's, at its whole
     256-token context): its plan counts the program's methods and the weights as the
     runtime holds them, measured at load."""
     flags = ("--max-seqs", "2", "--max-context", "256", "--kv-layout", "cell", *GRAMMAR_FLAGS)
-    flags += ("--prefix-cache", "65536")  # a quarter of the pool: off by default on a bundle
+    # A quarter of the pool: serve leaves the cache off on a bundle (its restores are not
+    # bit-exact), and the worst case fills it.
+    flags += ("--prefix-cache", "65536")
     result = run_worst_case(str(tiny_bundle), TINY_VOCAB, flags)
     plan = result["plan"]
     assert plan["arenas"]["methods"] > 0 and plan["arenas"]["weights"] > 0
     assert result["requests"]["worst case"] == 4 and result["prefix"]["evictions"] > 0
-    total, peak = plan["worst_case_bytes"], result["peak_rss_bytes"]
-    if not 0.9 * total <= peak <= total:
-        raise PlanMissed(
-            f"peak {format_bytes(peak)}, plan {format_bytes(total)} ({peak / total:.3f}x)"
-        )
+    check_target(result)
 
 
 def test_arena_rows_are_the_phases_against_the_plan() -> None:

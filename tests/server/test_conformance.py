@@ -106,14 +106,12 @@ def _servable_prompt(prompt: Any) -> str | list[int]:
     return "Hello"
 
 
-def _answered(messages: Any) -> list[dict[str, Any]]:
-    """The messages kept (falsy entries dropped), less each tool result that answers no
-    earlier assistant tool call; a call's arguments that are not JSON become ``{}``."""
+def _answered(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` less each tool result that answers no earlier assistant tool call; a
+    call's arguments that are not JSON become ``{}``."""
     kept: list[dict[str, Any]] = []
     calls: set[Any] = set()
     for message in messages:
-        if not message:
-            continue
         if message["role"] == "tool" and message.get("tool_call_id") not in calls:
             continue
         if message["role"] == "assistant" and isinstance(message.get("tool_calls"), list):
@@ -168,7 +166,7 @@ def steer(case: Case[Operation], model: str) -> None:
         if isinstance(body.get(key), float) and body[key].is_integer():
             body[key] = int(body[key])
     if "messages" in body:
-        kept = _answered(_servable_message(m) and m for m in body["messages"])[:4]
+        kept = _answered([m for m in body["messages"] if _servable_message(m)])[:4]
         for message in kept:
             message["content"] = _short(message.get("content"))
             for part in message["content"] if isinstance(message["content"], list) else []:

@@ -54,6 +54,12 @@ def _config(
     return dataclasses.replace(config, prefix_cache_bytes=pool_bytes, prefix_store=store, **extra)
 
 
+def _whole_blocks(model: Model, tokens: int) -> int:
+    """A cell-layout context of whole blocks that holds ``tokens``, within the model's."""
+    context = min(model.info.max_context, -(-tokens // BLOCK_SIZE) * BLOCK_SIZE)
+    return context // BLOCK_SIZE * BLOCK_SIZE
+
+
 def _tokens(model: Model, n: int, salt: int) -> list[int]:
     """``n`` ordinary token ids, distinct for each ``salt``."""
     vocab = model.info.vocab_size
@@ -121,9 +127,9 @@ def _restart_repeat(
 def run_restart(model: Model, system: list[int], repeats: int) -> dict[str, Any]:
     """Turn 5 after a restart, with the store and without, beside a never-restarted engine."""
     turns = [_tokens(model, TURN_TOKENS, 1000 + i) for i in range(HISTORY_TURNS + 1)]
-    want = len(system) + (HISTORY_TURNS + 1) * (TURN_TOKENS + REPLY_TOKENS) + REPLY_TOKENS
-    context = min(model.info.max_context, -(-want // BLOCK_SIZE) * BLOCK_SIZE)
-    context = context // BLOCK_SIZE * BLOCK_SIZE
+    context = _whole_blocks(
+        model, len(system) + (HISTORY_TURNS + 1) * (TURN_TOKENS + REPLY_TOKENS) + REPLY_TOKENS
+    )
     _restart_repeat(model, system[: len(system) // 4], turns, context, True)  # warm-up
     runs = [_restart_repeat(model, system, turns, context, i % 2 == 0) for i in range(repeats)]
     last = runs[-1]
@@ -218,9 +224,7 @@ def run_prefix_store(
     """The three parts: `run_restart`, the server's (`run_restart_server`), `run_storm`."""
     # The server's chat: the system prompt and 5 turns of a short question (up to 40 tokens
     # where a token is a byte), a reply and the template's own tokens, in whole blocks.
-    want = len(system) + (HISTORY_TURNS + 1) * 96 + 64
-    context = min(model.info.max_context, -(-want // BLOCK_SIZE) * BLOCK_SIZE)
-    context = context // BLOCK_SIZE * BLOCK_SIZE
+    context = _whole_blocks(model, len(system) + (HISTORY_TURNS + 1) * 96 + 64)
     system_text = model.tokenizer.decode(system)
     cache_bytes = int(_config(model, 1, context, None).prefix_cache_bytes)
     server: dict[str, Any] = {
