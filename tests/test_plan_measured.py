@@ -94,10 +94,12 @@ print(json.dumps({"peak": m.peak_bytes, "loaded": m.loaded_bytes, "weights": mod
 
 def test_the_bundled_models_load_does_not_keep_the_file_resident() -> None:
     """The load copies each tensor out of the file's map and drops the map's pages: its peak
-    above what it ends with stays under 0.75x the weights (it was 1.3x: the whole file
-    resident beside the weights read from it). Measured in a fresh process, as a server
-    loads: in the suite's process the peak depends on what it loaded and freed before (it
-    missed at 0.79x once, after the export modules moved)."""
+    above what it ends with stays under 0.5x the weights. It was 1.3x with the whole file
+    resident beside the weights read from it; 0.6-0.8x (0.75x in CI, 0.81x on a Xeon) while
+    each tensor released only its own bytes, and the pages the kernel mapped around them
+    (52 MiB) stayed, beside 20-35 MiB of freed heap; 0.27x with the span released and the
+    heap trimmed as the load goes. Measured in a fresh process, as a server loads: in the
+    suite's process the peak depends on what it loaded and freed before."""
     probe = subprocess.run(
         [sys.executable, "-c", LOAD_PROBE], capture_output=True, text=True, timeout=300
     )
@@ -105,7 +107,7 @@ def test_the_bundled_models_load_does_not_keep_the_file_resident() -> None:
     measured = json.loads(probe.stdout.strip().splitlines()[-1])
     assert measured["peak"]
     transient = measured["peak"] - measured["loaded"]
-    assert transient <= 0.75 * measured["weights"], (
+    assert transient <= 0.5 * measured["weights"], (
         f"the load peaked {format_bytes(transient)} above its end, for weights of "
         f"{format_bytes(measured['weights'])}"
     )

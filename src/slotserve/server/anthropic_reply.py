@@ -21,6 +21,7 @@ from slotserve.server.chat_run import ChatRun
 from slotserve.server.completions import check_finish
 from slotserve.server.errors import APIError
 from slotserve.server.generation import merged
+from slotserve.server.responses import sse_json
 from slotserve.server.state import ServerState
 
 # HTTP status → Anthropic's error type; 503 (shutting down, still loading) is its 529.
@@ -57,8 +58,7 @@ def thinking(text: str) -> dict[str, Any]:
 
 
 def event(kind: str, **fields: Any) -> str:
-    data = json.dumps({"type": kind, **fields}, ensure_ascii=False)
-    return f"event: {kind}\ndata: {data}\n\n"
+    return f"event: {kind}\ndata: {sse_json({'type': kind, **fields})}\n\n"
 
 
 class MessageReply:

@@ -13,8 +13,18 @@ from slotserve.tokenizer import Tokenizer
 FINISH_REASONS = {"stop": "stop", "length": "length", "cancelled": "stop", "error": "stop"}
 
 
+def sse_json(payload: dict[str, Any]) -> str:
+    """``payload`` as one line of JSON for an event stream. SSE ends a line only at CR or LF,
+    which JSON always escapes, but many readers split a stream with `str.splitlines` (httpx's
+    ``iter_lines`` among them), which also ends lines at NEL, LINE SEPARATOR and PARAGRAPH
+    SEPARATOR; JSON may escape any character, so those three go out as ``\\uXXXX`` too and a
+    token that decodes to one cannot cut its event in two."""
+    data = json.dumps(payload, ensure_ascii=False)
+    return data.replace("\x85", "\\u0085").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+
+
 def sse(payload: dict[str, Any] | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    data = payload if isinstance(payload, str) else sse_json(payload)
     return f"data: {data}\n\n"
 
 
