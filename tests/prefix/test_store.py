@@ -15,12 +15,16 @@ import os
 import subprocess
 import sys
 import time
+import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from slotserve.info import ModelInfo
+from slotserve.kv import KVPool
 from slotserve.prefix import PrefixCache, PrefixStore, PrefixStoreError, StoreIdentity, store_file
 from slotserve.prefix import store as store_module
 from slotserve.prefix.store import MAGIC, SUFFIX
@@ -237,7 +241,7 @@ def test_a_full_disk_skips_the_write_counts_it_and_leaves_nothing(
     cache = make_cache(tmp_path)
     real_write = store_file.write_file
 
-    def full(path: Path, chunks: object) -> None:
+    def full(path: Path, header: object, payload: object) -> str:
         path.write_bytes(b"partial")  # what a write that ran out of space leaves
         raise OSError(errno.ENOSPC, "No space left on device")
 
@@ -274,9 +278,9 @@ import os, sys
 sys.path.insert(0, {str(Path(__file__).parents[2])!r})
 from slotserve.prefix import store
 from tests.prefix.kvfill import make_cache, prefill
-def crash(path, chunks):
+def crash(path, header, payload):
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    os.write(fd, bytes(next(iter(chunks))))  # the magic, then the process dies
+    os.write(fd, store.MAGIC + bytes(next(iter(payload))))  # then the process dies
     os._exit(9)
 store.write_file = crash
 cache = make_cache({str(tmp_path)!r})
@@ -377,3 +381,32 @@ def test_the_writer_thread_yields_to_the_engine(tmp_path: Path) -> None:
         assert os.getpriority(os.PRIO_PROCESS, tid) >= store_module.WRITER_NICE
     finally:
         store.close()
+
+
+def test_the_writer_holds_one_part_of_a_snapshot_at_a_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer copies a snapshot out of the pool a part at a time, writing each before
+    it asks for the next: it never holds a copy of the whole snapshot, which the memory
+    plan does not count (it held all of it before the header went in twice)."""
+    alive: set[int] = set()
+    most = [0]
+    real = KVPool.read_payload
+
+    def counted(pool: KVPool, payload: Any) -> Iterator[torch.Tensor]:
+        for i, part in enumerate(real(pool, payload)):
+            most[0] = max(most[0], len(alive))  # parts still held when the next is copied
+            alive.add(i)
+            weakref.finalize(part, alive.discard, i)
+            yield part
+
+    monkeypatch.setattr(KVPool, "read_payload", counted)
+    cache = make_cache(tmp_path, WINDOWED)
+    prefill(cache, 0, [*SYSTEM, 7])
+    store = written(cache)
+    (entry,) = store.entries()
+    assert len(entry.parts) >= 4
+    assert most[0] <= 1, f"{most[0]} parts held at once"
+    fresh = restart(tmp_path, WINDOWED)
+    assert prefill(fresh, 0, [*SYSTEM, 7, 1]) == len(SYSTEM) + 1  # and it restores
+    written(fresh)

@@ -26,7 +26,7 @@ drives the pool neither steps nor releases that session) then `commit_payload`.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -425,19 +425,19 @@ class KVPool:
         rows = tuple(t for t in copies if t is not None)
         return SnapshotPayload(frozen.length, frozen.high_water, tuple(frozen.table), rows)
 
-    def read_payload(self, payload: SnapshotPayload) -> list[torch.Tensor]:
-        """Copies of the tensors of ``payload``, in `payload_parts` order. Safe from
-        another thread while the snapshot lives (its blocks are never written); once it is
-        dropped its blocks may be reused, so what a read overlapping that holds is void."""
-        out: list[torch.Tensor] = []
+    def read_payload(self, payload: SnapshotPayload) -> Iterator[torch.Tensor]:
+        """The tensors of ``payload``, in `payload_parts` order, each copied out of the pool
+        as it is asked for (one part's copy at a time, not the snapshot's). Safe from another
+        thread while the snapshot lives (its blocks are never written); once it is dropped
+        its blocks may be reused, so what a read overlapping that holds is void."""
         if self._cells:
             cells = self._block_cells(list(payload.table), payload.length)
             for _name, storage, group in self._payload_storages():
                 if group is None:
-                    out.append(storage.data[cells])
+                    yield storage.data[cells]
                     if storage.scales is not None:
-                        out.append(storage.scales[cells])
-        return [*out, *payload.rows]
+                        yield storage.scales[cells]
+        yield from payload.rows
 
     def load_payload(
         self, session: int, upto: int, high_water: int, parts: Iterable[torch.Tensor]

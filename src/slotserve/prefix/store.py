@@ -3,10 +3,12 @@
 Each snapshot the memory tier publishes is offered to the store (`offer`), which a writer
 thread writes as one file; a step never waits for it: the queue is bounded and an offer
 that finds it full is skipped and counted (``queue_full``). The writer copies the
-snapshot's cells out of the pool while the snapshot lives (a `WriteTicket` the cache
-cancels when it drops the snapshot; a copy that raced the drop is thrown away and counted:
-``superseded`` when a snapshot that extends it took its place and is offered in turn,
-``dropped`` when it was evicted first), then checksums and writes them. Every published
+snapshot's cells out of the pool a part at a time, checksumming and writing each before
+it copies the next (it never holds the whole snapshot, which the memory plan does not
+count), while the snapshot lives (a `WriteTicket` the cache cancels when it drops the
+snapshot; a file whose copy raced the drop is thrown away and counted: ``superseded`` when
+a snapshot that extends it took its place and is offered in turn, ``dropped`` when it was
+evicted first). Every published
 snapshot is offered, so one the memory tier evicts later is on disk already, or in the
 queue. A lookup that misses in memory but hits on
 disk (`lookup`, then `restore`) reads the file's cells back into the request's own fresh
@@ -45,7 +47,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import itertools
 import logging
 import os
@@ -53,10 +54,10 @@ import queue
 import threading
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -76,6 +77,7 @@ from slotserve.prefix.store_file import (
     bytes_of,
     encode_header,
     fsync_directory,
+    part_nbytes,
     payload_parts,
     read_header,
     write_file,
@@ -158,7 +160,9 @@ class WriteTicket:
     ``superseded`` by a snapshot that extends it, else ``dropped``: evicted or consumed);
     the writer trusts a copy only if the ticket was not cancelled before the copy ended."""
 
-    def __init__(self, tokens: tuple[int, ...], high_water: int, read: Callable[[], Any]) -> None:
+    def __init__(
+        self, tokens: tuple[int, ...], high_water: int, read: Callable[[], Iterable[torch.Tensor]]
+    ) -> None:
         self.tokens, self.high_water, self.read = tokens, high_water, read
         self.state: TicketState = "queued"
         self.why = ""
@@ -375,7 +379,7 @@ class PrefixStore:
         return True
 
     def offer(
-        self, tokens: Sequence[int], high_water: int, read: Callable[[], list[torch.Tensor]]
+        self, tokens: Sequence[int], high_water: int, read: Callable[[], Iterable[torch.Tensor]]
     ) -> WriteTicket | None:
         """Queue ``tokens``' snapshot (written up to ``high_water``; ``read`` copies its
         payload) for the writer; None, counted ``queue_full``, when the queue is full.
@@ -451,27 +455,30 @@ class PrefixStore:
         if not ticket._begin():
             self._skip(ticket.why)
             return
-        tensors = ticket.read()
-        if not ticket._end():  # dropped while copying: its blocks may have been reused
-            self._skip(ticket.why)
-            return
-        arrays = [bytes_of(t) for t in tensors]
         tokens = ticket.tokens
         expected = self.identity.part_specs(len(tokens))
-        actual = [
-            [p[0], str(t.dtype), list(t.shape)] for p, t in zip(expected, tensors, strict=True)
-        ]
-        assert actual == expected, f"payload {actual} != {expected}"
-        payload = hashlib.sha256()
-        for array in arrays:
-            payload.update(array)
-        nbytes = sum(len(a) for a in arrays)
-        header = encode_header(
-            self.identity, tokens, ticket.high_water, expected, nbytes, payload.hexdigest()
-        )
-        size = PREAMBLE + len(header) + nbytes
+        nbytes = sum(part_nbytes(spec) for spec in expected)
+        written_unix = time.time()
+
+        def header(sha256: str) -> bytes:
+            return encode_header(
+                self.identity, tokens, ticket.high_water, expected, nbytes, sha256, written_unix
+            )
+
+        def payload() -> Iterator[memoryview]:
+            # One part copied out of the pool at a time (`KVPool.read_payload`), checked
+            # against its spec, written, then freed: the writer holds no copy of the whole
+            # snapshot, which the memory plan does not count.
+            parts = ticket.read()
+            for spec, part in zip(expected, parts, strict=True):
+                actual = [spec[0], str(part.dtype), list(part.shape)]
+                assert actual == spec, f"payload part {actual} != {spec}"
+                yield bytes_of(part)
+
+        size = PREAMBLE + len(header("0" * 64)) + nbytes
         name = self.identity.file_name(tokens)
         if size > self.budget_bytes:
+            ticket._end()
             self._skip("too_big")
             return
         for victim in self._make_room(size, name):
@@ -479,17 +486,27 @@ class PrefixStore:
         final = self.directory / name
         temporary = self.directory / f"{TMP_PREFIX}{name}-{os.getpid()}-{next(self._tmp_names)}"
         try:
-            write_file(temporary, [MAGIC, len(header).to_bytes(8, "little"), header, *arrays])
-            os.replace(temporary, final)
-            fsync_directory(self.directory)
+            digest = write_file(temporary, header, payload())
         except OSError as exc:
+            ticket._end()
             _unlink(temporary)
             reason = "disk_full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else "io_error"
             self._skip(reason, str(exc))
             return
+        if not ticket._end():  # dropped while copying: its blocks may have been reused
+            _unlink(temporary)
+            self._skip(ticket.why)
+            return
+        try:
+            os.replace(temporary, final)
+            fsync_directory(self.directory)
+        except OSError as exc:
+            _unlink(temporary)
+            self._skip("io_error", str(exc))
+            return
         entry = StoreEntry(
             next(self._keys), name, tokens, ticket.high_water, size,
-            PREAMBLE + len(header), expected, payload.hexdigest(),
+            size - nbytes, expected, digest,
         )  # fmt: skip
         with self._lock:
             if (same := self._by_name.get(name)) is not None:

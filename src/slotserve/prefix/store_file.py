@@ -10,7 +10,8 @@ payload's parts, size and SHA-256, and the SHA-256 of the header itself (`encode
 `read_header` checks a file's header against this store's `StoreIdentity` and raises
 `Refused` with the reason of the first check it fails (`REFUSAL_REASONS`); `payload_parts`
 reads a payload back, checking its SHA-256 once the last part is read; `write_file` writes
-a file and fsyncs it (the store writes it under a temporary name and renames it).
+a file a part at a time and fsyncs it (the store writes it under a temporary name and
+renames it).
 
 Owns the format. Must not touch the index, the writer's queue or the pool.
 """
@@ -21,7 +22,7 @@ import hashlib
 import json
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -158,10 +159,12 @@ def _check_header(
 
 def encode_header(
     identity: StoreIdentity, tokens: Sequence[int], high_water: int, parts: list[list[Any]],
-    nbytes: int, sha256: str,
+    nbytes: int, sha256: str, written_unix: float | None = None,
 ) -> bytes:  # fmt: skip
     """The header of a file of ``tokens``' snapshot (written up to ``high_water``) whose
-    payload is ``parts``, ``nbytes`` long with SHA-256 ``sha256``, signed with its own."""
+    payload is ``parts``, ``nbytes`` long with SHA-256 ``sha256``, signed with its own. Its
+    length depends on neither digest (both are 64 hex digits), so a writer may write it
+    for a placeholder digest and again, in place, once the payload's is known."""
     rings = [g for g in identity.kv["groups"] if g["kind"] == "ring"]
     header: dict[str, Any] = {
         "schema": SCHEMA,
@@ -173,10 +176,19 @@ def encode_header(
             "rings": [{**g, "high_water": high_water} for g in rings],
         },
         "payload": {"parts": parts, "nbytes": nbytes, "sha256": sha256},
-        "written_unix": round(time.time(), 3),
+        "written_unix": round(time.time() if written_unix is None else written_unix, 3),
     }
     header["header_sha256"] = hashlib.sha256(canonical(header)).hexdigest()
     return json.dumps(header, separators=(",", ":")).encode()
+
+
+def part_nbytes(spec: Sequence[Any]) -> int:
+    """Bytes of the payload part ``[name, dtype, shape]``."""
+    _name, dtype, shape = spec
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count * torch.empty((), dtype=DTYPES[dtype]).element_size()
 
 
 def payload_parts(handle: Any, entry: StoreEntry) -> Iterator[torch.Tensor]:
@@ -184,15 +196,11 @@ def payload_parts(handle: Any, entry: StoreEntry) -> Iterator[torch.Tensor]:
     is read if the payload is short, longer or does not match its SHA-256."""
     digest = hashlib.sha256()
     for name, dtype, shape in entry.parts:
-        kind = DTYPES[dtype]
-        count = 1
-        for dim in shape:
-            count *= dim
-        buffer = bytearray(count * torch.empty((), dtype=kind).element_size())
+        buffer = bytearray(part_nbytes((name, dtype, shape)))
         if handle.readinto(buffer) != len(buffer):
             raise Refused("checksum", f"truncated in part {name}")
         digest.update(buffer)
-        yield torch.frombuffer(buffer, dtype=kind).view(shape)
+        yield torch.frombuffer(buffer, dtype=DTYPES[dtype]).view(shape)
     if handle.read(1):
         raise Refused("checksum", "bytes past the payload")
     if digest.hexdigest() != entry.payload_sha256:
@@ -208,14 +216,31 @@ def bytes_of(tensor: torch.Tensor) -> memoryview:
     return flat.view(torch.uint8).numpy().data.cast("B")
 
 
-def write_file(path: Path, chunks: Iterable[bytes | memoryview]) -> None:
-    """``chunks`` into a new file at ``path``, fsynced before it is closed."""
+def write_file(
+    path: Path, header: Callable[[str], bytes], payload: Iterable[bytes | memoryview]
+) -> str:
+    """A new file at ``path``: `MAGIC`, the header's length, ``header(sha256)`` for the
+    payload's SHA-256 (returned), then the payload's chunks; fsynced before it is closed.
+    The chunks are written as they come, so a writer holds one part of a snapshot at a
+    time, not a copy of all of it: the header goes first for a placeholder digest and is
+    written again in place once the payload's is known (`encode_header`'s length does not
+    depend on it)."""
+    placeholder = header("0" * 64)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     with os.fdopen(fd, "wb") as handle:
-        for chunk in chunks:
+        handle.write(MAGIC + len(placeholder).to_bytes(8, "little") + placeholder)
+        digest = hashlib.sha256()
+        for chunk in payload:
+            digest.update(chunk)
             handle.write(chunk)
+        final = header(digest.hexdigest())
+        if len(final) != len(placeholder):
+            raise AssertionError(f"header of {len(final)} bytes, {len(placeholder)} written")
+        handle.seek(PREAMBLE)
+        handle.write(final)
         handle.flush()
         os.fsync(handle.fileno())
+    return digest.hexdigest()
 
 
 def fsync_directory(path: Path) -> None:
