@@ -96,23 +96,33 @@ def kv_cell_bytes(info: ModelInfo, kv: KVConfig) -> int:
     return info.n_kv_heads * info.head_dim * element + scales
 
 
-def activation_bytes(info: ModelInfo, kv: KVConfig, max_batch_tokens: int) -> int:
+def activation_bytes(
+    info: ModelInfo, kv: KVConfig, max_batch_tokens: int, attention_kernel: bool = False
+) -> int:
     """Estimate of the transient memory of the largest step (fp32): per-token buffers of
-    one layer, a materialised attention score/mask block, one layer's gathered K/V for every
-    session, the logits of every session, and the RoPE tables."""
+    one layer, the logits of every session and the RoPE tables; with torch's attention
+    (``attention_kernel`` False: `kernels="off"`, or no compiled kernel) also a
+    materialised attention score/mask block and one layer's gathered K/V for every
+    session, where the compiled kernel (`slotserve.native.attention`) attends over the
+    pool's cells in place with a softmax row a query head."""
     tokens, seqs, context = max_batch_tokens, kv.max_seqs, kv.max_context
     q_width = info.n_heads * info.head_dim
     per_token = 6 * info.dim + q_width + 2 * info.kv_dim + 3 * info.ffn_dim
-    scores = info.n_heads * tokens * context
-    gathered = 2 * seqs * context * info.kv_dim
     logits = seqs * info.vocab_size
     rope = 2 * info.max_context * info.head_dim
-    total = 4 * (tokens * per_token + scores + gathered + logits + rope) + tokens * context
+    if attention_kernel:
+        total = 4 * (tokens * per_token + info.n_heads * context + logits + rope)
+    else:
+        scores = info.n_heads * tokens * context
+        gathered = 2 * seqs * context * info.kv_dim
+        total = 4 * (tokens * per_token + scores + gathered + logits + rope) + tokens * context
     # The same step's peak growth moves from run to run with where the allocator puts its
-    # buffers (measured after the load's first step, whose one-time state is runtime: 19.3
-    # to 22.0 MB for a formula of 26.7 MB, bundled model, 2 x 1024, fp16 KV, and once 28.7
-    # MB in a full suite run; 24.6 to 27.3 MB when it was the process's first step, and once
-    # 38.0 MB in CI): a plan bounds the peak, so it keeps an eighth more (30.0 MB there).
+    # buffers (measured after the load's first step, whose one-time state is runtime, on
+    # torch's attention: 19.3 to 22.0 MB for a formula of 26.7 MB, bundled model, 2 x 1024,
+    # fp16 KV, and once 28.7 MB in a full suite run; 24.6 to 27.3 MB when it was the
+    # process's first step, and once 38.0 MB in CI): a plan bounds the peak, so it keeps an
+    # eighth more (30.0 MB there). On the kernel the same step measured 10.2-10.8 MB (a
+    # Xeon), for a formula of 13.9 MB.
     return total + total // 8
 
 
@@ -144,6 +154,9 @@ class CapacityPlan:
     # 0: not measured). Not an arena (the load's copies are gone once it ends), but the
     # budget must hold it too: `required_bytes`.
     load_peak_bytes: int = 0
+    # Whether the engine attends with the compiled kernel (no score block materialised:
+    # `activation_bytes`); False, the default, plans torch's attention, which needs more.
+    attention_kernel: bool = False
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None and self.memory_map is not None:
@@ -195,7 +208,9 @@ class CapacityPlan:
         if self.method_bytes:
             arenas["methods"] = self.method_bytes
         arenas["kv"] = self.kv_bytes + self.prefix_copy_bytes
-        arenas["activations"] = activation_bytes(self.info, self.kv, self.max_batch_tokens)
+        arenas["activations"] = activation_bytes(
+            self.info, self.kv, self.max_batch_tokens, self.attention_kernel
+        )
         if self.grammar_index_bytes:
             arenas["grammar_index"] = self.grammar_index_bytes
         if self.grammar_cache_bytes:

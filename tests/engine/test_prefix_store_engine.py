@@ -234,3 +234,40 @@ def test_gemma3_restores_a_conversation_past_its_window_and_refuses_what_its_rin
     question = [*system, *encode(" Who built the lighthouse?", add_bos=False)]
     assert other.submit(question, params).result().usage.cached_tokens == 0
     assert store_stats(other).refused == {"retention": 1}
+
+
+def test_the_plan_shows_what_the_store_holds_and_changes_nothing_on_disk(
+    exact: ss.Model,
+    engines: Callable[..., ss.Engine],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``slotserve plan --prefix-store`` reads the store's headers as ``serve`` would at
+    start: its snapshots, their bytes, the refused files by reason and the index time. It
+    deletes nothing: a damaged file and a torn write stay for the next start to remove."""
+    from slotserve.cli import main
+
+    store_dir = tmp_path / "store"
+    stored = {**CELL, "prefix_cache_bytes": "4MiB", "prefix_store": store_dir}
+    first = engines(exact, **stored)
+    converse(first, [5 + (i * 37) % 200 for i in range(40)], USER_TURNS[:2])
+    converse(first, [9 + (i * 11) % 200 for i in range(40)], USER_TURNS[2:3])
+    first.close()
+    files = sorted(store_dir.glob("*.kvsnap"))
+    assert len(files) >= 2
+    damaged = files[0]
+    damaged.write_bytes(damaged.read_bytes()[:-1])  # truncated: a checksum refusal
+    (store_dir / ".tmp-torn").write_bytes(b"SLOTKV")
+    before = {p.name: p.read_bytes() for p in store_dir.iterdir()}
+    argv = ["plan", "--model", exact.source, "--json", "--kv-layout", "cell", "--block-size"]
+    argv += ["8", "--max-seqs", "2", "--max-context", "256", "--prefix-cache", "4MiB"]
+    assert main([*argv, "--prefix-store", str(store_dir)]) == 0
+    report = json.loads(capsys.readouterr().out)["prefix_store"]
+    assert {p.name: p.read_bytes() for p in store_dir.iterdir()} == before
+    intact = files[1:]
+    assert report["files"] == len(intact) and report["refused"] == {"checksum": 1}
+    assert report["bytes"] == sum(p.stat().st_size for p in intact)
+    assert 0 < report["index_seconds"] < 10 and report["directory"] == str(store_dir)
+    started = store_stats(engines(exact, **stored))  # the start indexes the same files
+    assert (started.files, started.bytes) == (report["files"], report["bytes"])
+    assert not damaged.exists() and not (store_dir / ".tmp-torn").exists()

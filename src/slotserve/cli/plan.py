@@ -1,7 +1,9 @@
 """``slotserve plan``: print a capacity plan (table or JSON) of the whole process (the arenas
 ``slotserve serve`` checks with the same flags, its grammars arena and its grammar
 compiler's tokenizer index included, and the model load's peak), with the
-declared cancellation bound and, with ``--prefix-store``, the disk store's budget; with
+declared cancellation bound and, with ``--prefix-store``, the disk store's budget and what
+it holds now (its snapshots, their bytes and the time to index them, read from the headers
+as ``serve`` would at start, nothing changed on disk); with
 ``--measure``, each arena measured beside its planned bytes (`slotserve.engine.plan_measure`);
 with ``--preset``, first the preset's choice and why, one line per decision."""
 
@@ -55,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     from slotserve.engine.cancel_bound import declare_cancel_bound, largest_step_tokens
     from slotserve.engine.plan_measure import measure_arenas
     from slotserve.kv import KVPool
+    from slotserve.prefix.store import survey_store
 
     grammars = grammar_config(args)  # checked before the model loads, as serve does
     model = load(args.model, weights=args.weights)
@@ -72,10 +75,15 @@ def run(args: argparse.Namespace) -> int:
     report["budget_scope"] = config.budget_scope
     bound = declare_cancel_bound(largest_step_tokens(config), {}, [])
     if config.prefix_store is not None:
-        report["prefix_store"] = {
-            "directory": str(config.prefix_store),
-            "budget_bytes": config.prefix_store_budget,
-        }
+        # What serve would index there now (headers only; nothing on disk changes).
+        attention = model.kernels.attention if config.kernels == "auto" else None
+        survey = survey_store(
+            config.prefix_store,
+            model,
+            KVPool(model.info, config.kv_config(), attention),
+            attention_kernel=attention is not None,
+        )
+        report["prefix_store"] = {**survey.to_dict(), "budget_bytes": config.prefix_store_budget}
     if choice is not None:
         report["preset"] = {
             "name": choice.row.name,
@@ -134,6 +142,12 @@ def _print_table(report: dict[str, Any]) -> None:
     if isinstance(store, dict):
         table.add_row(
             f"prefix store on disk ({store['directory']})", format_bytes(store["budget_bytes"])
+        )
+        refused = f", refused {store['refused']}" if store["refused"] else ""
+        table.add_row(
+            f"  held now: {store['files']} snapshots, indexed in "
+            f"{store['index_seconds'] * 1e3:.1f} ms{refused}",
+            format_bytes(store["bytes"]),
         )
     console = Console()
     console.print(table)

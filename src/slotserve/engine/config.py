@@ -149,10 +149,12 @@ class EngineConfig:
         runtime_bytes: int = 0,
         method_bytes: int = 0,
         load_peak_bytes: int = 0,
+        attention_kernel: bool = False,
     ) -> CapacityPlan:
         """The plan of this config for a model of ``info`` keeping ``weight_bytes``
         resident; the measured arenas (``runtime_bytes``, ``method_bytes``) and the load's
-        peak (``load_peak_bytes``) as given."""
+        peak (``load_peak_bytes``) as given; ``attention_kernel``: the pool attends with the
+        compiled kernel (`CapacityPlan.attention_kernel`)."""
         budget = None if self.memory_budget is None else parse_bytes(self.memory_budget)
         return CapacityPlan(
             info,
@@ -165,6 +167,7 @@ class EngineConfig:
             runtime_bytes=runtime_bytes,
             method_bytes=method_bytes,
             load_peak_bytes=load_peak_bytes,
+            attention_kernel=attention_kernel,
         )
 
     def process_plan(self, model: Any, weight_bytes: int | None = None) -> CapacityPlan:
@@ -175,18 +178,24 @@ class EngineConfig:
         `slotserve.load` measured them (``model.load_memory``; the weights count as the
         larger of the load's resident growth and their own bytes), and the load's peak
         resident set, which the budget must hold as well. ``weight_bytes``
-        (default the model's) is what the executor keeps resident."""
+        (default the model's) is what the executor keeps resident. The activations are
+        planned for the attention the engine will run (the compiled kernel where the model
+        has it and ``kernels`` is ``"auto"``)."""
         weights = model.weight_bytes if weight_bytes is None else weight_bytes
         measured = getattr(model, "load_memory", None)
         if self.budget_scope == "model":
             measured = None
         methods = int(getattr(getattr(model, "halves", None), "planned_method_bytes", 0))
+        # As the engine builds its pool: the compiled attention where the config runs it.
+        kernels = getattr(model, "kernels", None)
+        kernel = self.kernels == "auto" and getattr(kernels, "attention", None) is not None
         if measured is None:
-            return self.plan(model.info, weights, method_bytes=methods)
+            return self.plan(model.info, weights, method_bytes=methods, attention_kernel=kernel)
         return self.plan(
             model.info,
             max(weights, measured.growth_bytes),
             runtime_bytes=measured.runtime_arena_bytes,
             method_bytes=methods,
             load_peak_bytes=measured.peak_bytes,
+            attention_kernel=kernel,
         )

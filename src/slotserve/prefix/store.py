@@ -55,7 +55,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal
 
@@ -97,9 +97,11 @@ __all__ = [
     "StoreIdentity",
     "StoreMatch",
     "StoreReport",
+    "StoreSurvey",
     "WriteTicket",
     "check_directory",
     "open_store",
+    "survey_store",
 ]
 log = logging.getLogger("slotserve")
 
@@ -247,34 +249,22 @@ class PrefixStore:
 
     def _index(self) -> None:
         """Read every file's header; list the usable ones, least recently used first."""
-        found: list[tuple[float, StoreEntry]] = []
-        foreign = [0, 0]
-        for path in self.directory.glob(f"*{SUFFIX}"):
-            try:
-                entry = read_header(path, self.identity, next(self._keys))
-            except Refused as refusal:
-                self.stats.refused[refusal.reason] += 1
-                if refusal.reason == "checksum":
-                    _unlink(path)
-                else:
-                    foreign[0] += 1
-                    foreign[1] += _size(path)
-                log.info("prefix store: %s skipped (%s)", path.name, refusal)
-                continue
-            except OSError as exc:
-                log.warning("prefix store: %s unreadable (%s); skipped", path.name, exc)
-                continue
-            found.append((_mtime(path), entry))
-        for _mtime_s, entry in sorted(found, key=lambda item: item[0]):
+        found = read_index(self.directory, self.identity, self._keys)
+        for path, refusal in found.refused:
+            self.stats.refused[refusal.reason] += 1
+            if refusal.reason == "checksum":
+                _unlink(path)
+            log.info("prefix store: %s skipped (%s)", path.name, refusal)
+        for entry in found.entries:
             self._insert(entry)
         self.stats.indexed = len(self._entries)
         while self._bytes > self.budget_bytes and self._entries:  # a smaller budget now
             _unlink(self.directory / self._evict_oldest().name)
-        if foreign[0]:
+        if found.foreign_files:
             log.warning(
                 "prefix store %s: %d files (%.1f MiB) are not for this model, numerics, KV "
                 "layout or schema: never served, left in place",
-                self.directory, foreign[0], foreign[1] / 2**20,
+                self.directory, found.foreign_files, found.foreign_bytes / 2**20,
             )  # fmt: skip
 
     # -- reads -----------------------------------------------------------------------
@@ -682,6 +672,82 @@ def _mtime(path: Path) -> float:
         return 0.0
 
 
+@dataclass(frozen=True)
+class IndexRead:
+    """What `read_index` found in a store's directory: the usable files' entries, least
+    recently used first; each refused file with its refusal; the files of another model,
+    numerics, layout or schema (refused, not damaged: left in place), and their bytes."""
+
+    entries: list[StoreEntry]
+    refused: list[tuple[Path, Refused]]
+    foreign_files: int
+    foreign_bytes: int
+
+
+def read_index(
+    directory: Path, identity: StoreIdentity, keys: Iterator[int] | None = None
+) -> IndexRead:
+    """Read the header of every file in ``directory`` against ``identity``; changes nothing
+    on disk (`PrefixStore` deletes the damaged ones and evicts past its budget)."""
+    keys = keys if keys is not None else itertools.count()
+    found: list[tuple[float, StoreEntry]] = []
+    refused: list[tuple[Path, Refused]] = []
+    foreign = [0, 0]
+    for path in directory.glob(f"*{SUFFIX}"):
+        try:
+            entry = read_header(path, identity, next(keys))
+        except Refused as refusal:
+            refused.append((path, refusal))
+            if refusal.reason != "checksum":
+                foreign[0] += 1
+                foreign[1] += _size(path)
+            continue
+        except OSError as exc:
+            log.warning("prefix store: %s unreadable (%s); skipped", path.name, exc)
+            continue
+        found.append((_mtime(path), entry))
+    entries = [entry for _mtime_s, entry in sorted(found, key=lambda item: item[0])]
+    return IndexRead(entries, refused, foreign[0], foreign[1])
+
+
+@dataclass(frozen=True)
+class StoreSurvey:
+    """What a store in ``directory`` would index at start (`survey_store`): its usable
+    files and their bytes, the files it would refuse by reason, and the time the read took."""
+
+    directory: str
+    files: int
+    bytes: int
+    refused: dict[str, int]
+    index_seconds: float
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def store_identity(model: Model, pool: KVPool, *, attention_kernel: bool) -> StoreIdentity:
+    """What the files of a store for ``model`` over ``pool`` must have been computed with."""
+    return StoreIdentity(
+        fingerprint(model, attention_kernel), pool.kv_identity(), tuple(pool.payload_parts())
+    )
+
+
+def survey_store(
+    directory: str | Path, model: Model, pool: KVPool, *, attention_kernel: bool
+) -> StoreSurvey:
+    """What `open_store` would index in ``directory`` now, from the headers alone, changing
+    nothing there (`slotserve plan` shows it); a directory that does not exist holds none."""
+    where = Path(directory)
+    identity = store_identity(model, pool, attention_kernel=attention_kernel)
+    began = time.perf_counter()  # the index alone, as `PrefixStore.index_seconds`
+    found = read_index(where, identity) if where.is_dir() else IndexRead([], [], 0, 0)
+    refused = Counter(refusal.reason for _path, refusal in found.refused)
+    return StoreSurvey(
+        str(where), len(found.entries), sum(e.nbytes for e in found.entries), dict(refused),
+        time.perf_counter() - began,
+    )  # fmt: skip
+
+
 def open_store(
     directory: str | Path,
     budget_bytes: int,
@@ -694,9 +760,7 @@ def open_store(
     """The store in ``directory`` for ``model`` served over ``pool`` (with the attention
     kernel on or off), indexed, its figures logged; `PrefixStoreError` if the directory
     cannot be written."""
-    identity = StoreIdentity(
-        fingerprint(model, attention_kernel), pool.kv_identity(), tuple(pool.payload_parts())
-    )
+    identity = store_identity(model, pool, attention_kernel=attention_kernel)
     store = PrefixStore(directory, budget_bytes, identity, pool.retains_from, writer=writer)
     report = store.report()
     refused = dict(report.counters.refused)
