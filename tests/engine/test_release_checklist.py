@@ -107,7 +107,7 @@ def test_close_mid_prefill_and_mid_decode(make_engine: Any) -> None:
 
 def test_engine_refuses_to_start_when_the_plan_does_not_fit(tiny: ss.Model) -> None:
     with pytest.raises(ss.PlanError, match="Largest max_seqs"):
-        ss.Engine(tiny, ss.EngineConfig(max_seqs=64, max_context=256, memory_budget="12MiB"))
+        ss.Engine(tiny, ss.EngineConfig(max_seqs=128, max_context=256, memory_budget="12MiB"))
 
 
 def test_bundled_cancel_and_drop(bundled: ss.Model, make_engine: Any) -> None:

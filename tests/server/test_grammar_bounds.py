@@ -30,11 +30,13 @@ from slotserve.memory import rss_bytes
 from slotserve.model import Model
 from slotserve.plan import CapacityPlan
 from slotserve.sampling.grammar import (
+    CompileJob,
     GrammarBusy,
     GrammarCancelled,
     GrammarCompiler,
     GrammarConfig,
     GrammarLimitError,
+    _Worker,
 )
 from slotserve.server.structured import SCHEMA_PARAM, GrammarCache
 from slotserve.testing import tiny_model
@@ -141,6 +143,24 @@ def test_cancel_kills_the_compile_and_close_waits_for_none(
     assert time.monotonic() - start < 2.0  # close never waits for the (120 s) compile
     with pytest.raises(GrammarCancelled):
         running.future.result(timeout=2)
+
+
+def test_a_worker_killed_before_it_has_the_schema_is_a_cancelled_compile(
+    compilers: list[GrammarCompiler], model: Model
+) -> None:
+    """close() may kill a worker between taking a job and sending it the schema: the write
+    then meets a broken pipe, which is the cancellation, not an OSError for the waiter (CI
+    once got BrokenPipeError from ``running.future`` in the test above)."""
+    compiler = new_compiler(compilers, model)
+    worker = _Worker(compiler._worker_source())
+    worker.kill()
+    job = CompileJob(json.dumps({"type": "string"}), 1.0)
+    with pytest.raises(OSError):  # not cancelled: the broken pipe is an error
+        worker.compile(job, compiler.config)
+    job.cancel()
+    with pytest.raises(GrammarCancelled):
+        worker.compile(job, compiler.config)
+    worker.dispose()
 
 
 def _zombie(pid: int) -> bool:

@@ -679,7 +679,12 @@ class _Worker:
         """The bytes the grammar of ``job`` keeps; raises `GrammarError` for a schema
         llguidance refuses, `GrammarLimitError` past a bound, `GrammarCancelled`."""
         baseline = rss_bytes(self.process.pid)
-        self._send((job.text, _JSON_OPTIONS, config.limits()))
+        try:
+            self._send((job.text, _JSON_OPTIONS, config.limits()))
+        except OSError:  # the worker was killed before it had the schema (a broken pipe)
+            if job.cancelled.is_set():  # by close() or a cancel
+                raise GrammarCancelled("the compile was cancelled") from None
+            raise
         start = time.monotonic()
         peak = 0
         while True:
