@@ -100,7 +100,8 @@ def activation_bytes(
     info: ModelInfo, kv: KVConfig, max_batch_tokens: int, attention_kernel: bool = False
 ) -> int:
     """Estimate of the transient memory of the largest step (fp32): per-token buffers of
-    one layer, the logits of every session and the RoPE tables; with torch's attention
+    one layer, the logits of every session and their sampling (with each live request's
+    sampler state), and the RoPE tables; with torch's attention
     (``attention_kernel`` False: `kernels="off"`, or no compiled kernel) also a
     materialised attention score/mask block and one layer's gathered K/V for every
     session, where the compiled kernel (`slotserve.native.attention`) attends over the
@@ -108,7 +109,14 @@ def activation_bytes(
     tokens, seqs, context = max_batch_tokens, kv.max_seqs, kv.max_context
     q_width = info.n_heads * info.head_dim
     per_token = 6 * info.dim + q_width + 2 * info.kv_dim + 3 * info.ffn_dim
-    logits = seqs * info.vocab_size
+    # The step's logits (each session's last) and their sampling: a private copy where a
+    # request biases or constrains its row, and one row drawn at a time as the costliest
+    # settings draw it (`COSTLIEST_SAMPLING`: its penalised copy, probabilities in float64
+    # sorted with int64 indices for top-p, their running sum, the filtered copy and the
+    # log-probabilities; 20-22 floats an entry measured after the first draw), beside every
+    # live request's sampler state (a seen flag and a count a token: 5 bytes an entry).
+    logits = 2 * seqs * info.vocab_size + 22 * info.vocab_size
+    samplers = 5 * seqs * info.vocab_size
     rope = 2 * info.max_context * info.head_dim
     if attention_kernel:
         total = 4 * (tokens * per_token + info.n_heads * context + logits + rope)
@@ -116,13 +124,16 @@ def activation_bytes(
         scores = info.n_heads * tokens * context
         gathered = 2 * seqs * context * info.kv_dim
         total = 4 * (tokens * per_token + scores + gathered + logits + rope) + tokens * context
+    total += samplers
     # The same step's peak growth moves from run to run with where the allocator puts its
     # buffers (measured after the load's first step, whose one-time state is runtime, on
     # torch's attention: 19.3 to 22.0 MB for a formula of 26.7 MB, bundled model, 2 x 1024,
     # fp16 KV, and once 28.7 MB in a full suite run; 24.6 to 27.3 MB when it was the
     # process's first step, and once 38.0 MB in CI): a plan bounds the peak, so it keeps an
     # eighth more (30.0 MB there). On the kernel the same step measured 10.2-10.8 MB (a
-    # Xeon), for a formula of 13.9 MB.
+    # Xeon) before the sampling terms, for a formula of 13.9 MB; a server's serving peak
+    # above ready at 4 x 2048 measured 27.7-28.4 MiB against 25.3 MiB planned without them
+    # (`slotserve bench memory`), 29.7 MiB with them.
     return total + total // 8
 
 

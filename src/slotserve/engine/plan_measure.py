@@ -23,6 +23,7 @@ from slotserve.kv.batch import StepBatch
 from slotserve.kv.pool import KVPool
 from slotserve.memory import peak_rss_bytes, reset_peak_rss, rss_bytes, trim_heap
 from slotserve.model import Model
+from slotserve.sampling import COSTLIEST_SAMPLING, RequestSampler, sample_batch, token_logprobs
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,13 @@ def _largest_step(
     reset_peak_rss()
     before = rss_bytes()
     began = time.perf_counter()
+    # A step is its forward and its sampling, for live requests holding their samplers'
+    # state: each row drawn as the costliest settings draw it.
+    vocab = model.info.vocab_size
+    samplers = [RequestSampler(COSTLIEST_SAMPLING, vocab, ids[:chunk]) for _ in range(seqs)]
     with torch.inference_mode():
-        executor.step(torch.tensor(ids), batch, pool)
+        logits = executor.step(torch.tensor(ids), batch, pool)
+        for row, token in zip(logits, sample_batch(logits, samplers), strict=True):
+            token_logprobs(row, token, COSTLIEST_SAMPLING.logprobs or 0)
     elapsed = time.perf_counter() - began
     return chunk * seqs, (elapsed, max(peak_rss_bytes() - before, 0))

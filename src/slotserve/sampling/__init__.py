@@ -9,7 +9,12 @@ tokenizer index belongs to whoever made the compiler.
 """
 
 from slotserve.sampling.grammar import Grammar, GrammarCompiler, GrammarError, GrammarMatcher
-from slotserve.sampling.params import MAX_LOGIT_BIAS, MIN_TEMPERATURE, SamplingParams
+from slotserve.sampling.params import (
+    COSTLIEST_SAMPLING,
+    MAX_LOGIT_BIAS,
+    MIN_TEMPERATURE,
+    SamplingParams,
+)
 from slotserve.sampling.sampler import (
     RequestSampler,
     apply_penalties,
@@ -20,6 +25,7 @@ from slotserve.sampling.sampler import (
 from slotserve.sampling.stop import StopMatcher
 
 __all__ = [
+    "COSTLIEST_SAMPLING",
     "MAX_LOGIT_BIAS",
     "MIN_TEMPERATURE",
     "Grammar",

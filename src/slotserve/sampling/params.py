@@ -83,3 +83,10 @@ class SamplingParams:
 def _check(ok: bool, name: str, value: object, allowed: str) -> None:
     if not ok:
         raise ValueError(f"{name}={value!r} is out of range; allowed: {allowed}")
+
+
+# The settings whose draw allocates the most a row: no top-k (the whole vocabulary sorted
+# for top-p), a repetition penalty (a copy of the row) and log-probabilities. The memory
+# plan's activations hold one such draw; `slotserve.load` runs one so the first request's
+# sampling finds its one-time state (torch's sort and multinomial code) already paid.
+COSTLIEST_SAMPLING = SamplingParams(top_p=0.9, repetition_penalty=1.1, logprobs=20)
