@@ -8,10 +8,9 @@ it copies the next (it never holds the whole snapshot, which the memory plan doe
 count), while the snapshot lives (a `WriteTicket` the cache cancels when it drops the
 snapshot; a file whose copy raced the drop is thrown away and counted: ``superseded`` when
 a snapshot that extends it took its place and is offered in turn, ``dropped`` when it was
-evicted first). Every published
-snapshot is offered, so one the memory tier evicts later is on disk already, or in the
-queue. A lookup that misses in memory but hits on
-disk (`lookup`, then `restore`) reads the file's cells back into the request's own fresh
+evicted first). Every published snapshot is offered, so one the memory tier evicts later
+is on disk already, or in the queue. A lookup that misses in memory but hits on disk
+(`lookup`, then `restore`) reads the file's cells back into the request's own fresh
 reservation, on the admission's path (inside its prefill span), and checks the payload's
 checksum as it reads: a restore that fails any check commits nothing. Files are evicted
 least recently used first (a hit touches its file's mtime, so the order survives a
