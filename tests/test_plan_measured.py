@@ -1,6 +1,6 @@
 """The plan's measured parts beyond the runtime and the weights (issue 27): the model load's
 peak resident set, which the budget must hold too (a `LoadPeakError` naming it below), the
-file map's pages dropped as the load copies them out (`slotserve.memory.release_mapped`),
+file map's pages dropped as the load copies them out (`slotserve.memory.release_mapped_range`),
 and the grammar compiler's tokenizer index, built and measured at a server's start (the
 ``grammar_index`` arena)."""
 
@@ -18,7 +18,7 @@ import pytest
 import slotserve as ss
 from slotserve.engine.config import EngineConfig
 from slotserve.kv import KVConfig
-from slotserve.memory import LoadMemory, release_mapped
+from slotserve.memory import LoadMemory, release_mapped_range
 from slotserve.plan import CapacityPlan, LoadPeakError, format_bytes
 from slotserve.sampling.grammar import GrammarCompiler, GrammarConfig
 from slotserve.sampling.grammar_index import prepare
@@ -129,7 +129,8 @@ def test_release_mapped_drops_the_pages_and_keeps_the_data(tmp_path: Path) -> No
     before = _rss_file_kib()
     total = int(mapped.sum(dtype=np.int64))  # every page faulted in
     assert _rss_file_kib() - before >= 15 * 1024
-    release_mapped(mapped[1000:])  # from inside the first page: it is dropped too
+    tail = mapped[1000:]  # from inside the first page: it is dropped too
+    release_mapped_range(tail.ctypes.data, tail.nbytes)
     assert _rss_file_kib() - before <= 1024
     assert int(mapped.sum(dtype=np.int64)) == total == int(data.sum(dtype=np.int64))
 

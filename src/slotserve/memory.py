@@ -7,7 +7,6 @@ import mmap
 import os
 import resource
 from dataclasses import dataclass
-from typing import Any
 
 
 def rss_bytes(pid: int | None = None) -> int:
@@ -54,17 +53,12 @@ def trim_heap() -> None:
         trim(0)
 
 
-def release_mapped(array: Any) -> None:
-    """Drop the pages of the file-backed memory map under numpy ``array`` from this
-    process's resident set (Linux ``madvise(MADV_DONTNEED)``; nothing elsewhere). The data
-    stays readable: a later read faults it in again from the page cache. A model's load
-    reads each tensor out of the file's map once, so without this the whole file stays
-    resident until the map closes, on top of the weights copied out of it."""
-    release_mapped_range(array.ctypes.data, array.nbytes)
-
-
 def release_mapped_range(address: int, nbytes: int) -> None:
-    """`release_mapped` for the ``nbytes`` of a file map from ``address`` on. A read of one
+    """Drop the pages of the ``nbytes`` of a file-backed memory map from ``address`` on from
+    this process's resident set (Linux ``madvise(MADV_DONTNEED)``; nothing elsewhere). The
+    data stays readable: a later read faults it in again from the page cache. A model's load
+    reads each tensor out of the file's map once, so without this the whole file stays
+    resident until the map closes, beside the weights copied out of it. A read of one
     tensor maps more of the file than the tensor (the kernel maps a fault's whole folio and
     its neighbours: 1.5 MiB for a 540 KiB tensor), so a load that releases each tensor's own
     bytes alone keeps those of its neighbours, already read, resident (52 of the bundled

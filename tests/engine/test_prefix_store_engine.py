@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 
 import slotserve as ss
+from slotserve.cli import main
 from slotserve.engine.views import PrefixStoreStats
 from slotserve.prefix import PrefixStoreError
 from slotserve.testing import write_tiny_gguf
@@ -245,8 +246,6 @@ def test_the_plan_shows_what_the_store_holds_and_changes_nothing_on_disk(
     """``slotserve plan --prefix-store`` reads the store's headers as ``serve`` would at
     start: its snapshots, their bytes, the refused files by reason and the index time. It
     deletes nothing: a damaged file and a torn write stay for the next start to remove."""
-    from slotserve.cli import main
-
     store_dir = tmp_path / "store"
     stored = {**CELL, "prefix_cache_bytes": "4MiB", "prefix_store": store_dir}
     first = engines(exact, **stored)

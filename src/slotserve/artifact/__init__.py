@@ -99,10 +99,11 @@ def load(
 def _first_step_bytes(model: Model, loaded: int) -> int:
     """Run one token through ``model``, and draw from its logits as the costliest sampling
     does, and return what the process kept: the first step's one-time state (thread pools,
-    lazily built tables, the math libraries' own set-up and the pages of their code; the
-    first draw faulted in 16 MiB of torch's alone), measured at 5.6-5.8 MiB on the bundled
-    model before the draw. It is runtime, not a step's transient memory: without this step
-    it would land on whichever step ran first, and the plan would count it nowhere."""
+    lazily built tables, the math libraries' own set-up and the pages of their code),
+    measured at 5.6-5.8 MiB on the bundled model without the draw and 13.8 MiB with it (a
+    Xeon: the draw's sort and multinomial code). It is runtime, not a step's transient
+    memory: without this step it would land on whichever step ran first, and the plan
+    would count it nowhere."""
     first = model.info.bos_id or 0
     sampler = RequestSampler(COSTLIEST_SAMPLING, model.info.vocab_size, [first])
     with torch.inference_mode():

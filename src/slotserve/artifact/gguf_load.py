@@ -127,13 +127,12 @@ def _released(reader: GGUFFile, tensors: Iterator[tuple[str, Any]]) -> Iterator[
     raw rows before packing, rows before un-permuting) go back to the system every
     `TRIM_EVERY` bytes read: ``free`` leaves them resident in the heap's middle (the load's
     peak held 20 MiB of them at its last tensor)."""
-    starts = [t.data.ctypes.data for t in reader.tensors]
-    ends = [t.data.ctypes.data + t.data.nbytes for t in reader.tensors]
-    span_start, span_bytes = min(starts, default=0), max(ends, default=0) - min(starts, default=0)
+    span_start = min((t.data.ctypes.data for t in reader.tensors), default=0)
+    span_end = max((t.data.ctypes.data + t.data.nbytes for t in reader.tensors), default=0)
     since_trim = 0
     for tensor, item in zip(reader.tensors, tensors, strict=True):
         yield item
-        release_mapped_range(span_start, span_bytes)
+        release_mapped_range(span_start, span_end - span_start)
         since_trim += tensor.n_bytes
         if since_trim >= TRIM_EVERY:
             trim_heap()

@@ -49,7 +49,7 @@ def measure_arenas(
     # The pool the engine builds: attending with the compiled kernel where the config runs
     # it. Without it the step attended with torch's SDPA, a path the engine never runs: it
     # first faulted in 12 MiB of libtorch's code, measured as activations (a Xeon's largest
-    # step measured 31-35 MB against a plan of 30.0 MB, 16-19 MB on the kernel).
+    # step measured 31-35 MB against a plan of 30.0 MB, 10-11 MB on the kernel).
     attention = model.kernels.attention if config.kernels == "auto" else None
     pool = KVPool(model.info, config.kv_config(), attention)
     for group in pool.groups:

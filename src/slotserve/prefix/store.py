@@ -66,6 +66,7 @@ from slotserve.model import Model
 from slotserve.prefix.fingerprint import fingerprint
 from slotserve.prefix.store_file import (
     MAGIC,
+    PLACEHOLDER_SHA256,
     PREAMBLE,
     REFUSAL_REASONS,
     SUFFIX,
@@ -464,7 +465,7 @@ class PrefixStore:
                 assert actual == spec, f"payload part {actual} != {spec}"
                 yield bytes_of(part)
 
-        size = PREAMBLE + len(header("0" * 64)) + nbytes
+        size = PREAMBLE + len(header(PLACEHOLDER_SHA256)) + nbytes
         name = self.identity.file_name(tokens)
         if size > self.budget_bytes:
             ticket._end()

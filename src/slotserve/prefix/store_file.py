@@ -38,6 +38,8 @@ SUFFIX = ".kvsnap"
 TMP_PREFIX = ".tmp-"
 PREAMBLE = len(MAGIC) + 8
 MAX_HEADER_BYTES = 64 << 20
+# The payload digest a header is first written with (`write_file`): any 64 hex digits.
+PLACEHOLDER_SHA256 = "0" * 64
 REFUSAL_REASONS = ("schema", "model", "numerics", "layout", "checksum", "retention")
 DTYPES = {
     str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8)
@@ -225,7 +227,7 @@ def write_file(
     time, not a copy of all of it: the header goes first for a placeholder digest and is
     written again in place once the payload's is known (`encode_header`'s length does not
     depend on it)."""
-    placeholder = header("0" * 64)
+    placeholder = header(PLACEHOLDER_SHA256)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     with os.fdopen(fd, "wb") as handle:
         handle.write(MAGIC + len(placeholder).to_bytes(8, "little") + placeholder)
