@@ -8,6 +8,7 @@ SIGTERM never waits for one. The grammar cache is bounded in bytes and counted i
 from __future__ import annotations
 
 import argparse
+import asyncio
 import gc
 import json
 import os
@@ -29,6 +30,7 @@ from slotserve.kv.config import KVConfig
 from slotserve.memory import rss_bytes
 from slotserve.model import Model
 from slotserve.plan import CapacityPlan
+from slotserve.sampling.compile_pool import Worker
 from slotserve.sampling.grammar import (
     CompileJob,
     GrammarBusy,
@@ -36,9 +38,11 @@ from slotserve.sampling.grammar import (
     GrammarCompiler,
     GrammarConfig,
     GrammarLimitError,
-    _Worker,
 )
+from slotserve.server.errors import APIError
+from slotserve.server.schemas import ChatCompletionRequest
 from slotserve.server.structured import SCHEMA_PARAM, GrammarCache
+from slotserve.server.tools import plan_tools, tool_grammar
 from slotserve.testing import tiny_model
 from tests.server.conftest import ServerProcess
 
@@ -152,7 +156,7 @@ def test_a_worker_killed_before_it_has_the_schema_is_a_cancelled_compile(
     then meets a broken pipe, which is the cancellation, not an OSError for the waiter (CI
     once got BrokenPipeError from ``running.future`` in the test above)."""
     compiler = new_compiler(compilers, model)
-    worker = _Worker(compiler._worker_source())
+    worker = Worker(compiler._worker_source())
     worker.kill()
     job = CompileJob(json.dumps({"type": "string"}), 1.0)
     with pytest.raises(OSError):  # not cancelled: the broken pipe is an error
@@ -255,6 +259,81 @@ def test_a_refused_schema_is_refused_again_without_a_compile(model: Model) -> No
         with pytest.raises(GrammarLimitError):
             cache.get(hostile())
         assert time.monotonic() - start < 0.05
+    finally:
+        cache.close()
+
+
+def tool_body(*schemas: dict[str, Any]) -> ChatCompletionRequest:
+    """A chat request that must call one of functions f0, f1, ... taking ``schemas``."""
+    tools = [
+        {"type": "function", "function": {"name": f"f{i}", "parameters": schema}}
+        for i, schema in enumerate(schemas)
+    ]
+    messages = [{"role": "user", "content": "hi"}]
+    return ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": messages, "tools": tools, "tool_choice": "required"}
+    )
+
+
+def test_a_replys_tool_call_grammar_is_compiled_bounded_and_counted(model: Model) -> None:
+    """The grammar holding every call is compiled in the bounded pool and charged in the
+    cache, like each function's schema: six ~3 MiB functions each fit one grammar's 8 MiB,
+    and the reply that may call any of them does not (before, it compiled in the server's
+    own process, unbounded and uncounted)."""
+    config = GrammarConfig(max_bytes=8 * MIB, cache_bytes=64 * MIB)
+    cache = GrammarCache(model, config=config)
+    try:
+        plan = plan_tools(model.tokenizer, tool_body(wide(0)))
+        assert plan is not None
+        grammar = asyncio.run(tool_grammar(cache, plan, model.tokenizer))
+        assert cache.cached == 2  # the function's schema and the reply's grammar
+        assert grammar.nbytes > config.lexer_bytes
+        assert cache.live_bytes >= grammar.nbytes + config.lexer_bytes
+        assert asyncio.run(tool_grammar(cache, plan, model.tokenizer)) is grammar
+        plan = plan_tools(model.tokenizer, tool_body(*(wide(i) for i in range(6))))
+        assert plan is not None
+        with pytest.raises(APIError) as info:
+            asyncio.run(tool_grammar(cache, plan, model.tokenizer))
+        error = info.value
+        assert (error.status, error.param, error.code) == (400, "tools", "schema_too_complex")
+        assert "--grammar-max-bytes 8 MiB" in str(error.message)
+    finally:
+        cache.close()
+
+
+class GoneClient:
+    """The part of a Starlette request the compile's wait reads: a client that went away
+    ``after`` seconds in (a real server's disconnect is tested above, for response_format;
+    a tool's prompt renders its whole schema, too long for the tiny model's context)."""
+
+    def __init__(self, after: float) -> None:
+        self.gone_at = time.monotonic() + after
+        self.app = argparse.Namespace(state=argparse.Namespace())
+
+    async def is_disconnected(self) -> bool:
+        return time.monotonic() > self.gone_at
+
+
+def test_a_tool_schemas_compile_is_cancelled_when_its_client_goes(model: Model) -> None:
+    """Before, a tool's schema compiled in a thread nothing cancelled, on to its bound."""
+    config = GrammarConfig(timeout_s=30.0, max_bytes=4096 * MIB, cache_bytes=4096 * MIB)
+    cache = GrammarCache(model, config=config)
+    hostile_object = {"type": "object", "properties": {"x": hostile(42)}, "required": ["x"]}
+    try:
+        plan = plan_tools(model.tokenizer, tool_body(hostile_object))
+        assert plan is not None
+        start = time.monotonic()
+        with pytest.raises(APIError) as info:
+            request: Any = GoneClient(after=1.0)
+            asyncio.run(tool_grammar(cache, plan, model.tokenizer, request))
+        assert info.value.status == 499
+        assert time.monotonic() - start < 3
+        pool = cache.compiler._pool
+        assert pool is not None
+        deadline = time.monotonic() + 2
+        while any(w is not None and w.alive for w in pool.workers) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert not any(w is not None and w.alive for w in pool.workers)  # its worker killed
     finally:
         cache.close()
 

@@ -2,146 +2,63 @@
 schema into a `Grammar` for one tokenizer and logits width, and each request advances a
 `GrammarMatcher` of its own that masks the tokens the grammar forbids.
 
-Two ways to compile. `GrammarCompiler.json_schema` compiles in the calling thread, for
-schemas the caller trusts (benches, tests, library code). `GrammarCompiler.submit` is for
-schemas from the network: llguidance offers no way to stop a compile (its `LLParserLimits`
-fuel does not bound every step: an ``allOf`` of N patterns takes time and memory exponential
-in N whatever the limits), so each compile first runs in a worker process that can be
-killed, under the time and memory bounds of `GrammarConfig`; only a schema that compiled
-there within them is compiled again here, where the grammar is needed. The workers are a
-bounded pool (`GrammarConfig.workers`, one by default) at the lowest CPU priority, fed by a
-queue with a deadline, so compiles never take the cores the engine decodes on.
+Two ways to compile. `GrammarCompiler.json_schema` and `compile` compile in the calling
+thread, for schemas and grammars the caller trusts (benches, tests, library code).
+`GrammarCompiler.submit` and `submit_grammar` are for what comes from the network: they go
+through the bounded pool of worker processes (compile_pool.py), killed past the time and
+memory bounds of `GrammarConfig`.
 
-Owns llguidance's objects and the worker processes; knows nothing of sampling parameters
-or the batch. Module state: none (the tokenizer index and the pool live in the compiler
-its owner keeps).
+Owns llguidance's objects; knows nothing of sampling parameters or the batch. Module state:
+none (the tokenizer index and the pool live in the compiler its owner keeps).
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import json
 import logging
-import math
-import os
-import pickle
-import queue
-import select
-import struct
-import subprocess
-import sys
 import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
 
 import numpy as np
 import torch
 
-from slotserve.memory import rss_bytes
+from slotserve.sampling.compile_pool import (
+    JSON_OPTIONS,
+    CompileJob,
+    CompilePool,
+    GrammarBusy,
+    GrammarCancelled,
+    GrammarConfig,
+    GrammarError,
+    GrammarLimitError,
+    first_line,
+    grammar_charge,
+)
 from slotserve.sampling.cpu import numpy_view_ok
 from slotserve.tokenizer import Tokenizer
 from slotserve.tokenizer.spm import SpmVocab
 
 log = logging.getLogger("slotserve")
 
-# JSON output uses fixed separators and no other whitespace: a small model offered free
-# whitespace can emit newlines until its budget runs out, and compact output stays short.
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-# llguidance's own estimate of one lexer state ("approx. 1-2 kB per state"), the upper one.
-LEXER_STATE_BYTES = 2048
 # $ref hops followed without entering a property or an array item (a longer chain is
 # refused: it is no grammar's limit, but Python validators recurse once per hop).
 MAX_REF_CHAIN = 64
-# How often a compile in a worker is checked against its bounds and its cancellation.
-POLL_S = 0.01
-_MIB = 2**20
 
-
-class GrammarError(ValueError):
-    """A grammar or JSON schema that cannot constrain decoding: invalid, using a feature
-    the grammar engine does not implement or cannot enforce (the message names it), or past
-    a bound of `GrammarConfig` (`GrammarLimitError`)."""
-
-
-class GrammarLimitError(GrammarError):
-    """A schema whose compile went past a bound: ``limit`` names it (``"timeout"``,
-    ``"memory"``), ``bound`` is its value (seconds or bytes)."""
-
-    def __init__(self, message: str, limit: str, bound: float) -> None:
-        super().__init__(message)
-        self.limit, self.bound = limit, bound
-
-
-class GrammarBusy(RuntimeError):
-    """No compile slot came free before the queue's deadline (``queue_timeout_s``)."""
-
-
-class GrammarCancelled(RuntimeError):
-    """The compile was cancelled (its client went away, or the compiler was closed)."""
-
-
-@dataclass(frozen=True)
-class GrammarConfig:
-    """The bounds on compiling grammars from schemas a client sent.
-
-    ``timeout_s``: wall seconds one compile may take in its worker (``--grammar-timeout``).
-    ``max_bytes``: one grammar's memory (``--grammar-max-bytes``): its worker may grow by at
-    most this while compiling, and what the grammar keeps, plus what its lexer may add as
-    requests use it (``lexer_states`` states, a quarter of ``max_bytes``), must fit in it.
-    ``cache_bytes``: the grammars arena of the memory plan, every grammar alive (cached or
-    in use) counted (``--grammar-cache-bytes``). ``workers``: compiles at once
-    (``--grammar-workers``). ``queue_timeout_s``: how long a compile may wait for a worker
-    (``--grammar-queue-timeout``).
-    """
-
-    timeout_s: float = 10.0
-    max_bytes: int = 32 * _MIB
-    cache_bytes: int = 128 * _MIB
-    workers: int = 1
-    queue_timeout_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        for name, flag in (("timeout_s", "timeout"), ("queue_timeout_s", "queue-timeout")):
-            value = getattr(self, name)
-            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-                raise ValueError(
-                    f"grammar {name}={value!r} must be a number of seconds > 0: "
-                    f"pass e.g. --grammar-{flag} 10"
-                )
-        if self.max_bytes < 4 * _MIB:
-            raise ValueError(
-                f"grammar max_bytes={self.max_bytes} is below the least a grammar needs, "
-                f"{4 * _MIB} (4 MiB): pass e.g. --grammar-max-bytes 32MiB"
-            )
-        if self.cache_bytes < self.max_bytes:
-            raise ValueError(
-                f"grammar cache_bytes={self.cache_bytes} is below max_bytes={self.max_bytes}: "
-                "the cache must hold at least one grammar; raise --grammar-cache-bytes or "
-                "lower --grammar-max-bytes"
-            )
-        if not isinstance(self.workers, int) or not 1 <= self.workers <= 64:
-            raise ValueError(
-                f"grammar workers={self.workers!r} must be an integer in 1..64: "
-                "pass e.g. --grammar-workers 1"
-            )
-
-    @property
-    def lexer_states(self) -> int:
-        """The lexer states one grammar may build (llguidance's ``max_lexer_states``)."""
-        return self.max_bytes // 4 // LEXER_STATE_BYTES
-
-    @property
-    def lexer_bytes(self) -> int:
-        """The bytes those states may take: charged to every grammar up front."""
-        return self.lexer_states * LEXER_STATE_BYTES
-
-    def limits(self) -> dict[str, int]:
-        """llguidance's `LLParserLimits` for grammars under this config."""
-        return {"max_lexer_states": self.lexer_states}
+__all__ = [
+    "CompileJob",
+    "Grammar",
+    "GrammarBusy",
+    "GrammarCancelled",
+    "GrammarCompiler",
+    "GrammarConfig",
+    "GrammarError",
+    "GrammarLimitError",
+    "GrammarMatcher",
+    "check_schema",
+    "schema_text",
+]
 
 
 class GrammarCompiler:
@@ -162,7 +79,7 @@ class GrammarCompiler:
         self.config = config or GrammarConfig()
         self._index: Any = None  # llguidance.LLTokenizer, once built
         self._lock = threading.Lock()
-        self._pool: _CompilePool | None = None
+        self._pool: CompilePool | None = None
 
     def json_schema(self, schema: Mapping[str, Any] | None) -> Grammar:
         """Output that parses as JSON and validates against ``schema``; ``None``: any JSON
@@ -171,7 +88,7 @@ class GrammarCompiler:
         keyword llguidance does not implement (named), one it cannot enforce, or an invalid
         one."""
         text = schema_text(schema)
-        return self._compile_schema(text, _charge(0, self.config))
+        return self._compile_schema(text, grammar_charge(0, self.config))
 
     def submit(
         self,
@@ -183,15 +100,33 @@ class GrammarCompiler:
         config), `GrammarBusy` (no worker before the queue's deadline) or
         `GrammarCancelled`. ``reserve(nbytes)`` is called once the grammar's size is known,
         before it is built here; it may raise `GrammarError` to refuse it."""
-        text = schema_text(schema)
         check_schema(schema)  # cheap, and a refusal needs no worker
-        job = CompileJob(text, self.config.queue_timeout_s, reserve)
+        return self._put(CompileJob(schema_text(schema), self.config.queue_timeout_s, reserve))
+
+    def submit_grammar(
+        self, grammar: str, description: str, reserve: Callable[[int], None] | None = None
+    ) -> CompileJob:
+        """Compile ``grammar`` (llguidance's grammar text, as `compile` takes it) in the
+        bounded pool, as `submit` compiles a schema; ``description`` names it in errors."""
+        job = CompileJob(
+            grammar, self.config.queue_timeout_s, reserve, kind="grammar", description=description
+        )
+        return self._put(job)
+
+    def _put(self, job: CompileJob) -> CompileJob:
         with self._lock:
             if self._pool is None:
-                self._pool = _CompilePool(self)
+                self._pool = CompilePool(self.config, self._worker_source, self._finish)
             pool = self._pool
         pool.put(job)
         return job
+
+    def _finish(self, job: CompileJob, nbytes: int) -> Grammar:
+        """A job its worker proved within the bounds, built here (it takes what it took
+        there)."""
+        if job.kind == "schema":
+            return self._compile_schema(job.text, nbytes)
+        return self.compile(job.text, job.description, nbytes)
 
     def close(self) -> None:
         """Kill the pool's workers (a compile under way ends with `GrammarCancelled`);
@@ -214,7 +149,7 @@ class GrammarCompiler:
             self._tokenizer_index(), grammar, log_level=0, limits=limits
         )
         if template.is_error():
-            raise GrammarError(f"{description}: {_first_line(template.get_error())}")
+            raise GrammarError(f"{description}: {first_line(template.get_error())}")
         start = template.deep_copy()
         if not _admits_output(start, self.vocab_size, self.tokenizer.eos_ids):
             raise GrammarError(
@@ -233,7 +168,7 @@ class GrammarCompiler:
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
                 text,
-                defaults=_JSON_OPTIONS,  # type: ignore[arg-type]
+                defaults=JSON_OPTIONS,  # type: ignore[arg-type]
             )
         except ValueError as exc:
             raise GrammarError(f"the JSON schema is not usable: {exc}") from None
@@ -275,12 +210,6 @@ def schema_text(schema: Mapping[str, Any] | None) -> str:
     return json.dumps({"type": "object"} if schema is None else schema)
 
 
-def _charge(kept: int, config: GrammarConfig) -> int:
-    """What a grammar is charged in the plan: what it keeps once compiled (measured in its
-    worker) and what its lexer may still add."""
-    return kept + config.lexer_bytes
-
-
 def _admits_output(matcher: Any, vocab_size: int, eos_ids: Sequence[int]) -> bool:
     """Whether a fresh matcher allows some token other than end-of-sequence first."""
     if matcher.is_error() or matcher.is_stopped():
@@ -300,7 +229,7 @@ def _forced_failure(matcher: Any) -> str | None:
     if (forced and not matcher.consume_tokens(forced)) or matcher.is_error():
         return (
             f"the grammar engine cannot follow it past its first {len(forced)} tokens "
-            f"({_first_line(matcher.get_error())}); simplify the schema (fewer properties or "
+            f"({first_line(matcher.get_error())}); simplify the schema (fewer properties or "
             "alternatives)"
         )
     return None
@@ -472,367 +401,6 @@ def _check_chain(edges: dict[str, list[tuple[str, int]]]) -> None:
 # --- the bounded, cancellable pool ------------------------------------------------------
 
 
-class CompileJob:
-    """One schema in the compile pool. ``future`` gives its `Grammar` or raises; `cancel`
-    stops it wherever it is (a worker compiling it is killed); `expire` gives up on it if
-    no worker took it yet."""
-
-    def __init__(
-        self, text: str, queue_timeout_s: float, reserve: Callable[[int], None] | None = None
-    ) -> None:
-        self.text = text
-        self.queue_timeout_s = queue_timeout_s
-        self.deadline = time.monotonic() + queue_timeout_s
-        self.reserve = reserve
-        self.future: concurrent.futures.Future[Grammar] = concurrent.futures.Future()
-        self.cancelled = threading.Event()
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-        self.future.cancel()
-
-    def expire(self) -> bool:
-        """Give up on a job still queued: True (its future then raises `GrammarBusy`);
-        False once a worker has it (it ends within the compile's own bounds)."""
-        if self.future.cancel():
-            return True
-        return self.future.cancelled()
-
-    def result(self, timeout: float | None = None) -> Grammar:
-        """Wait for the grammar: at most until the queue's deadline for a worker, then as
-        long as the compile's bounds allow."""
-        wait = max(self.deadline - time.monotonic(), 0.0)
-        try:
-            return self.future.result(timeout=wait if timeout is None else min(wait, timeout))
-        except concurrent.futures.TimeoutError:
-            if self.expire():
-                raise GrammarBusy(self.busy_message()) from None
-        return self.future.result(timeout=timeout)
-
-    def busy_message(self) -> str:
-        return (
-            f"no grammar compile slot came free within --grammar-queue-timeout "
-            f"{self.queue_timeout_s:g} s (other schemas are compiling); retry later, or raise "
-            "--grammar-workers or --grammar-queue-timeout"
-        )
-
-
-class _CompilePool:
-    """`GrammarConfig.workers` threads, each with one worker process, taking jobs in order
-    from one queue. Daemon threads: nothing waits for them at exit, and the workers die
-    with this process (PR_SET_PDEATHSIG)."""
-
-    def __init__(self, compiler: GrammarCompiler) -> None:
-        self.compiler = compiler
-        self.config = compiler.config
-        self.jobs: queue.Queue[CompileJob | None] = queue.Queue()
-        self.closed = threading.Event()
-        self.workers: list[_Worker | None] = [None] * self.config.workers
-        self.running: list[CompileJob | None] = [None] * self.config.workers
-        self._lock = threading.Lock()
-        self.threads = [
-            threading.Thread(
-                target=self._run, args=(i,), name=f"slotserve-grammar-{i}", daemon=True
-            )
-            for i in range(self.config.workers)
-        ]
-        for thread in self.threads:
-            thread.start()
-
-    def put(self, job: CompileJob) -> None:
-        if self.closed.is_set():
-            job.future.set_exception(GrammarCancelled("the grammar compiler is closed"))
-            return
-        self.jobs.put(job)
-
-    def close(self) -> None:
-        self.closed.set()
-        for _ in self.threads:
-            self.jobs.put(None)
-        with self._lock:
-            workers, self.workers = self.workers, [None] * len(self.workers)
-            for job in self.running:
-                if job is not None:
-                    job.cancelled.set()
-        for worker in workers:
-            if worker is not None:
-                worker.kill()
-        while True:  # what was still queued
-            try:
-                job = self.jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None and job.future.set_running_or_notify_cancel():
-                job.future.set_exception(GrammarCancelled("the grammar compiler is closed"))
-
-    def _run(self, slot: int) -> None:
-        _lower_priority()
-        while True:
-            job = self.jobs.get()
-            if job is None or self.closed.is_set():
-                if job is not None and job.future.set_running_or_notify_cancel():
-                    job.future.set_exception(GrammarCancelled("the grammar compiler is closed"))
-                return
-            if time.monotonic() > job.deadline:
-                if job.future.set_running_or_notify_cancel():
-                    job.future.set_exception(GrammarBusy(job.busy_message()))
-                continue
-            if not job.future.set_running_or_notify_cancel():
-                continue  # cancelled or expired while queued
-            with self._lock:
-                self.running[slot] = job
-            try:
-                job.future.set_result(self._compile(slot, job))
-            except BaseException as exc:  # every outcome goes to the waiter
-                job.future.set_exception(exc)
-            finally:
-                with self._lock:
-                    self.running[slot] = None
-            del job  # waiting for the next one must not keep this one's grammar alive
-
-    def _worker(self, slot: int) -> _Worker:
-        with self._lock:
-            worker = self.workers[slot]
-            if worker is None or not worker.alive:
-                worker = _Worker(self.compiler._worker_source())
-                self.workers[slot] = worker
-        return worker
-
-    def _drop(self, slot: int, worker: _Worker) -> None:
-        worker.dispose()
-        with self._lock:
-            if self.workers[slot] is worker:
-                self.workers[slot] = None
-
-    def _compile(self, slot: int, job: CompileJob) -> Grammar:
-        config = self.config
-        worker = self._worker(slot)
-        try:
-            kept = worker.compile(job, config)
-        except BaseException:
-            self._drop(slot, worker)
-            raise
-        charge = _charge(kept, config)
-        if charge > config.max_bytes:
-            raise GrammarLimitError(
-                f"its grammar keeps {kept / _MIB:.1f} MiB, and with the "
-                f"{config.lexer_bytes / _MIB:.0f} MiB its lexer may add that is more than "
-                f"one grammar's share, --grammar-max-bytes {config.max_bytes / _MIB:.0f} MiB; "
-                "simplify the schema or raise --grammar-max-bytes",
-                "memory",
-                config.max_bytes,
-            )
-        if job.reserve is not None:
-            job.reserve(charge)
-        if job.cancelled.is_set():
-            raise GrammarCancelled("the compile was cancelled")
-        # Proven bounded in the worker: this compile takes what that one took.
-        return self.compiler._compile_schema(job.text, charge)
-
-
-def _lower_priority() -> None:
-    """This thread at the lowest CPU priority (Linux: nice is per thread)."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-
-
-class _Worker:
-    """One worker process: a Python that imports llguidance only (no torch), builds the
-    tokenizer index once, then compiles one schema at a time and reports what the grammar
-    keeps (malloc's bytes in use). Killed on any bound, cancellation or close."""
-
-    def __init__(self, source: tuple[Any, int, list[int]]) -> None:
-        self.process = subprocess.Popen(
-            [sys.executable, "-I", "-c", _WORKER_CODE],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # a terminal's Ctrl-C is the server's to handle
-        )
-        assert self.process.stdin is not None and self.process.stdout is not None
-        self._in, self._out = self.process.stdin, self.process.stdout
-        self._send(source)
-        reply = self._receive()
-        if reply != ("ready",):
-            self.dispose()
-            raise GrammarError(f"the grammar worker did not start: {reply!r}")
-
-    @property
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def kill(self) -> None:
-        """Kill the process (any thread; a compile reading from it then sees it end)."""
-        with contextlib.suppress(OSError):
-            self.process.kill()
-        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
-            self.process.wait(timeout=5)
-
-    def dispose(self) -> None:
-        """`kill`, and close its pipes (only the thread that compiles with it)."""
-        self.kill()
-        for stream in (self._in, self._out):
-            with contextlib.suppress(OSError):
-                stream.close()
-
-    def compile(self, job: CompileJob, config: GrammarConfig) -> int:
-        """The bytes the grammar of ``job`` keeps; raises `GrammarError` for a schema
-        llguidance refuses, `GrammarLimitError` past a bound, `GrammarCancelled`."""
-        baseline = rss_bytes(self.process.pid)
-        try:
-            self._send((job.text, _JSON_OPTIONS, config.limits()))
-        except OSError:  # the worker was killed before it had the schema (a broken pipe)
-            if job.cancelled.is_set():  # by close() or a cancel
-                raise GrammarCancelled("the compile was cancelled") from None
-            raise
-        start = time.monotonic()
-        peak = 0
-        while True:
-            ready, _, _ = select.select([self._out], [], [], POLL_S)
-            if ready:
-                try:
-                    reply = self._receive()
-                except GrammarError:
-                    if job.cancelled.is_set():  # killed by close()
-                        raise GrammarCancelled("the compile was cancelled") from None
-                    raise
-                break
-            if job.cancelled.is_set():
-                raise GrammarCancelled("the compile was cancelled")
-            elapsed = time.monotonic() - start
-            if elapsed > config.timeout_s:
-                raise GrammarLimitError(
-                    f"it did not compile within --grammar-timeout {config.timeout_s:g} s "
-                    "(stopped); simplify the schema (fewer combined patterns or alternatives) "
-                    "or raise --grammar-timeout",
-                    "timeout",
-                    config.timeout_s,
-                )
-            grown = rss_bytes(self.process.pid) - baseline
-            peak = max(peak, grown)
-            if grown > config.max_bytes:
-                raise GrammarLimitError(
-                    f"compiling it took more than --grammar-max-bytes "
-                    f"{config.max_bytes / _MIB:.0f} MiB (stopped at {grown / _MIB:.0f} MiB after "
-                    f"{elapsed:.1f} s); simplify the schema or raise --grammar-max-bytes",
-                    "memory",
-                    config.max_bytes,
-                )
-        kind = reply[0]
-        if kind == "ok":
-            return int(reply[1])
-        if kind == "empty":
-            raise GrammarError(
-                "JSON schema: it admits no document at all (no first token is allowed): give "
-                "every $ref loop a way out, or remove the contradictory keywords"
-            )
-        if kind == "schema":
-            raise GrammarError(f"the JSON schema is not usable: {reply[1]}")
-        raise GrammarError(f"JSON schema: {_first_line(str(reply[1]))}")
-
-    def _send(self, message: Any) -> None:
-        data = pickle.dumps(message)
-        self._in.write(struct.pack("<I", len(data)) + data)
-        self._in.flush()
-
-    def _receive(self) -> Any:
-        head = self._out.read(4)
-        if len(head) < 4:
-            code = self.process.wait()
-            raise GrammarError(f"the grammar worker died compiling it (exit status {code})")
-        (size,) = struct.unpack("<I", head)
-        return pickle.loads(self._out.read(size))
-
-
-# The worker's program: its own interpreter (-I), importing llguidance alone. Frames are a
-# little-endian u32 length and a pickle, both ways; the parent is the only peer.
-_WORKER_CODE = r"""
-import ctypes, os, pickle, signal, struct, sys
-try:
-    os.nice(19)
-except OSError:
-    pass
-try:
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the server
-except Exception:
-    pass
-read, write = sys.stdin.buffer, sys.stdout.buffer
-
-def receive():
-    head = read.read(4)
-    if len(head) < 4:
-        sys.exit(0)
-    return pickle.loads(read.read(struct.unpack("<I", head)[0]))
-
-def send(message):
-    data = pickle.dumps(message)
-    write.write(struct.pack("<I", len(data)) + data)
-    write.flush()
-
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in (
-        "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
-    ).split()]
-
-try:
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = MallInfo2
-    def in_use():
-        info = libc.mallinfo2()
-        return info.uordblks + info.hblkhd
-except Exception:
-    def in_use():
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-import llguidance
-
-class Tokens:
-    def __init__(self, source):
-        self.tokens = source["tokens"]
-        self.eos_token_id = source["eos_token_id"]
-        self.bos_token_id = source["bos_token_id"]
-        self.special_token_ids = source["special_token_ids"]
-    def __call__(self, text):
-        return []  # compiling never encodes text
-
-source, n_vocab, eos = receive()
-if isinstance(source, dict):
-    source = llguidance.TokenizerWrapper(Tokens(source))
-index = llguidance.LLTokenizer(source, n_vocab=n_vocab, eos_token=eos)
-send(("ready",))
-while True:
-    text, options, limits = receive()
-    before = in_use()
-    try:
-        grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=options)
-    except ValueError as exc:
-        send(("schema", str(exc)))
-        continue
-    matcher = llguidance.LLMatcher(
-        index, grammar, log_level=0, limits=llguidance.LLParserLimits(**limits)
-    )
-    if matcher.is_error():
-        send(("error", matcher.get_error()))
-        continue
-    start = matcher.deep_copy()
-    bits = int.from_bytes(start.compute_bitmask(), "little")
-    allowed = bin(bits).count("1") - sum(bits >> e & 1 for e in set(eos))
-    if start.is_error() or allowed <= 0:
-        send(("empty",))
-        continue
-    forced = start.compute_ff_tokens()
-    if (forced and not start.consume_tokens(forced)) or start.is_error():
-        send(("error", "the grammar engine cannot follow it past its first %d tokens (%s); "
-              "simplify the schema (fewer properties or alternatives)"
-              % (len(forced), start.get_error().strip().splitlines()[0])))
-        continue
-    del start
-    send(("ok", max(in_use() - before, 0)))
-    del matcher
-"""
-
-
 def _llguidance_source(tokenizer: Tokenizer) -> Any:
     """What llguidance reads a tokenizer from: a Hugging Face backend's JSON, or for a
     SentencePiece vocabulary (which `tokenizers` cannot express) each token's bytes, the
@@ -909,15 +477,11 @@ class Grammar:
             matcher = self._template.deep_copy()
         for index, token in enumerate(body):
             if not matcher.consume_token(token):
-                reason = _first_line(matcher.get_error()) if matcher.is_error() else "refused"
+                reason = first_line(matcher.get_error()) if matcher.is_error() else "refused"
                 return f"token {index} of {len(body)} was not allowed ({reason})"
         if not matcher.is_accepting():
             return f"the document is incomplete after {len(body)} tokens"
         return None
-
-
-def _first_line(message: str) -> str:
-    return message.strip().splitlines()[0] if message.strip() else "invalid grammar"
 
 
 class GrammarMatcher:
@@ -974,4 +538,4 @@ class GrammarMatcher:
 
     @property
     def error(self) -> str | None:
-        return _first_line(self._matcher.get_error()) if self._matcher.is_error() else None
+        return first_line(self._matcher.get_error()) if self._matcher.is_error() else None

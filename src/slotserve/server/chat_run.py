@@ -93,9 +93,9 @@ async def start_chat(
     grammars = state.grammars_of(engine)
     grammar: Grammar | None
     if plan is not None:
-        grammar = await tool_grammar(grammars, plan, tokenizer)
+        grammar = await tool_grammar(grammars, plan, tokenizer, request)
     else:
-        grammar = await response_grammar(grammars, chat)
+        grammar = await response_grammar(grammars, chat, request)
     room = engine.config.max_context - len(tokens)
     bias = logit_bias(engine, chat)
     params = [sampling_params(chat, room, i, state.sampling, grammar, bias) for i in range(n)]

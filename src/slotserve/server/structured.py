@@ -20,6 +20,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -119,7 +120,21 @@ class GrammarCache:
         """The cached grammar, or the compile to wait for (joined when one for the same
         schema is under way; `leave` it when no longer waiting). Raises `GrammarError` at
         once for a schema refused before."""
-        key = schema_text(schema)
+        return self._lookup(
+            schema_text(schema), lambda reserve: self.compiler.submit(schema, reserve)
+        )
+
+    def lookup_grammar(self, grammar: str, description: str) -> Grammar | _Pending:
+        """As `lookup`, for llguidance grammar text (a reply's tool calls), cached and
+        bounded as schemas are; ``description`` names it in errors."""
+        return self._lookup(
+            "grammar:" + grammar,  # schema texts are JSON: never this prefix
+            lambda reserve: self.compiler.submit_grammar(grammar, description, reserve),
+        )
+
+    def _lookup(
+        self, key: str, submit: Callable[[Callable[[int], None]], CompileJob]
+    ) -> Grammar | _Pending:
         with self._lock:
             if key in self._grammars:
                 self._grammars.move_to_end(key)
@@ -131,7 +146,7 @@ class GrammarCache:
                 pending.waiters += 1
                 return pending
             reserved = [0]
-            job = self.compiler.submit(schema, lambda nbytes: self._reserve(nbytes, reserved))
+            job = submit(lambda nbytes: self._reserve(nbytes, reserved))
             pending = self._pending[key] = _Pending(job)
         # The callback holds no reference to the job: a cycle through the future would keep
         # its grammar alive after eviction until the cyclic collector ran.
@@ -221,8 +236,23 @@ async def response_grammar(
         assert response_format.json_schema is not None  # ResponseFormat checks it
         schema = response_format.json_schema.schema_ or {}
     param = SCHEMA_PARAM if schema is not None else "response_format"
+    return await compiled(grammars, lambda: grammars.lookup(schema), request, param)
+
+
+async def compiled(
+    grammars: GrammarCache,
+    lookup: Callable[[], Grammar | _Pending],
+    request: Request | None,
+    param: str,
+    refused: str = "unsupported_schema",
+) -> Grammar:
+    """The grammar ``lookup`` finds or starts compiling in ``grammars``' bounded pool,
+    waited for as `_wait` does. Each way it can fail is the API's error naming ``param``:
+    a schema or grammar the engine refuses is a 400 with code ``refused``, one past a
+    compile bound a 400 ``schema_too_complex``, no compile slot in time a 429, shutdown a
+    503."""
     try:
-        found = grammars.lookup(schema)
+        found = lookup()
         if isinstance(found, Grammar):
             return found
         return await _wait(grammars, found, request)
@@ -232,7 +262,7 @@ async def response_grammar(
         ) from None
     except GrammarError as exc:
         raise APIError(
-            400, f"{param}: {exc}", "invalid_request_error", param=param, code="unsupported_schema"
+            400, f"{param}: {exc}", "invalid_request_error", param=param, code=refused
         ) from None
     except GrammarBusy as exc:
         raise APIError(

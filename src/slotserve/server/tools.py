@@ -13,7 +13,6 @@ are compiled by the served model's `GrammarCache` compiler.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 from collections.abc import Sequence
@@ -23,12 +22,13 @@ from typing import Any
 import jinja2
 import jinja2.meta
 import tokenizers
+from fastapi import Request
 
-from slotserve.sampling import Grammar, GrammarError
+from slotserve.sampling import Grammar
 from slotserve.server.errors import APIError
 from slotserve.server.reasoning import CLOSE, OPEN, thinks
 from slotserve.server.schemas import ChatCompletionRequest, ChatMessage
-from slotserve.server.structured import GrammarCache
+from slotserve.server.structured import GrammarCache, compiled
 from slotserve.server.tool_formats import (
     GENERIC,
     HERMES,
@@ -41,6 +41,7 @@ from slotserve.server.tool_specs import FunctionSpec, NamedToolChoice
 from slotserve.tokenizer import Tokenizer
 
 INVALID = "invalid_request_error"
+REFUSED = "invalid_schema"  # the code of a tool's schema the grammar engine refuses
 
 
 @dataclass(frozen=True)
@@ -144,17 +145,19 @@ def plan_tools(tokenizer: Tokenizer, body: ChatCompletionRequest) -> ToolPlan | 
     )
 
 
-async def tool_grammar(grammars: GrammarCache, plan: ToolPlan, tokenizer: Tokenizer) -> Grammar:
-    """The grammar of ``plan``'s reply. Each function's schema is compiled on its own first
-    (and cached), so a schema the grammar engine refuses is a 400 naming that tool."""
+async def tool_grammar(
+    grammars: GrammarCache, plan: ToolPlan, tokenizer: Tokenizer, request: Request | None = None
+) -> Grammar:
+    """The grammar of ``plan``'s reply, compiled in ``grammars``' bounded pool as a
+    ``response_format`` schema is (time and memory bounds, a queue deadline, cancelled when
+    the client disconnects). Each function's schema is compiled on its own first (and
+    cached), so a schema the grammar engine refuses is a 400 naming that tool; then the
+    reply's grammar, which holds them all."""
     for index, function in enumerate(plan.offered):
-        if function not in plan.callable:
-            continue
-        try:
-            await asyncio.to_thread(grammars.get, function.arguments_schema())
-        except GrammarError as exc:
+        if function in plan.callable:
+            lookup = functools.partial(grammars.lookup, function.arguments_schema())
             param = f"tools.{index}.function.parameters"
-            raise APIError(400, f"{param}: {exc}", INVALID, param, "invalid_schema") from None
+            await compiled(grammars, lookup, request, param, REFUSED)
     # A thinking model's tags may come before a call, in the free text (`reasoning`).
     tags = added_tokens(tokenizer, (OPEN, CLOSE)) if thinks(tokenizer) else {}
     text = call_grammar(
@@ -165,10 +168,9 @@ async def tool_grammar(grammars: GrammarCache, plan: ToolPlan, tokenizer: Tokeni
         specials=plan.specials(tokenizer),
         free_tokens=tuple(tags.values()),
     )
-    try:
-        return await asyncio.to_thread(grammars.compiler.compile, text, "tool calls")
-    except GrammarError as exc:
-        raise APIError(400, f"tools: {exc}", INVALID, "tools", "invalid_schema") from None
+    return await compiled(
+        grammars, lambda: grammars.lookup_grammar(text, "tool calls"), request, "tools", REFUSED
+    )
 
 
 # -- the conversation, as the template reads it ----------------------------------------
