@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 ACTIVATIONS = ("silu", "gelu_tanh")
+# How an embedding is pooled from the final hidden states: their mean, the first token's
+# (llama.cpp's CLS) or the last token's.
+Pooling = Literal["mean", "cls", "last"]
+POOLINGS: tuple[Pooling, ...] = get_args(Pooling)
 
 
 @dataclass(frozen=True)
@@ -70,8 +74,11 @@ class ModelInfo:
     post_norms: bool = False
     activation: str = "silu"
     embed_scale: float = 1.0
+    pooling: Pooling | None = None  # the model's own embedding pooling, where it names one
 
     def __post_init__(self) -> None:
+        if self.pooling is not None and self.pooling not in POOLINGS:
+            raise ValueError(f"pooling {self.pooling!r} is not one of {POOLINGS}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(
                 f"ModelInfo.activation {self.activation!r} is not one of {ACTIVATIONS}"

@@ -261,13 +261,15 @@ def write_tiny_gguf(
     seed: int = 0,
     drop: tuple[str, ...] = (),
     layers: int | None = None,
+    pooling_type: int | None = None,
 ) -> Path:
     """Write the tiny model ``kind`` (llama, qwen2, qwen3 or gemma3) as a GGUF file, its 2-D
     weights stored as ``qtype`` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, ..., or ``Q4_K_M``:
     llama.cpp's mix of types, `Q4_K_M_TYPES`, with random K-quant blocks), laid out as
     llama.cpp's converter lays them out (Q/K rows permuted for llama). The GGUF tensors
     named in ``drop`` are left out (a broken file, for tests); ``layers`` replaces the
-    kind's layer count (fewer layers: a quicker export)."""
+    kind's layer count (fewer layers: a quicker export); ``pooling_type`` is written as
+    ``{arch}.pooling_type`` (llama.cpp's embedding pooling) where given."""
     import gguf
     import numpy as np
 
@@ -290,6 +292,8 @@ def write_tiny_gguf(
         writer.add_value_length(config["head_dim"])
     writer.add_rope_freq_base(config["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    if pooling_type is not None:
+        writer.add_uint32(f"{arch}.pooling_type", pooling_type)
     if arch == "gemma3":
         writer.add_sliding_window(config["sliding_window"])
         writer.add_uint32(

@@ -197,3 +197,16 @@ def test_a_tensor_type_the_runtime_lacks_is_named(tmp_path: Path) -> None:
     with pytest.raises(ss.ArtifactError) as err:
         load_gguf(path, use_cache=False)
     assert err.value.field == "blk.0.attn_q.weight"
+
+
+@pytest.mark.parametrize("value,pooling", [(0, None), (1, "mean"), (2, "cls"), (3, "last")])
+def test_a_ggufs_pooling_type_is_read(tmp_path: Path, value: int, pooling: str | None) -> None:
+    path = write_tiny_gguf(tmp_path / "p.gguf", "llama", pooling_type=value)
+    assert ss.load(path, progress=False).info.pooling == pooling
+
+
+def test_a_pooling_type_this_runtime_lacks_names_the_key(tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / "rank.gguf", "llama", pooling_type=4)  # a reranker's
+    with pytest.raises(ss.ArtifactError, match="4 \\(rank\\) is a reranker's") as err:
+        ss.load(path, progress=False)
+    assert err.value.field == "llama.pooling_type"

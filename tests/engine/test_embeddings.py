@@ -25,7 +25,7 @@ def reference(path: Path, ids: list[int], pooling: Pooling) -> torch.Tensor:
     ).eval()
     with torch.no_grad():
         hidden = model(torch.tensor([ids])).last_hidden_state[0]
-    vector = hidden.mean(dim=0) if pooling == "mean" else hidden[-1]
+    vector = {"mean": hidden.mean(dim=0), "cls": hidden[0], "last": hidden[-1]}[pooling]
     return torch.nn.functional.normalize(vector, dim=0)
 
 
@@ -44,7 +44,7 @@ KV_TOLERANCE = {"fp32": 1e-4, "fp16": 5e-4}
 
 @pytest.mark.parametrize("kv_dtype", sorted(KV_TOLERANCE))
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-@pytest.mark.parametrize("pooling", ["mean", "last"])
+@pytest.mark.parametrize("pooling", ["mean", "cls", "last"])
 def test_pooled_hidden_states_match_transformers(
     tiny_dirs: dict[str, Path], kind: str, pooling: Pooling, kv_dtype: str
 ) -> None:
@@ -84,8 +84,9 @@ def test_with_the_prefix_cache_mean_pooling_restores_nothing(make_engine: object
     torch.testing.assert_close(first, second, rtol=0, atol=1e-6)
     last = engine.submit(prompt, EMBED, pooling="last").result()
     assert last.usage.cached_tokens == len(prompt) - 1  # the last row is always computed
-    mean = engine.submit(prompt, EMBED, pooling="mean").result()
-    assert mean.usage.cached_tokens == 0
+    for pooling in ("mean", "cls"):  # every row pooled, or the first: none restored
+        pooled = engine.submit(prompt, EMBED, pooling=pooling).result()
+        assert pooled.usage.cached_tokens == 0
 
 
 def test_an_embedding_request_generates_nothing(make_engine: object) -> None:

@@ -117,8 +117,10 @@ def test_errors_in_the_api_shape(client: Any, server: ServerProcess) -> None:
         client.messages.create(model="claude-x", max_tokens=4, messages=HI)
     assert missing.value.body["error"]["type"] == "not_found_error"
     orphan = [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1"}]}]
-    with pytest.raises(anthropic.BadRequestError, match="tool_call_id"):
+    with pytest.raises(anthropic.BadRequestError) as unanswered:
         client.messages.create(model=server.model_name, max_tokens=4, messages=orphan)
+    message = unanswered.value.body["error"]["message"]
+    assert message.startswith("messages.0.content.0.tool_use_id: 't1' answers no tool_use")
 
 
 @pytest.mark.parametrize(

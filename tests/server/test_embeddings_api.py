@@ -3,11 +3,14 @@ tiny model: text, token and batched inputs, float and base64, refusals naming th
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import numpy as np
 import openai
 import pytest
 
+from slotserve.testing import write_tiny_gguf
 from tests.server.conftest import ServerProcess
 
 TEXTS = ["the cat sat", "on the mat", "x"]
@@ -48,6 +51,23 @@ def test_last_token_pooling_differs(client: openai.OpenAI, tiny_server: ServerPr
     mean = vectors(floats(client, model, input="hello world"))
     last = floats(client, model, input="hello world", extra_body={"pooling": "last"})
     assert np.abs(vectors(last) - mean).max() > 1e-3
+
+
+def test_the_ggufs_pooling_type_is_the_default(tmp_path: Path) -> None:
+    """A GGUF that names its pooling (``llama.pooling_type`` 3: last token) is pooled that
+    way unless the request says otherwise."""
+    gguf = write_tiny_gguf(tmp_path / "last.gguf", "llama", pooling_type=3)
+    server = ServerProcess(str(gguf), "--max-seqs", "2", "--max-context", "64")
+    try:
+        with openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+            model = server.model_name
+            default = vectors(floats(client, model, input="hello world"))
+            last = floats(client, model, input="hello world", extra_body={"pooling": "last"})
+            mean = floats(client, model, input="hello world", extra_body={"pooling": "mean"})
+        np.testing.assert_array_equal(default, vectors(last))
+        assert np.abs(default - vectors(mean)).max() > 1e-3
+    finally:
+        assert server.stop() == 0
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,7 @@ from gguf.quants import dequantize
 from slotserve.artifact.gguf_reader import GGUFFile, GGUFTensor, read_gguf, utf8_error
 from slotserve.artifact.gguf_tokenizer import TOKENS_KEY
 from slotserve.errors import ArtifactError
-from slotserve.info import ModelInfo, RopeConfig
+from slotserve.info import ModelInfo, Pooling, RopeConfig
 from slotserve.model.gguf_linear import BlockLinear, to_q4_1
 
 WeightT = TypeVar("WeightT", torch.Tensor, BlockLinear)
@@ -169,7 +169,27 @@ def model_info_from_gguf(
         post_norms=gemma,
         activation="gelu_tanh" if gemma else "silu",
         embed_scale=math.sqrt(dim) if gemma else 1.0,
+        pooling=_pooling(meta, f"{arch}.pooling_type", path),
     )
+
+
+# llama.cpp's `llama_pooling_type`: 0 none, 1 mean, 2 CLS, 3 last, 4 rank (a reranker's).
+GGUF_POOLING: dict[int, Pooling | None] = {0: None, 1: "mean", 2: "cls", 3: "last"}
+
+
+def _pooling(meta: Mapping[str, Any], key: str, path: Path) -> Pooling | None:
+    """The embedding pooling the file names (None where it names none)."""
+    value = meta.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value not in GGUF_POOLING:
+        raise ArtifactError(
+            path,
+            f"{key}={value!r} is not a pooling this runtime implements: 0 (none), 1 (mean), "
+            "2 (cls) or 3 (last); 4 (rank) is a reranker's, which is not served here",
+            key,
+        )
+    return GGUF_POOLING[value]
 
 
 def _gemma3_windows(

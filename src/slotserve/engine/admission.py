@@ -210,7 +210,7 @@ class Admission:
         pending = None
         if self.prefix is None:
             self.pool.reserve(request.request_id, request.reservation)
-        elif request.pooling == "mean":  # every prompt row is pooled: none may be restored
+        elif request.pooling in ("mean", "cls"):  # a pooled row is never restored
             self.prefix.bind(request.request_id, (), request.reservation)
         else:
             pending = self._bind_restoring(request, self.prefix, defer_store)

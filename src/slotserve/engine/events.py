@@ -7,13 +7,13 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from slotserve.engine.timings import RequestTimings
+from slotserve.info import POOLINGS, Pooling
 
 Priority = Literal["interactive", "normal", "background"]
 PRIORITIES: tuple[Priority, ...] = get_args(Priority)  # highest class first
 FinishReason = Literal["stop", "length", "cancelled", "error"]
-# How an embedding request pools its prompt's final hidden states into one vector.
-Pooling = Literal["mean", "last"]
-POOLINGS: tuple[Pooling, ...] = get_args(Pooling)
+# `Pooling` (info.py): how an embedding request pools its prompt's final hidden states.
+__all__ = ["POOLINGS", "PRIORITIES", "FinishReason", "Pooling", "Priority", "check_priority"]
 
 
 def check_priority(value: str) -> Priority:

@@ -84,9 +84,13 @@ class Request:
 
     def pool_rows(self, hidden: torch.Tensor) -> None:
         """Pool the final hidden states ``[n, dim]`` of the prompt chunk just computed: their
-        sum (mean pooling, float64) or the last row (last-token pooling)."""
+        sum (mean pooling, float64), the prompt's first row (CLS pooling: the first chunk's)
+        or the last row (last-token pooling)."""
         if self.pooling == "last":
             self.pooled = hidden[-1].double()
+        elif self.pooling == "cls":
+            if self.pooled is None:
+                self.pooled = hidden[0].double()
         else:
             total = hidden.double().sum(dim=0)
             self.pooled = total if self.pooled is None else self.pooled + total

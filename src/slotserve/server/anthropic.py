@@ -133,8 +133,10 @@ def _text(content: Any, param: str) -> str:
 
 
 def chat_messages(body: MessagesRequest | CountTokensRequest) -> list[dict[str, Any]]:
-    """``system`` and ``messages`` as chat messages."""
+    """``system`` and ``messages`` as chat messages. A ``tool_result`` must answer a
+    ``tool_use`` block of an earlier turn (a 400 naming its ``tool_use_id``)."""
     messages: list[dict[str, Any]] = []
+    used: set[str] = set()  # the tool_use ids of the turns so far
     if body.system:
         messages.append({"role": "system", "content": _text(body.system, "system")})
     for index, message in enumerate(body.messages):
@@ -158,13 +160,18 @@ def chat_messages(body: MessagesRequest | CountTokensRequest) -> list[dict[str, 
                 function = {"name": _field(block, "name", str, param), "arguments": arguments}
                 call_id = _field(block, "id", str, param)
                 calls.append({"id": call_id, "type": "function", "function": function})
+                used.add(call_id)
             elif kind in ("thinking", "redacted_thinking") and role == "assistant":
                 continue  # past reasoning: the template renders none
             elif kind == "tool_result" and role == "user":
                 result = _text(block.get("content"), f"{param}.content")
                 if _field(block, "is_error", bool, param, False):
                     result = f"error: {result}"
-                answer = {"role": "tool", "tool_call_id": _field(block, "tool_use_id", str, param)}
+                use_id = _field(block, "tool_use_id", str, param)
+                if use_id not in used:
+                    reason = f"{use_id!r} answers no tool_use block of an earlier turn"
+                    raise _refuse(f"{param}.tool_use_id", reason)
+                answer = {"role": "tool", "tool_call_id": use_id}
                 messages.append({**answer, "content": result})
             else:
                 raise _refuse(f"{param}.type", f"{kind!r} blocks are not supported in {role} turns")

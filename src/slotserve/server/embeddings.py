@@ -2,8 +2,9 @@
 
 Each input is one engine request with ``pooling`` (`Engine.submit`): prefill only, admitted
 under the same slots, KV reservations, classes and queue as every other request, so
-embeddings never bypass the memory plan; its final hidden states are pooled (``mean``, the
-default, or ``last``: slotserve's ``pooling`` field) and L2-normalised by the engine. Inputs
+embeddings never bypass the memory plan; its final hidden states are pooled and
+L2-normalised by the engine: as slotserve's ``pooling`` field says (``mean``, ``cls``,
+``last``), else as the model's GGUF says (``pooling_type``), else ``mean``. Inputs
 go in waves of at most ``max_seqs``, each wave admitted whole or refused whole; a client
 that disconnects cancels them. ``dimensions`` is refused unless it is the model's width
 (no model served here is trained to be truncated).
@@ -39,7 +40,7 @@ class EmbeddingRequest(Body):
     dimensions: int | None = Field(default=None, ge=1)
     user: str | None = None
     priority: Priority | None = None  # slotserve's: the class of its requests
-    pooling: Pooling = "mean"  # slotserve's: how the hidden states become one vector
+    pooling: Pooling | None = None  # slotserve's: how the hidden states become one vector
 
     @field_validator("input")
     @classmethod
@@ -110,9 +111,10 @@ def _submit_wave(
 ) -> list[RequestHandle]:
     """Submit one embedding request per prompt: all admitted (or queued), or none left."""
     handles: list[RequestHandle] = []
+    pooling = body.pooling or engine.model.info.pooling or "mean"
     try:
         for prompt in prompts:
-            handles.append(engine.submit(prompt, params, priority, pooling=body.pooling))
+            handles.append(engine.submit(prompt, params, priority, pooling=pooling))
     except (AdmissionRefused, ValueError) as exc:
         for handle in handles:
             handle.cancel()
