@@ -7,6 +7,7 @@ Scenario options (`BenchOptions`) reach the scenarios only through `run_bench`.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from slotserve.bench.serving import run_bargein, run_concurrency, run_mixed
 from slotserve.bench.single import run_single
 from slotserve.bench.structured import run_structured
 from slotserve.model import Model
+from slotserve.native import on_own_thread
 
 SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "single": run_single,
@@ -84,7 +86,10 @@ def run_bench(
     for name in names:
         log.info("bench: %s", name)
         kwargs = scenario_kwargs(name, options, model)
-        results[name] = SCENARIOS[name](model, repeats=repeats, **kwargs)
+        # On a thread that ends with the scenario: a kernel team an in-process loop starts
+        # there must not outlive it and throttle the next scenario's engine (native.threads).
+        scenario_run = functools.partial(SCENARIOS[name], model, repeats=repeats, **kwargs)
+        results[name] = on_own_thread(scenario_run)
         if name == "single" and baselines:
             from slotserve.bench.baselines import run_baselines
 

@@ -21,7 +21,12 @@ from typing import Literal, TypeVar
 from slotserve.native import build
 from slotserve.native.attention import AttentionKernel
 from slotserve.native.blocks import BlockKernel
-from slotserve.native.threads import dedicate_cores_to_kernels, process_cores
+from slotserve.native.threads import (
+    dedicate_cores_to_kernels,
+    on_own_thread,
+    one_thread,
+    process_cores,
+)
 
 KernelChoice = Literal["auto", "off"]
 KERNEL_CHOICES: tuple[KernelChoice, ...] = ("auto", "off")
@@ -97,6 +102,8 @@ __all__ = [
     "Kernels",
     "build_kernels",
     "dedicate_cores_to_kernels",
+    "on_own_thread",
+    "one_thread",
     "process_cores",
     "require_block_kernel",
 ]

@@ -13,6 +13,14 @@ team on its thread that outlives it, and the engine thread's kernels then start 
 one (measured: the bundled model served 79 tok/s instead of 159 when load() gave torch one
 thread only after reading the file; AMD EPYC, 2 cores).
 
+The same holds for the kernels' own regions: one thread of the process runs them on all
+cores, the engine's. A parallel region started on any other thread leaves a team there for
+the life of the process, libgomp then manages more threads than there are cores and spins
+only ~100 times before it sleeps (its "throttled" mode), and each of the engine's regions
+waits for its worker to wake: the bundled model decoded 45-63 tok/s instead of 98 once the
+load had run its first step on the main thread with both threads (AMD EPYC, 2 cores, a
+VM). Kernel calls on any other thread run in `one_thread`.
+
 Spinning assumes the cores are the process's own. When another process takes one, the
 engine's `slotserve.native.contention.ThreadGovernor` drops the kernels to one thread until
 it is free again.
@@ -20,12 +28,17 @@ it is free again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
 _log = logging.getLogger("slotserve")
+T = TypeVar("T")
 
 
 def process_cores() -> int:
@@ -46,3 +59,42 @@ def dedicate_cores_to_kernels() -> None:
             torch.get_num_threads(),
         )
         torch.set_num_threads(1)
+
+
+@contextlib.contextmanager
+def one_thread(kernels: Any) -> Iterator[None]:
+    """The body's kernel calls on the calling thread alone (``kernels``: a
+    `slotserve.native.Kernels`), so that thread starts no OpenMP team (see the module
+    doc): for kernel calls made outside the engine's thread. Restores the thread counts
+    after."""
+    threaded = [k for k in (kernels.blocks, kernels.attention) if k is not None]
+    counts = [k.threads for k in threaded]
+    for kernel in threaded:
+        kernel.threads = 1
+    try:
+        yield
+    finally:
+        for kernel, count in zip(threaded, counts, strict=True):
+            kernel.threads = count
+
+
+def on_own_thread(function: Callable[[], T]) -> T:
+    """``function()`` on a thread of its own that ends with it, so whatever OpenMP team its
+    kernel calls start on that thread ends too (see the module doc): for work that runs
+    kernels on all cores outside an engine (a bench's in-process loop). Its exception, if
+    any, is raised here."""
+    result: list[T] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(function())
+        except BaseException as exc:  # handed to the caller
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="slotserve-kernels")
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return result[0]
