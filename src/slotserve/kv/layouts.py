@@ -214,9 +214,9 @@ class CellGroup(PrefixGroup):
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one whole block in every layer (copy-on-write)."""
-        cells = torch.arange(self.block_size)
+        size = self.block_size
         for storage in (*self.keys.values(), *self.values.values()):
-            storage.copy_cells(src * self.block_size + cells, dst * self.block_size + cells)
+            storage.copy_run(src * size, dst * size, size)
 
 
 class RingGroup(LayerGroup):

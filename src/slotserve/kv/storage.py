@@ -47,6 +47,13 @@ class KVStorage:
         if self.scales is not None and other.scales is not None:
             self.scales.index_copy_(0, dst, other.scales[src])
 
+    def copy_run(self, src: int, dst: int, count: int) -> None:
+        """Cells ``src..src+count`` into ``dst..dst+count`` (runs that do not overlap), bit
+        for bit: two slice copies, no index tensors (a copy-on-write block's cells)."""
+        self.data.narrow(0, dst, count).copy_(self.data.narrow(0, src, count))
+        if self.scales is not None:
+            self.scales.narrow(0, dst, count).copy_(self.scales.narrow(0, src, count))
+
     def copy_cells(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         self.data.index_copy_(0, dst, self.data[src])
         if self.scales is not None:
