@@ -96,3 +96,18 @@ def test_an_embedding_request_generates_nothing(make_engine: object) -> None:
     assert engine.embeds
     plain = engine.submit([5, 6], SamplingParams(max_new_tokens=2)).result()
     assert plain.embedding is None
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls", "last"])
+def test_batched_embeddings_equal_alone_bit_for_bit_on_blocks(
+    make_engine: object, bundled_blocks: ss.Model, pooling: Pooling
+) -> None:
+    """On the block kernels (batch-invariant, issue 25) an input's vector is the same bits
+    whatever it is batched or chunked with: co-batched, the long one in chunks of 32,
+    against each alone in one chunk."""
+    prompts = [[1, *range(200, 260)], [1, 500, 501], [1, *range(900, 1000)]]
+    engine = make_engine(bundled_blocks, max_seqs=4, max_context=128, max_batch_tokens=32)  # type: ignore[operator]
+    together = embed(engine, prompts, pooling)
+    alone = make_engine(bundled_blocks, max_seqs=1, max_context=128, max_batch_tokens=128)  # type: ignore[operator]
+    for prompt, vector in zip(prompts, together, strict=True):
+        assert torch.equal(embed(alone, [prompt], pooling)[0], vector)
