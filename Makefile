@@ -36,7 +36,7 @@ run: $(STAMP)
 # about 40 s, the installs mostly wait on the disk and the network), then the suite.
 test: $(STAMP)
 	$(MAKE) --no-print-directory -j4 --output-sync=target $(GEMMA) lint types browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # The web page's browser test drives Debian's Chromium (playwright uses it in place;
 # never `playwright install`, which downloads a browser build this network refuses).

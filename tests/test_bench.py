@@ -42,6 +42,10 @@ def test_every_scenario_on_a_tiny_model(tiny: ss.Model, tmp_path: Path) -> None:
     assert structured["grammar_first_compile_s"] > 0
     # The tool-call case needs a longer context (tests/test_bench_structured_tools.py).
     assert "max_context=256" in structured["tool_calls"]["skipped"]
+    hostile = structured["hostile_schemas"]  # a real server beside 8 hostile schemas
+    assert hostile["exit_status"] == 0 and hostile["health_ms_max"] > 0
+    assert hostile["ttft_ratio"]["median"] > 0 and hostile["itl_ratio"]["median"] > 0
+    assert structured["itl_while_compiling"]["itl_ratio_pool"]["median"] > 0
     for row in results["memory"]["layouts"].values():
         assert row["measured_pool_bytes"] == row["planned_bytes"]
         assert row["peak_rss_bytes"] > 0
@@ -59,6 +63,7 @@ def test_every_scenario_on_a_tiny_model(tiny: ss.Model, tmp_path: Path) -> None:
         "### mixed: background share",
         "## bargein",
         "## structured",
+        "### structured: a plain request beside hostile schemas, at the server",
         "## prefix",
         "## layouts",
         "## memory",

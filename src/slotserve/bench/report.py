@@ -12,6 +12,7 @@ from slotserve.bench.executors import executors_section
 from slotserve.bench.prefix_store import store_section
 from slotserve.bench.servers import servers_section
 from slotserve.bench.stats import format_summary, markdown_table
+from slotserve.bench.structured_hostile import hostile_section
 from slotserve.bench.structured_tools import tool_calls_section
 from slotserve.plan import format_bytes
 
@@ -223,6 +224,7 @@ def _structured(r: dict[str, Any]) -> list[str]:
     ]
     lines += markdown_table(header, rows)
     lines += _itl_while_compiling(r["itl_while_compiling"]) if "itl_while_compiling" in r else []
+    lines += hostile_section(r["hostile_schemas"]) if "hostile_schemas" in r else []
     return lines + (tool_calls_section(r["tool_calls"]) if "tool_calls" in r else [])
 
 

@@ -29,6 +29,7 @@ from typing import Any
 from rich.progress import Progress
 
 from slotserve.bench.stats import summary
+from slotserve.bench.structured_hostile import POOL_PATTERNS, run_hostile_schemas, slow_schema
 from slotserve.bench.structured_tools import run_tool_calls
 from slotserve.engine import Engine, EngineConfig, Finished
 from slotserve.model import Model
@@ -57,9 +58,8 @@ SCHEMA: dict[str, Any] = {
 # An interactive request decoding while a compile runs: greedy, this many tokens.
 ITL_TOKENS = 48
 # The slow schema: an allOf of patterns (the issue's probe), exponential in their count.
-# In the pool it never ends (cancelled once the request is done); the old way, in a thread
-# that cannot be stopped, it takes seconds (it must outlast the request: see ``overlap``).
-POOL_PATTERNS = 40
+# The old way, in a thread that cannot be stopped, a schema of this many patterns takes
+# seconds (it must outlast the request: see ``overlap``); in the pool, POOL_PATTERNS.
 THREAD_PATTERNS = 19
 SLOW_CONFIG = GrammarConfig(timeout_s=120.0, max_bytes=2**32, cache_bytes=2**32)
 # The issue's target: ITL while a compile runs within this factor of ITL alone.
@@ -129,12 +129,6 @@ def _compile(model: Model) -> tuple[Grammar, float, float]:
     grammar = compiler.json_schema(SCHEMA)
     again = time.perf_counter() - start
     return grammar, first, again
-
-
-def slow_schema(variant: int, count: int) -> dict[str, Any]:
-    """A schema of ``count`` patterns, slow to compile, distinct per ``variant``."""
-    patterns = [{"pattern": f"[a-z]{{{i},}}"} for i in range(1, count + 1)]
-    return {"type": "string", "allOf": patterns, "description": f"variant {variant}"}
 
 
 def _interactive_itl(engine: Engine, model: Model, seed: int) -> float:
@@ -251,6 +245,7 @@ def run_structured(model: Model, repeats: int = 3) -> dict[str, Any]:
         **{f"step_ratio_batch_{row['batch']}": row["step_ratio"]["median"] for row in rows},
         "tool_calls": tool_calls,
         "itl_while_compiling": run_itl_while_compiling(model, repeats),
+        "hostile_schemas": run_hostile_schemas(model, repeats),
     }
 
 
