@@ -33,10 +33,16 @@ run: $(STAMP)
 	$(BIN)/slotserve serve --model bundled --max-seqs 4 --kv-layout cell
 
 # The checks and the remaining installs run side by side first (mypy keeps a core busy for
-# about 40 s, the installs mostly wait on the disk and the network), then the suite.
+# about 40 s, the installs mostly wait on the disk and the network), then the suite, which
+# must leave the checkout as it found it (git's view of it, before and after).
 test: $(STAMP)
 	$(MAKE) --no-print-directory -j4 --output-sync=target $(GEMMA) lint types browser
+	@git status --porcelain --untracked-files=all > .git/slotserve-test-before 2>/dev/null || true
 	$(BIN)/python -m pytest -q --durations=25
+	@if [ -f .git/slotserve-test-before ]; then \
+		git status --porcelain --untracked-files=all | diff .git/slotserve-test-before - \
+		|| { echo "make test changed the checkout (above): tests must write to temporary dirs"; exit 1; }; \
+	fi
 
 # The web page's browser test drives Debian's Chromium (playwright uses it in place;
 # never `playwright install`, which downloads a browser build this network refuses).
