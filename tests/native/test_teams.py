@@ -15,7 +15,7 @@ import sys
 import pytest
 
 PROBE = r"""
-import os, sys, threading
+import os, sys, threading, time
 import slotserve as ss
 from slotserve.native import on_own_thread, one_thread
 from slotserve.testing import write_tiny_gguf
@@ -32,6 +32,10 @@ with one_thread(model.kernels):
     model.logits(list(range(40)))
 after_one = threads()
 on_own_thread(lambda: model.logits(list(range(40))))
+# The thread's team ends as the thread does, just after join() returns: wait for it.
+deadline = time.monotonic() + 10
+while threads() > before and time.monotonic() < deadline:
+    time.sleep(0.01)
 after_own = threads()
 model.logits(list(range(40)))  # all threads, on this thread: a team stays
 after_main = threads()
