@@ -1,9 +1,9 @@
-"""Kernel calls outside the engine's thread leave no OpenMP team behind (native.threads).
+"""Kernel work outside the engine's thread leaves no OpenMP team behind (native.threads).
 
 A team started on a thread lives as long as the thread; with one on the main thread and one
 on the engine's, libgomp manages more threads than the 2 cores and stops spinning between
-regions, and the bundled model decoded at half speed (the load's first step did this). Each
-check runs in a fresh process, on 2 cores, and counts the process's threads.
+regions, and the bundled model decoded at half speed (the load's first step did this, on
+the main thread). The check runs in a fresh process on 2 cores and counts its threads.
 """
 
 from __future__ import annotations
@@ -15,45 +15,54 @@ import sys
 import pytest
 
 PROBE = r"""
-import os, sys, threading, time
+import os, sys, time
+import torch
 import slotserve as ss
-from slotserve.native import on_own_thread, one_thread
+from slotserve.kv import KVConfig, KVPool, StepBatch
+from slotserve.native import on_own_thread
 from slotserve.testing import write_tiny_gguf
 from pathlib import Path
 
 def threads():
     return len(os.listdir("/proc/self/task"))
 
+def settled(before):
+    # A thread's team ends as the thread does, just after join() returns: wait for it.
+    deadline = time.monotonic() + 10
+    while threads() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return threads()
+
 path = write_tiny_gguf(Path(sys.argv[1]) / "tiny.gguf", "llama", "Q8_0")
 model = ss.load(path, progress=False)  # runs its first step
 before = threads()
 assert model.kernels.blocks is not None and model.kernels.blocks.threads == 2
-with one_thread(model.kernels):
-    model.logits(list(range(40)))
-after_one = threads()
 on_own_thread(lambda: model.logits(list(range(40))))
-# The thread's team ends as the thread does, just after join() returns: wait for it.
-deadline = time.monotonic() + 10
-while threads() > before and time.monotonic() < deadline:
-    time.sleep(0.01)
-after_own = threads()
-model.logits(list(range(40)))  # all threads, on this thread: a team stays
-after_main = threads()
-print(before, after_one, after_own, after_main)
+after_own = settled(before)
+model.logits(list(range(40)))  # the README's call, on the main thread
+after_logits = settled(before)
+# A forward with all threads on this thread, as logits() ran before: a team stays.
+config = KVConfig(layout="flat", max_seqs=1, max_context=40)
+kv = KVPool(model.info, config, model.kernels.attention)
+kv.reserve(0, 40)
+batch = StepBatch.single(0, 40)
+kv.begin_step(batch)
+model.forward(torch.arange(40), batch, kv)
+print(before, after_own, after_logits, threads())
 """
 
 
 @pytest.mark.skipif(
     len(os.sched_getaffinity(0)) < 2, reason="a team needs 2 cores to have a worker"
 )
-def test_kernel_calls_off_the_engine_thread_leave_no_team(tmp_path: os.PathLike[str]) -> None:
+def test_kernel_work_off_the_engine_thread_leaves_no_team(tmp_path: os.PathLike[str]) -> None:
     done = subprocess.run(
         [sys.executable, "-c", PROBE, str(tmp_path)],
         capture_output=True, text=True, timeout=300,
         preexec_fn=lambda: os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2]),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    before, after_one, after_own, after_main = map(int, done.stdout.split()[-4:])
-    assert after_one == before  # the load and one_thread started no team here
-    assert after_own == before  # the thread's team ended with it
-    assert after_main == before + 1  # the probe itself: a team's worker stays
+    before, after_own, after_logits, after_main = map(int, done.stdout.split()[-4:])
+    assert after_own == before  # on_own_thread's team ended with its thread
+    assert after_logits == before  # the load's first step and Model.logits left none
+    assert after_main == before + 1  # the probe itself: a forward here leaves a worker

@@ -27,7 +27,6 @@ from slotserve.native import (
     Kernels,
     build_kernels,
     dedicate_cores_to_kernels,
-    one_thread,
 )
 from slotserve.sampling import COSTLIEST_SAMPLING, RequestSampler, token_logprobs
 
@@ -107,8 +106,8 @@ def _first_step_bytes(model: Model, loaded: int) -> int:
     would count it nowhere."""
     first = model.info.bos_id or 0
     sampler = RequestSampler(COSTLIEST_SAMPLING, model.info.vocab_size, [first])
-    # On this thread alone: a team of kernel threads left here would throttle the engine's.
-    with torch.inference_mode(), one_thread(model.kernels):
+    # Model.logits runs on a thread of its own: no kernel team is left on this one.
+    with torch.inference_mode():
         (row,) = model.logits([first])
         token_logprobs(row, sampler.sample(row), COSTLIEST_SAMPLING.logprobs or 0)
     del sampler

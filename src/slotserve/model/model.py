@@ -18,7 +18,7 @@ from slotserve.model.halves import LayerHalves, run_layers
 from slotserve.model.layers import RopeTables
 from slotserve.model.llama import EagerHalves
 from slotserve.model.weights import LlamaWeights
-from slotserve.native import NO_KERNELS, Kernels
+from slotserve.native import NO_KERNELS, Kernels, on_own_thread
 from slotserve.tokenizer import Tokenizer
 
 _log = logging.getLogger("slotserve")
@@ -113,7 +113,9 @@ class Model:
         """Teacher-forced logits ``[T, vocab]`` of ``token_ids`` from an empty context
         (entry i scores the token after ``token_ids[: i + 1]``), with the KV stored as
         ``kv_dtype`` (the engine's default unless given; ``"fp32"`` to compare with an
-        fp32 reference)."""
+        fp32 reference). Runs on a thread of its own that ends with the call: the kernels'
+        OpenMP team it starts ends too, so a caller's thread (the main thread, before it
+        starts an `Engine`) keeps none to throttle the engine's (`native.threads`)."""
         if not token_ids:
             raise ValueError("logits() needs at least one token")
         # A scratch pool this call owns and drives, as the engine drives its own.
@@ -122,7 +124,14 @@ class Model:
         kv.reserve(0, len(token_ids))
         batch = StepBatch.single(0, len(token_ids))
         kv.begin_step(batch)
-        return self.forward(torch.tensor(token_ids), batch, kv, all_logits=True)
+        tokens = torch.tensor(token_ids)
+        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+        def forward() -> torch.Tensor:  # in the caller's autograd modes (thread-local)
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                return self.forward(tokens, batch, kv, all_logits=True)
+
+        return on_own_thread(forward)
 
 
 def pick_halves(

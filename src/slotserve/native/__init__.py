@@ -24,7 +24,6 @@ from slotserve.native.blocks import BlockKernel
 from slotserve.native.threads import (
     dedicate_cores_to_kernels,
     on_own_thread,
-    one_thread,
     process_cores,
 )
 
@@ -103,7 +102,6 @@ __all__ = [
     "build_kernels",
     "dedicate_cores_to_kernels",
     "on_own_thread",
-    "one_thread",
     "process_cores",
     "require_block_kernel",
 ]

@@ -19,7 +19,8 @@ the life of the process, libgomp then manages more threads than there are cores 
 only ~100 times before it sleeps (its "throttled" mode), and each of the engine's regions
 waits for its worker to wake: the bundled model decoded 45-63 tok/s instead of 98 once the
 load had run its first step on the main thread with both threads (AMD EPYC, 2 cores, a
-VM). Kernel calls on any other thread run in `one_thread`.
+VM). Kernel work outside an engine runs in `on_own_thread` (`Model.logits` does, and so
+the load's first step), on a thread whose team ends with it.
 
 Spinning assumes the cores are the process's own. When another process takes one, the
 engine's `slotserve.native.contention.ThreadGovernor` drops the kernels to one thread until
@@ -28,12 +29,11 @@ it is free again.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -59,23 +59,6 @@ def dedicate_cores_to_kernels() -> None:
             torch.get_num_threads(),
         )
         torch.set_num_threads(1)
-
-
-@contextlib.contextmanager
-def one_thread(kernels: Any) -> Iterator[None]:
-    """The body's kernel calls on the calling thread alone (``kernels``: a
-    `slotserve.native.Kernels`), so that thread starts no OpenMP team (see the module
-    doc): for kernel calls made outside the engine's thread. Restores the thread counts
-    after."""
-    threaded = [k for k in (kernels.blocks, kernels.attention) if k is not None]
-    counts = [k.threads for k in threaded]
-    for kernel in threaded:
-        kernel.threads = 1
-    try:
-        yield
-    finally:
-        for kernel, count in zip(threaded, counts, strict=True):
-            kernel.threads = count
 
 
 def on_own_thread(function: Callable[[], T]) -> T:
