@@ -202,12 +202,20 @@ class CapacityPlan:
         )
 
     @property
+    def parks_slots(self) -> bool:
+        """Whether the pool has flat rows, whose prefix snapshots are parked slots
+        (`KVPool.parks_slots`): nothing copied, nothing pinned beyond the pool."""
+        return any(kind == "flat" for kind, _ in layer_rules(self.info, self.kv))
+
+    @property
     def prefix_copy_bytes(self) -> int:
-        """The most the prefix cache's snapshots copy out of the pool: with flat rows or
-        rings to copy (every layout but an all-cell one), its whole budget (the cache
-        evicts before its copies and pinned blocks pass it); 0 otherwise, its snapshots
-        then only share blocks inside the pool."""
-        copies = any(kind != "cell" for kind, _ in layer_rules(self.info, self.kv))
+        """The most the prefix cache's snapshots copy out of the pool: with rings to copy
+        (sliding-window layers of the cell layout, the ring layout), its whole budget (the
+        cache evicts before its copies and pinned blocks pass it); 0 otherwise, its
+        snapshots then only share blocks inside the pool (cell) or park slots (flat rows:
+        `KVPool.parks_slots`)."""
+        kinds = {kind for kind, _ in layer_rules(self.info, self.kv)}
+        copies = not self.parks_slots and kinds != {"cell"}
         return self.prefix_cache_bytes if copies else 0
 
     @property
@@ -257,21 +265,24 @@ class CapacityPlan:
         at most ``pinnable_bytes`` (``pool_fraction`` of the pool, whole blocks) are held
         while idle, and a request admitted at ``max_seqs`` worst case makes it yield. A
         model with sliding-window layers (or the ring layout, whose snapshots hold no
-        blocks) also copies its ring rows into each snapshot (``ring_copy_bytes`` each), and
-        the flat layout a snapshot's positions: outside the pool, inside the same budget,
-        which the plan counts in the ``kv`` arena (`prefix_copy_bytes`)."""
+        blocks) also copies its ring rows into each snapshot (``ring_copy_bytes`` each):
+        outside the pool, inside the same budget, which the plan counts in the ``kv`` arena
+        (`prefix_copy_bytes`). The flat layout copies nothing (``parks_slots``): a finished
+        session's slot is its snapshot until a request needs the slot."""
         if not self.prefix_cache_bytes:
             return None
         pool = self.kv_bytes
         block = pool // max(self.kv.total_blocks, 1) if self.kv.layout == "cell" else 0
         pinnable = min(self.prefix_cache_bytes // block * block, pool) if block else 0
         cell = kv_cell_bytes(self.info, self.kv)
-        rings = layer_rules(self.info, self.kv).items()
-        ring_copy = sum(
-            2 * len(layers) * cells_per_session(r, self.kv) * cell for r, layers in rings
+        rules = layer_rules(self.info, self.kv)
+        parks = self.parks_slots
+        ring_copy = 0 if parks else sum(
+            2 * len(layers) * cells_per_session(r, self.kv) * cell for r, layers in rules.items()
             if r[0] in ("ring", "ring-full")
         )  # fmt: skip
         return {
+            "parks_slots": parks,
             "ring_copy_bytes": ring_copy,
             "copy_bytes": self.prefix_copy_bytes,
             "budget_bytes": self.prefix_cache_bytes,

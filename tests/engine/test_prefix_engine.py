@@ -142,7 +142,7 @@ def test_configurations_that_could_serve_a_stale_prefix_are_refused(
     tiny_dirs: dict[str, Path],
 ) -> None:
     # The ring layout is served under the retention rule (test_the_ring_layout_...), the
-    # flat layout by copies of the rows (test_the_flat_layout_...).
+    # flat layout by parked slots (test_the_flat_layout_...).
     with pytest.raises(ValueError):
         ss.EngineConfig(kv_layout="cell", prefix_cache_bytes=-1)
     ss.EngineConfig(kv_layout="flat")  # off by default, any layout
@@ -227,11 +227,13 @@ def test_the_ring_layout_after_it_has_wrapped(make_engine: Callable[..., ss.Engi
     assert followed.usage.cached_tokens == len(prompts[0]) + len(first.tokens) - 1
 
 
-def test_the_flat_layout_reuses_prefixes_by_copying_rows(
+def test_the_flat_layout_parks_finished_slots_and_copies_nothing_out(
     tiny_dirs: dict[str, Path], make_engine: Callable[..., ss.Engine]
 ) -> None:
-    """A flat pool's snapshot copies the positions it keeps; a restore copies them into
-    the new slot: cache on = cache off, the copies counted in the budget and the plan."""
+    """A flat pool's snapshots are finished sessions' parked slots: a restore into a free
+    slot copies rows inside the pool, one into the parked slot itself copies nothing;
+    cache on = cache off, nothing pinned or planned beyond the pool, and every finished
+    generation parks (not only the ones that publish their completion)."""
     model = ss.load(tiny_dirs["llama"])
     flat = {"kv_layout": "flat", "max_seqs": 2, "max_context": 160}
     prompts = family([5 + (i * 37) % 200 for i in range(61)])
@@ -239,12 +241,35 @@ def test_the_flat_layout_reuses_prefixes_by_copying_rows(
     engine = make_engine(model, **flat, prefix_cache_bytes="1MiB")
     on = run_all(engine, prompts)
     assert [f.tokens for f in on] == [f.tokens for f in off]
-    assert [f.usage.cached_tokens for f in on] == [0, 61, 61, 61, 63, 60, 30]
+    # Each turn restores the system prompt from one of the two parked slots (the last two
+    # finished: the repeated first question's own snapshot was evicted by then).
+    assert [f.usage.cached_tokens for f in on] == [0, 61, 61, 61, 61, 60, 30]
     stats = prefix_stats(engine)
-    per_position = engine.pool.snapshot_position_nbytes
-    assert per_position > 0 and 0 < stats.bytes_pinned <= 1 << 20
-    assert stats.bytes_pinned % per_position == 0
+    assert stats.bytes_pinned == 0 and 1 <= stats.snapshots <= 2
+    assert engine.pool.parked_slots == stats.snapshots
     plan = engine.config.plan(model.info, model.weight_bytes)
-    assert plan.arenas["kv"] == engine.pool.nbytes + (1 << 20)  # the copies' budget
-    # A conversation's next turn restores its whole history (the single-chat case).
+    assert plan.arenas["kv"] == engine.pool.nbytes  # nothing copied out of the pool
+    # A conversation's next turn restores its whole history.
     check_next_turn_restores(engine, make_engine(model, **flat), prompts[0], on[0])
+
+
+def test_a_one_slot_conversation_restores_its_history_in_place(
+    tiny_dirs: dict[str, Path], make_engine: Callable[..., ss.Engine]
+) -> None:
+    """The single-chat shape (flat, one slot): each turn takes the parked slot with its
+    rows where they are, restoring everything but the last prompt token, with the tokens
+    of an engine that recomputes every turn."""
+    model = ss.load(tiny_dirs["llama"])
+    one = {"kv_layout": "flat", "max_seqs": 1, "max_context": 160}
+    uncached, engine = make_engine(model, **one), make_engine(model, **one, prefix_cache_bytes=1)
+    history: list[int] = [5 + (i * 37) % 200 for i in range(20)]
+    for turn in range(4):
+        prompt = [*history, 60 + turn, 61]
+        expected = uncached.submit(prompt, GREEDY).result()
+        got = engine.submit(prompt, GREEDY).result()
+        assert got.tokens == expected.tokens
+        kept = len(history) if turn else 0  # the previous prompt and reply, but the last
+        assert got.usage.cached_tokens == kept
+        history = [*prompt, *got.tokens[:-1]]
+        engine.check_integrity()
+        assert engine.pool.parked_slots == 1 and engine.pool.free_slots == 0

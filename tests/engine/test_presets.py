@@ -172,8 +172,22 @@ def test_shared_prompt_sizes_its_prefix_cache_as_a_share_of_the_pool(bundled: ss
     assert decision.source == "sized" and "25% of the KV pool" in decision.why
     line = next(line for line in choice.lines() if " prefix_cache_bytes = " in line)
     assert f"{prefix['blocks']} blocks" in line and "unavailable" not in line
-    for name in set(PRESETS) - {"shared-prompt"}:
+    for name in set(PRESETS) - {"shared-prompt", "chat"}:
         assert ss.preset_config(name, bundled, BUDGET).prefix_cache_budget == 0
+
+
+def test_chat_parks_its_slot_for_the_next_turn_and_plans_no_copies(bundled: ss.Model) -> None:
+    """The one-conversation row (flat, one slot) keeps its history: the cache is on, its
+    snapshots are the parked slot, and the plan adds nothing for them."""
+    choice = choose_preset("chat", bundled, BUDGET)
+    plan = planned(choice.config, bundled)
+    prefix = plan.prefix_cache
+    assert prefix is not None and prefix["parks_slots"]
+    assert (prefix["copy_bytes"], prefix["ring_copy_bytes"], prefix["pinnable_bytes"]) == (0, 0, 0)
+    assert choice.config.prefix_cache_budget == plan.bytes_per_session
+    assert plan.arenas["kv"] == plan.kv_bytes
+    (decision,) = [d for d in choice.decisions if d.setting == "prefix_cache_bytes"]
+    assert decision.source == "sized" and "parked" in decision.why
 
 
 # -- each preset serves its workload shape (tiny model, small budgets) ------------------

@@ -121,3 +121,40 @@ def test_a_flat_snapshot_copies_the_positions_it_keeps() -> None:
     assert torch.equal(keys(flat, 1, 3), torch.tensor([1.0, 1.0, 7.0]))
     assert flat.snapshot_nbytes(3) == 3 * flat.snapshot_position_nbytes > 0
     flat.check_integrity()
+
+
+def test_a_flat_pool_parks_a_finished_slot_and_hands_it_over_in_place() -> None:
+    """`release_into` in a flat pool keeps the slot as the snapshot (nothing copied out of
+    the pool); consuming it gives the same slot, rows in place, to the next session; a
+    restore that does not consume copies the rows into a free slot; dropping frees it."""
+    config = KVConfig(layout="flat", max_seqs=2, max_context=32)
+    flat = KVPool(INFO, config, attention=build_kernels().attention)
+    assert flat.parks_slots
+    flat.reserve(0, 8)
+    write(flat, 0, 4, 1.0)
+    slot = flat.slot_of(0)
+    flat.release_into(0, 3, into=-1)
+    flat.check_integrity()
+    assert (flat.free_slots, flat.parked_slots, flat.snapshot_copied_nbytes(-1)) == (1, 1, 0)
+    assert flat.usage().used == 1 and flat.holdings().snapshots[0].slot == slot
+    assert torch.equal(keys(flat, -1, 3, snapshots=True), torch.ones(3))
+    payload = list(flat.read_payload(flat.payload_of(-1)))  # views of the parked rows
+    assert all(part.shape[0] == 3 for part in payload) and len(payload) == 4
+
+    flat.reserve_from(1, 10, snapshot=-1, upto=2)  # a free slot: the rows are copied
+    assert flat.slot_of(1) != slot and flat.parked_slots == 1
+    write(flat, 1, 1, 7.0)
+    assert torch.equal(keys(flat, 1, 3), torch.tensor([1.0, 1.0, 7.0]))
+    flat.check_integrity()
+    with pytest.raises(KVExhausted, match="session slots"):  # the other slot is parked
+        flat.reserve(2, 4)
+
+    flat.reserve_from(2, 12, snapshot=-1, upto=3, consume=True)  # the parked slot itself
+    assert flat.slot_of(2) == slot and flat.snapshot_ids() == set() and flat.free_slots == 0
+    assert torch.equal(keys(flat, 2, 3), torch.ones(3))
+    flat.check_integrity()
+    flat.release_into(2, 3, into=-2)
+    flat.drop_snapshot(-2)
+    flat.release(1)
+    assert (flat.free_slots, flat.parked_slots) == (2, 0)
+    flat.check_integrity()

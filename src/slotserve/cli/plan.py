@@ -135,7 +135,9 @@ def _print_table(report: dict[str, Any]) -> None:
         value = report[key]
         table.add_row(key, format_bytes(value) if isinstance(value, int) else "-")
     prefix = report.get("prefix_cache")
-    if isinstance(prefix, dict):
+    if isinstance(prefix, dict) and prefix.get("parks_slots"):
+        table.add_row("prefix cache: finished sessions' slots parked, nothing copied", "0 B")
+    elif isinstance(prefix, dict):
         share = f" ({prefix['pool_fraction']:.0%} of the KV pool)"
         table.add_row("prefix cache may pin" + share, format_bytes(prefix["pinnable_bytes"]))
     store = report.get("prefix_store")

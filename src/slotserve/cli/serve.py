@@ -290,7 +290,8 @@ def with_server_prefix_cache(
     config: EngineConfig, args: argparse.Namespace, model: Any
 ) -> EngineConfig:
     """The server's prefix cache: on by default for the cell layout, allowed
-    ``SERVER_PREFIX_SHARE`` of the KV pool (the plan states it), where the model keeps the
+    ``SERVER_PREFIX_SHARE`` of the KV pool (the plan states it), and for the flat layout,
+    whose finished slots park (`with_parked_slots`), where the model keeps the
     exactness guarantee (a restored prefix gives bit for bit the recomputed logits);
     ``--no-prefix-cache`` or ``--prefix-cache 0`` turn it off, ``--prefix-cache BYTES`` and a
     preset choose it."""
@@ -299,7 +300,7 @@ def with_server_prefix_cache(
     if args.no_prefix_cache:
         return dataclasses.replace(config, prefix_cache_bytes=0)
     chosen = args.prefix_cache is not None or getattr(args, "preset", None) is not None
-    if chosen or config.kv_layout != "cell":
+    if chosen or config.kv_layout not in ("cell", "flat"):
         return config
     if not is_exact(model, config):
         log.info(
@@ -310,7 +311,9 @@ def with_server_prefix_cache(
         )  # fmt: skip
         return config
     cached = with_prefix_cache_share(config, model, SERVER_PREFIX_SHARE)
-    if cached.prefix_cache_bytes:
+    if cached.prefix_cache_bytes and config.kv_layout == "flat":
+        log.info("prefix cache on: finished slots park their KV (--no-prefix-cache: off)")
+    elif cached.prefix_cache_bytes:
         log.info(
             "prefix cache on: %.1f MiB, %d%% of the KV pool (--no-prefix-cache: off)",
             cached.prefix_cache_budget / 2**20, round(SERVER_PREFIX_SHARE * 100),

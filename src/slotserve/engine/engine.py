@@ -12,7 +12,8 @@ With ``prefix_cache_bytes`` set, the engine owns a `PrefixCache` over its pool, 
 under the engine lock: admission restores the longest usable prefix into a new request's
 session, a request whose opening prefill completed publishes its prompt's snapshot right
 after that step, and one submitted with ``publish_completion`` hands its prompt and
-completion to the cache when it ends (a conversation's next turn restores them). Closing
+completion to the cache when it ends (a conversation's next turn restores them); in the
+flat layout every generation does, its slot parked (`KVPool.parks_slots`). Closing
 empties the cache, so the pool is back at its baseline. With ``prefix_store`` the cache has
 a disk tier (`slotserve.prefix.store`), opened and indexed here: snapshots are written by
 its own thread and a restart restores them; closing waits for its queued writes. A
@@ -469,7 +470,11 @@ class Engine:
         """Release the slot and KV first, then send the terminal event."""
         if request.state == "done":
             return
-        self._admission.release(request, keep=request.publish_completion and reason != "error")
+        # A parked slot costs nothing, so a flat pool keeps every generation's KV (as
+        # llama.cpp's slots keep their last prompt); elsewhere only what was asked for.
+        parks = self.pool.parks_slots and request.pooling is None
+        keep = reason != "error" and (request.publish_completion or parks)
+        self._admission.release(request, keep=keep)
         now = self.clock()
         request.timings.released = now
         self.counters.finished[reason] += 1

@@ -26,11 +26,28 @@ def is_exact(model: Any, config: EngineConfig) -> bool:
 
 def with_prefix_cache_share(config: EngineConfig, model: Any, share: float) -> EngineConfig:
     """``config`` with the prefix cache allowed ``share`` of the planned KV pool, in whole
-    blocks (the plan's own rounding; cell layout only). Unchanged for another layout, or
-    when the share is under one block. ``model`` has ``info`` and ``weight_bytes``."""
-    if config.kv_layout != "cell" or not 0.0 < share < 1.0:
+    blocks (the plan's own rounding; cell layout). A pool that parks slots (flat rows,
+    `with_parked_slots`) gets its cache whatever the share. Unchanged for another layout,
+    or when the share is under one block. ``model`` has ``info`` and ``weight_bytes``."""
+    if not 0.0 < share < 1.0:
         return config
     plan = config.plan(model.info, model.weight_bytes)
+    if plan.parks_slots:
+        return with_parked_slots(config, model)
+    if config.kv_layout != "cell":
+        return config
     asked = dataclasses.replace(plan, prefix_cache_bytes=int(share * plan.kv_bytes))
     pinnable = asked.prefix_cache["pinnable_bytes"] if asked.prefix_cache else 0
     return dataclasses.replace(config, prefix_cache_bytes=pinnable) if pinnable else config
+
+
+def with_parked_slots(config: EngineConfig, model: Any) -> EngineConfig:
+    """``config`` with the prefix cache on where the pool parks slots (flat rows,
+    `KVPool.parks_slots`): a finished session's slot keeps its KV as a snapshot until a
+    request needs the slot, so a conversation's next turn computes only its new tokens, and
+    nothing is copied or pinned. Its byte budget is one session's KV, what one parked slot
+    holds; it bounds nothing beyond the pool. Unchanged for a pool that does not park."""
+    plan = config.plan(model.info, model.weight_bytes)
+    if not plan.parks_slots:
+        return config
+    return dataclasses.replace(config, prefix_cache_bytes=plan.bytes_per_session)

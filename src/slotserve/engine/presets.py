@@ -25,7 +25,7 @@ from types import MappingProxyType
 from typing import Any, Literal, Protocol, get_args
 
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.prefix_share import with_prefix_cache_share
+from slotserve.engine.prefix_share import with_parked_slots, with_prefix_cache_share
 from slotserve.errors import PlanError
 from slotserve.info import ModelInfo
 from slotserve.plan import CapacityPlan, MemoryMap, format_bytes, parse_bytes
@@ -430,6 +430,14 @@ class _Sizer:
     def _size_prefix_cache(self) -> Decision:
         """The row's share of the planned pool, in whole blocks (the plan's own rounding)."""
         share = self.row.prefix_cache_share
+        if "prefix_cache_bytes" not in self.fixed and self.plan().parks_slots:
+            self.config = with_parked_slots(self.config, self.model)
+            why = (
+                "parked slots: a finished turn's slot keeps its KV until a request needs "
+                "the slot, so the next turn computes only its new tokens (nothing copied "
+                "or pinned; the budget is one session's KV)"
+            )
+            return Decision("prefix_cache_bytes", self.config.prefix_cache_budget, why, "sized")
         if "prefix_cache_bytes" in self.fixed or not share:
             return self._given_or("prefix_cache_bytes", _DEFAULT_REASONS["prefix_cache_bytes"])
         self.config = with_prefix_cache_share(self.config, self.model, share)

@@ -6,14 +6,20 @@ the block allocator. Sessions are bound by `reserve`, grown by `extend`, forked 
 operation either completes or raises a typed error having changed nothing. The model sees
 only `update_and_attend`.
 
-Snapshots (cell layout only) are read-only, slotless holders of blocks: `publish` freezes
-a session's first positions into one, `reserve_from` binds a new session that starts from
-a snapshot's blocks (copy-on-write), `drop_snapshot` lets its blocks go. A snapshot holds no
-slot (the ``max_seqs`` ceiling is for live sessions) and no step can write into it. The
-sliding-window layers of a cell pool keep a ring row per slot, not blocks: a snapshot keeps
-a copy of its session's ring rows (outside the pool's storage), and `retains` says whether
-those rows still hold what a restore from a given position needs (a ring that has wrapped
-past it does not; `reserve_from` refuses it).
+Snapshots are read-only holders of KV that no step can write: `publish` freezes a
+session's first positions into one, `release_into` turns a finished session into one,
+`reserve_from` binds a new session that starts from a snapshot, `drop_snapshot` lets it go.
+In a cell pool a snapshot holds blocks (shared copy-on-write) and no slot (the ``max_seqs``
+ceiling is for live sessions). The sliding-window layers of a cell pool, and every layer of
+the ring layout, keep a ring row per slot, not blocks: a snapshot keeps a copy of its
+session's ring rows (outside the pool's storage), and `retains` says whether those rows
+still hold what a restore from a given position needs (a ring that has wrapped past it
+does not; `reserve_from` refuses it). A pool with flat rows parks instead
+(`parks_slots`): `release_into` keeps the finished session's slot as the snapshot, its rows
+where they are, so nothing is copied or allocated; `reserve_from` consuming it hands the
+slot itself to the new session, and one that does not copies its rows into a free slot
+inside the pool. A parked slot is no live session's: dropping the snapshot frees it, and
+the prefix cache drops parked snapshots before a request waits for a slot.
 
 A snapshot's payload, for the prefix cache's disk tier: `payload_parts` names its tensors
 and their shapes, `payload_of` captures a snapshot's block table and row copies (by whoever
@@ -115,10 +121,11 @@ class KVPool:
         return len(self._free_slots)
 
     def usage(self) -> PoolUsage:
-        """Free and used KV units: cell blocks with the cell layout, else slot rows."""
+        """Free and used KV units: cell blocks with the cell layout, else slot rows (a
+        parked slot is used, as a snapshot's blocks are)."""
         if self._cells:
             return PoolUsage("blocks", self.blocks.n_free, self.blocks.n_used)
-        return PoolUsage("rows", self.free_slots, len(self.sessions))
+        return PoolUsage("rows", self.free_slots, len(self.sessions) + self.parked_slots)
 
     def session_ids(self) -> set[int]:
         return set(self.sessions)
@@ -237,6 +244,25 @@ class KVPool:
         return bool(self.groups)
 
     @property
+    def parks_slots(self) -> bool:
+        """True with flat rows (the flat layout): `release_into` parks the finished
+        session's slot as its snapshot instead of copying its positions out of the pool
+        (a flat copy would be up to a whole context's rows a snapshot)."""
+        return bool(self._flats)
+
+    @property
+    def parked_slots(self) -> int:
+        """Slots that snapshots hold (parked); each is freed when its snapshot is dropped."""
+        return sum(1 for s in self.snapshots.values() if s.slot >= 0)
+
+    def snapshot_copied_nbytes(self, snapshot: int) -> int:
+        """Bytes ``snapshot``'s copies of row-group cells hold outside the pool (0 for a
+        parked slot, or a cell pool without sliding-window layers)."""
+        self._get_snapshot(snapshot)
+        copies = self._snapshot_rings.get(snapshot, [])
+        return sum(t.numel() * t.element_size() for pair in copies for t in pair if t is not None)
+
+    @property
     def snapshot_ring_nbytes(self) -> int:
         """Bytes of the ring rows one snapshot copies (0 without sliding-window layers)."""
         return sum(g.nbytes for g in self._rings) // max(self.config.max_seqs, 1)
@@ -309,11 +335,14 @@ class KVPool:
                 f"snapshot {snapshot} (written up to {source.high_water}) no longer holds what "
                 f"a restore from {upto} needs: a sliding-window ring has wrapped past it"
             )
-        if not self._free_slots:
+        parked = source.slot >= 0
+        takes_slot = consume and parked  # the parked slot itself, its rows in place
+        if not takes_slot and not self._free_slots:
             raise KVExhausted("session slots", 1, 0, f"max_seqs={self.config.max_seqs}")
+        slot = source.slot if takes_slot else self._free_slots[-1]
         shared = source.table[: self._blocks_for(upto)]
         high_water = source.high_water if self._rings else upto
-        bound = SessionKV(self._free_slots[-1], n_tokens, upto, list(shared), high_water)
+        bound = SessionKV(slot, n_tokens, upto, list(shared), high_water)
         fresh = self._blocks_for(n_tokens) - len(shared)
         others = {k: s for k, s in self.snapshots.items() if not (consume and k == snapshot)}
         freed = 0
@@ -325,11 +354,16 @@ class KVPool:
         if fresh > spare:
             raise KVExhausted("KV blocks", fresh, max(spare, 0), "release sessions or add blocks")
         self.blocks.share(shared)
-        self._thaw_rings(snapshot, bound, upto)
+        if not parked:
+            self._thaw_rings(snapshot, bound, upto)
+        elif not takes_slot:  # a copy inside the pool, parked slot to free slot
+            for group in self.groups:
+                if not isinstance(group, CellGroup):
+                    group.copy_positions(source, bound, upto)
         if consume:
-            self.drop_snapshot(snapshot)
+            self.drop_snapshot(snapshot)  # a parked slot goes back to the free list ...
         bound.table.extend(self.blocks.allocate(fresh))
-        self._free_slots.pop()
+        self._free_slots.remove(slot)  # ... and straight to the new session
         self.sessions[session] = bound
 
     def _snapshot_source(self, session: int, upto: int, into: int, what: str) -> SessionKV:
@@ -349,11 +383,17 @@ class KVPool:
     def release_into(self, session: int, upto: int, into: int) -> None:
         """`release` ``session``, keeping its first ``upto`` committed positions as the
         read-only snapshot ``into`` (its blocks, not copies; the rest go back to the free
-        list). Nothing is allocated and nothing will be written, so it cannot fail for
-        room: a finished request hands over its KV instead of freeing it."""
+        list). Nothing will be written into it, so it cannot fail for room: a finished
+        request hands over its KV instead of freeing it. A pool that `parks_slots` keeps
+        the session's slot as the snapshot's, nothing copied; another copies its ring rows."""
         source = self._snapshot_source(session, upto, into, "release_into")
         kept = source.table[: self._blocks_for(upto)]
         self.blocks.share(kept)
+        if self.parks_slots:
+            del self.sessions[session]
+            self.blocks.drop(source.table)
+            self.snapshots[into] = SessionKV(source.slot, upto, upto, list(kept), source.high_water)
+            return
         self._freeze_rings(source, into, upto)
         self.release(session)
         self.snapshots[into] = SessionKV(-1, upto, upto, list(kept), source.high_water)
@@ -364,6 +404,8 @@ class KVPool:
         del self.snapshots[snapshot]
         self._snapshot_rings.pop(snapshot, None)
         self.blocks.drop(frozen.table)
+        if frozen.slot >= 0:
+            self._free_slots.append(frozen.slot)
 
     # -- snapshot payloads (the prefix cache's disk tier) ------------------------------
 
@@ -421,7 +463,14 @@ class KVPool:
     def payload_of(self, snapshot: int) -> SnapshotPayload:
         """Capture what `read_payload` needs of ``snapshot`` (by whoever drives the pool)."""
         frozen = self._get_snapshot(snapshot)
-        copies = [t for pair in self._snapshot_rings.get(snapshot, []) for t in pair]
+        if frozen.slot >= 0:  # parked: views of its slot's cells, which no step writes
+            copies = [
+                t
+                for group, storage in self._row_storages()
+                for t in self._row_views(storage, group, frozen.slot, frozen.length)
+            ]
+        else:
+            copies = [t for pair in self._snapshot_rings.get(snapshot, []) for t in pair]
         rows = tuple(t for t in copies if t is not None)
         return SnapshotPayload(frozen.length, frozen.high_water, tuple(frozen.table), rows)
 
@@ -509,6 +558,19 @@ class KVPool:
         if isinstance(group, RingGroup):  # the whole ring: which cells are live is its state
             return torch.arange(slot * group.row, (slot + 1) * group.row)
         return torch.arange(slot * group.max_context, slot * group.max_context + length)
+
+    @staticmethod
+    def _row_views(
+        storage: KVStorage, group: RingGroup | FlatGroup, slot: int, length: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Views (not copies) of the cells `_copied_cells` names: data, then scales."""
+        if isinstance(group, RingGroup):
+            first, last = slot * group.row, (slot + 1) * group.row
+        else:
+            first = slot * group.max_context
+            last = first + length
+        scales = None if storage.scales is None else storage.scales[first:last]
+        return storage.data[first:last], scales
 
     def _freeze_rings(self, source: SessionKV, into: int, upto: int) -> None:
         """Keep a copy of ``source``'s row-group cells (rings whole, flat rows' first
@@ -652,19 +714,21 @@ class KVPool:
 
     def check_integrity(self) -> None:
         """Assert every invariant of the pool (tests call it after every operation)."""
-        slots = [s.slot for s in self.sessions.values()]
-        assert len(set(slots)) == len(slots), "two sessions share a slot"
+        parked = [s.slot for s in self.snapshots.values() if s.slot >= 0]
+        assert not parked or self.parks_slots, "a parked slot in a pool that copies"
+        slots = [s.slot for s in self.sessions.values()] + parked
+        assert len(set(slots)) == len(slots), "two sessions (or parked snapshots) share a slot"
         assert sorted(slots + self._free_slots) == list(range(self.config.max_seqs)), "slot leak"
         for sid, bound in self.sessions.items():
             assert 0 <= bound.length <= bound.capacity <= self.config.max_context, sid
             assert len(bound.table) == self._blocks_for(bound.capacity), f"table size {sid}"
         for sid, frozen in self.snapshots.items():
             assert sid not in self.sessions, f"snapshot {sid} is also a session"
-            assert frozen.slot == -1, f"snapshot {sid} holds a slot"
             assert 0 < frozen.length == frozen.capacity, f"snapshot {sid} length"
             assert len(frozen.table) == self._blocks_for(frozen.capacity), f"table size {sid}"
         assert not self.snapshots or self.supports_snapshots, "snapshot in a pool without layers"
-        expected = set(self.snapshots) if self._rings or self._flats else set()
+        copying = self._rings or self._flats
+        expected = {k for k, s in self.snapshots.items() if s.slot < 0} if copying else set()
         assert set(self._snapshot_rings) == expected, "snapshot row copies drifted"
         for sid, copies in self._snapshot_rings.items():  # a flat copy holds its length
             for (group, _), (data, _) in zip(self._row_storages(), copies, strict=True):

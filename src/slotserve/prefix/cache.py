@@ -7,7 +7,12 @@ prefix is restored into the request's own session copy-on-write and the rest is 
 fresh, evicting snapshots while the pool lacks room (last of all the matched snapshot
 itself, consumed by the restore). A finished request may hand its KV over (`release_into`):
 its prompt and completion become a snapshot, so the next turn of a conversation restores
-them. A new snapshot replaces those whose tokens it extends. It never touches the step.
+them. A new snapshot replaces those whose tokens it extends. It never touches the step. In a
+pool that parks slots (the flat layout, `KVPool.parks_slots`) a snapshot is a finished
+session's parked slot and nothing else: `publish` declines (a running session's rows could
+only be copied out of the pool), and a bind that finds no free slot evicts parked ones,
+last of all consuming its own match, whose slot the request then takes with its rows in
+place (llama.cpp's slots keep their last prompt the same way).
 
 Validity. A snapshot serves a prefix only if every layer still holds what the suffix
 needs (`KVPool.retains`): token equality is not enough. Cell layers keep every position. A
@@ -115,15 +120,17 @@ class PrefixCache:
     def bytes_pinned(self) -> int:
         """Bytes of the distinct blocks the snapshots hold (a block shared by several
         snapshots, or with running requests, counts once), and of their copies of
-        sliding-window ring rows and flat rows."""
-        copies = sum(self.pool.snapshot_nbytes(len(e.tokens)) for e in self._entries.values())
+        sliding-window ring rows and flat rows. A parked slot (`KVPool.parks_slots`) adds
+        nothing: its rows are the pool's own, and it is dropped before a request waits."""
+        copies = sum(self.pool.snapshot_copied_nbytes(k) for k in self._entries)
         return len(self._block_holders) * self.pool.block_nbytes + copies
 
-    def _too_big(self, n_tokens: int) -> bool:
-        """Whether one snapshot of ``n_tokens`` alone would pass the budget."""
+    def _too_big(self, n_tokens: int, copies: bool = True) -> bool:
+        """Whether one snapshot of ``n_tokens`` alone would pass the budget (``copies``:
+        counting the row copies it would make)."""
         blocks = -(-n_tokens // self.pool.config.block_size)
-        size = blocks * self.pool.block_nbytes + self.pool.snapshot_nbytes(n_tokens)
-        return size > self.budget_bytes
+        copied = self.pool.snapshot_nbytes(n_tokens) if copies else 0
+        return blocks * self.pool.block_nbytes + copied > self.budget_bytes
 
     @property
     def pins(self) -> int:
@@ -290,8 +297,9 @@ class PrefixCache:
                 self.pool.reserve_from(session, n_tokens, match[0].key, match[1])
                 return match[1]
             except KVExhausted:
-                # Evicting frees blocks, never slots: with no slot, yield nothing.
-                if not self.pool.free_slots:
+                # Evicting frees blocks, and slots only where snapshots park them: with no
+                # slot to free, yield nothing.
+                if not self.pool.free_slots and not self.pool.parked_slots:
                     raise
                 if self.evict_one():
                     continue
@@ -317,8 +325,12 @@ class PrefixCache:
         """Snapshot the first ``len(tokens)`` positions of ``session`` (which hold
         ``tokens``' KV), then evict LRU snapshots down to the budget. False, changing
         nothing, when a snapshot already covers ``tokens`` (it is marked used), when one
-        snapshot of this size would pass the budget, or when the pool lacks room for the
-        copy-on-write the session's next write would need."""
+        snapshot of this size would pass the budget, when the pool lacks room for the
+        copy-on-write the session's next write would need, or when the pool parks slots
+        (a running session's flat rows could only be copied out of the pool: its slot is
+        parked when it finishes instead)."""
+        if self.pool.parks_slots:
+            return False
         frozen = tuple(tokens)
         depth, keys = self._trie.longest(frozen)
         if depth == len(frozen) and keys:
@@ -337,14 +349,15 @@ class PrefixCache:
     def release_into(self, session: int, tokens: Sequence[int]) -> bool:
         """Release ``session``, keeping its first ``len(tokens)`` positions (which hold
         ``tokens``' KV: a finished request's prompt and completion) as a snapshot, so the
-        next turn of a conversation restores it (`KVPool.release_into`: its blocks change
-        hands, nothing is copied or allocated). Evicts LRU snapshots down to the budget.
-        False, and a plain release, when ``tokens`` is empty, a snapshot already covers
-        it (that one is marked used) or one snapshot of this size would pass the budget."""
+        next turn of a conversation restores it (`KVPool.release_into`: its blocks or its
+        parked slot change hands; only a cell pool's ring rows are copied). Evicts LRU
+        snapshots down to the budget. False, and a plain release, when ``tokens`` is empty,
+        a snapshot already covers it (that one is marked used) or one snapshot of this size
+        would pass the budget."""
         frozen = tuple(tokens)
         depth, keys = self._trie.longest(frozen)
         covered = bool(keys) and depth == len(frozen)
-        if not frozen or covered or self._too_big(len(frozen)):
+        if not frozen or covered or self._too_big(len(frozen), not self.pool.parks_slots):
             if covered:
                 self._entries.move_to_end(next(k for k in reversed(self._entries) if k in keys))
             self.pool.release(session)
