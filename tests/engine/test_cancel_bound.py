@@ -169,3 +169,24 @@ def test_the_bound_can_be_measured_before_serving(tiny: ss.Model) -> None:
     assert bound.basis == "measured" and bound.max_step_tokens == 48
     assert bound.estimate_s is not None and 0 < bound.estimate_s < 5
     assert "48-token step" in bound.describe()
+
+
+@pytest.mark.parametrize("layout", ["flat", "cell"])
+def test_the_bound_is_measured_before_serving_on_the_engines_own_pool(
+    tiny: ss.Model, layout: str
+) -> None:
+    """`Engine.measure_cancel_bound` (serve calls it at start): the largest step, every
+    session at max_context, timed on the engine's own pool; afterwards the pool holds
+    nothing and counts no step, and requests run as before."""
+    config = ss.EngineConfig(kv_layout=layout, max_seqs=2, max_context=96, prefill_chunk=32)
+    with ss.Engine(tiny, config) as engine:
+        assert engine.cancel_bound().basis == "unmeasured"
+        bound = engine.measure_cancel_bound()
+        assert (bound.max_step_tokens, bound.basis) == (64, "measured")
+        assert bound.estimate_s is not None and bound.estimate_s > 0
+        engine.check_integrity()
+        stats = engine.stats()
+        assert (stats.slots_in_use, stats.kv_blocks_used, stats.steps) == (0, 0, 0)
+        final = engine.submit(list(range(10, 40)), PARAMS).result()
+        assert final.reason == "length"
+        engine.check_integrity()

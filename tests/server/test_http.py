@@ -172,8 +172,16 @@ def test_body_size_limit(tiny_server: ServerProcess) -> None:
 
 def test_health_metrics_slots(tiny_server: ServerProcess) -> None:
     assert httpx.get(tiny_server.url + "/health").json()["status"] == "ok"
-    slots = httpx.get(tiny_server.url + "/slots").json()
+    response = httpx.get(tiny_server.url + "/slots")
+    slots = response.json()
     assert len(slots) == 4 and all(s["state"] == "idle" for s in slots)
+    # The cancellation bound in seconds from the start: serve times its largest step
+    # (4 sessions x 128 tokens at max_context) before it listens.
+    assert response.headers["x-cancel-bound-basis"] == "measured"
+    assert float(response.headers["x-cancel-bound-seconds"]) > 0
+    log = tiny_server.output()
+    measured = log.index("worst-case cancel→release: ")
+    assert measured < log.index("serving ") and "(a 512-token step, measured)" in log
     text = httpx.get(tiny_server.url + "/metrics").text
     for name in (
         "slotserve_time_to_first_token_seconds",

@@ -382,6 +382,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise
     try:
         with_grammar_arena(engine, grammars.cache_bytes, index_bytes)
+        # /slots and /metrics state the cancellation bound in seconds from the start
+        log.info("%s", engine.measure_cancel_bound().describe())
     except BaseException:
         engine.close()
         compiler.close()

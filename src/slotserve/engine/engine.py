@@ -51,17 +51,19 @@ from slotserve.engine.events import (
     check_priority,
 )
 from slotserve.engine.handle import RequestHandle
+from slotserve.engine.plan_measure import largest_step
 from slotserve.engine.pressure import PressureSource
 from slotserve.engine.request import Request
 from slotserve.engine.scheduler import Scheduler
 from slotserve.engine.stepper import Stepper, Work
 from slotserve.engine.timings import EngineCounters
 from slotserve.engine.views import EngineStats, PoolView, PrefixStats, SlotView, store_stats
-from slotserve.errors import AdmissionRefused
+from slotserve.errors import AdmissionRefused, KVExhausted
 from slotserve.executor import Executor, HiddenStates, executor_for
 from slotserve.kv.batch import StepBatch
 from slotserve.kv.pool import KVPool
 from slotserve.model import Model
+from slotserve.native.threads import on_own_thread
 from slotserve.prefix import PendingRestore, PrefixCache, PrefixStore, open_store
 from slotserve.sampling import SamplingParams
 
@@ -320,6 +322,32 @@ class Engine:
                 counters.step_seconds_by_tokens,
                 counters.cancel_seconds,
             )
+
+    def measure_cancel_bound(self) -> CancelBound:
+        """Time the largest step this config allows on the engine's own pool, before it
+        serves, and count it as a measured step of that size, so the declared bound
+        (`cancel_bound`: ``/slots``, ``/metrics``, the dashboard) has seconds from the
+        start (`slotserve serve` calls it). It allocates nothing beyond the plan: the pool
+        is the engine's and the step is the plan's largest (its activations arena). Only
+        while no session is bound, under the engine lock, on a thread of its own (no
+        OpenMP team is left on the caller's); the sessions it reserves are released and
+        the KV it writes is never read. The bound unchanged when sessions are bound or
+        the pool cannot hold that step's sessions at ``max_context``."""
+        executor, pool = self._stepper.executor, self.pool
+        with self._lock:
+            if pool.sessions:
+                return self.cancel_bound()
+            try:
+                tokens, (seconds, _) = on_own_thread(
+                    lambda: largest_step(self.model, self.config, executor, pool)
+                )
+            except KVExhausted:
+                return self.cancel_bound()
+            finally:
+                for session in list(pool.sessions):
+                    pool.release(session)
+            self.counters.count_step_time(tokens, seconds)
+            return self.cancel_bound()
 
     def _prefix_stats(self) -> PrefixStats | None:
         if self.prefix is None:

@@ -56,18 +56,20 @@ def measure_arenas(
         for storage in (*group.keys.values(), *group.values.values()):
             storage.data.fill_(1)  # every page resident, as at the worst case
     arenas["kv"] = rss_bytes() - before
-    tokens, seconds = _largest_step(model, config, executor, pool)
+    tokens, seconds = largest_step(model, config, executor, pool)
     arenas["activations"] = seconds[1]
     bound = declare_cancel_bound(tokens, {tokens: [seconds[0]]}, [])
     return MeasuredArenas(arenas, bound)
 
 
-def _largest_step(
+def largest_step(
     model: Model, config: EngineConfig, executor: Executor, pool: KVPool
 ) -> tuple[int, tuple[float, int]]:
-    """Run the largest step on ``pool``: one prefill chunk per session (of ``max_seqs``)
-    ending at ``max_context``, within ``max_batch_tokens``. Returns its tokens, and its
-    time with the peak resident growth it caused."""
+    """Run the largest step on ``pool``, which holds no session: one prefill chunk per
+    session (of ``max_seqs``, ids 0 up) ending at ``max_context``, within
+    ``max_batch_tokens``; the sessions stay reserved (the caller releases them). Returns its
+    tokens, and its time with the peak resident growth it caused. `KVExhausted` when the
+    pool cannot hold every session at ``max_context`` (a cell pool given fewer blocks)."""
     tokens = largest_step_tokens(config)
     if executor.max_step_tokens is not None:
         tokens = min(tokens, executor.max_step_tokens)

@@ -130,7 +130,12 @@ class EngineCounters:
         self.steps_by_class[priority] += 1
         self.step_seconds.append(seconds)
         if tokens is not None:
-            by_size = self.step_seconds_by_tokens.get(tokens)
-            if by_size is None:
-                by_size = self.step_seconds_by_tokens[tokens] = deque(maxlen=STEPS_BY_SIZE)
-            by_size.append(seconds)
+            self.count_step_time(tokens, seconds)
+
+    def count_step_time(self, tokens: int, seconds: float) -> None:
+        """Record a step of ``tokens`` that took ``seconds`` for the cancellation bound
+        only (`Engine.measure_cancel_bound`'s step serves no request)."""
+        by_size = self.step_seconds_by_tokens.get(tokens)
+        if by_size is None:
+            by_size = self.step_seconds_by_tokens[tokens] = deque(maxlen=STEPS_BY_SIZE)
+        by_size.append(seconds)
