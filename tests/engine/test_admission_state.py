@@ -39,7 +39,10 @@ CONFIG = ss.EngineConfig(
 
 @functools.cache
 def model() -> ss.Model:
-    return tiny_model(Path(tempfile.mkdtemp(prefix="slotserve-admission-")) / "tiny")
+    """The tiny model, written to a directory removed once it is loaded (the loaded model
+    keeps nothing open there)."""
+    with tempfile.TemporaryDirectory(prefix="slotserve-admission-") as directory:
+        return tiny_model(Path(directory) / "tiny")
 
 
 class AdmissionMachine(RuleBasedStateMachine):
