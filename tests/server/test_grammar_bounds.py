@@ -477,15 +477,36 @@ def _alive(pid: int) -> bool:
     return Path(f"/proc/{pid}").exists() and not _zombie(pid)
 
 
+WIDE_OBJECT = {
+    "type": "object",
+    "properties": {f"p{i}": {"type": "integer"} for i in range(600)},
+    "additionalProperties": False,
+}
+
+
+def test_a_parser_limit_one_token_in_is_400_at_admission(server: ServerProcess) -> None:
+    """An ``anyOf`` whose object branch has 600 properties passes llguidance's row limit
+    as soon as ``{`` is chosen: the compile probes the openings the grammar allows, so it
+    is refused before anything runs (it was a 500 after generation)."""
+    schema = {"anyOf": [{"type": "integer"}, WIDE_OBJECT]}
+    body = chat(server, response_format=schema_format(schema))
+    response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == SCHEMA_PARAM and error["code"] == "unsupported_schema"
+    assert "opens with '{'" in error["message"] and "max is 2000" in error["message"]
+
+
 def test_a_document_the_grammar_could_not_finish_is_never_stop(server: ServerProcess) -> None:
-    """Past a parser limit mid-document the matcher goes into error and the sampler can
-    only end the request: before issue 30 that was 200 "stop" with '{'."""
-    wide_object = {
+    """Past a parser limit deeper in the document (the wide branch is a property's
+    value) the matcher goes into error and the sampler can only end the request: before
+    issue 30 that was 200 "stop" with '{'."""
+    schema = {
         "type": "object",
-        "properties": {f"p{i}": {"type": "integer"} for i in range(600)},
+        "properties": {"a": {"anyOf": [{"type": "integer"}, WIDE_OBJECT]}},
+        "required": ["a"],
         "additionalProperties": False,
     }
-    schema = {"anyOf": [{"type": "integer"}, wide_object]}
     brace = httpx.post(server.url + "/tokenize", json={"text": "{"}).json()["tokens"][-1]
     body = chat(server, response_format=schema_format(schema), logit_bias={str(brace): 100})
     response = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)

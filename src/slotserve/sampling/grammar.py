@@ -156,10 +156,20 @@ class GrammarCompiler:
                 f"{description}: it admits no document at all (no first token is allowed): "
                 "give every $ref loop a way out, or remove the contradictory keywords"
             )
-        forced = _forced_failure(start)
-        if forced is not None:
-            raise GrammarError(f"{description}: {forced}")
+        openings = self._opening_tokens()
+        failure = _forced_failure(start) or _opening_failure(template, openings, self.vocab_size)
+        if failure is not None:
+            raise GrammarError(f"{description}: {failure}")
         return Grammar(template, self.vocab_size, self.tokenizer.eos_ids, description, nbytes)
+
+    def _opening_tokens(self) -> dict[str, int]:
+        """The tokens that open a JSON object, array or string, where one token is each."""
+        found = {}
+        for text in OPENINGS:
+            ids = self.tokenizer.encode(text, add_bos=False)
+            if len(ids) == 1 and ids[0] < self.vocab_size:
+                found[text] = ids[0]
+        return found
 
     def _compile_schema(self, text: str, nbytes: int) -> Grammar:
         import llguidance
@@ -232,6 +242,38 @@ def _forced_failure(matcher: Any) -> str | None:
             f"({first_line(matcher.get_error())}); simplify the schema (fewer properties or "
             "alternatives)"
         )
+    return None
+
+
+# What `_opening_failure` tries a document's first value with.
+OPENINGS = ("{", "[", '"')
+
+
+def _opening_failure(template: Any, openings: Mapping[str, int], vocab_size: int) -> str | None:
+    """Why the grammar engine cannot follow a document whose first value opens with one of
+    ``openings`` (text to token id) that the grammar allows there, then the tokens forced
+    after it: a parser limit reached one token in (an ``anyOf`` whose object branch has
+    hundreds of properties reaches it once ``{`` is chosen, where nothing was forced
+    before it). None if it can follow each. Changes nothing in ``template``. Deeper limits
+    remain possible: output that ends there is refused (`Grammar.refusal`)."""
+    words = np.zeros((vocab_size + 31) // 32, dtype=np.uint32)
+    template.deep_copy().unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+    for text, token in openings.items():
+        if not words[token // 32] >> (token % 32) & 1:
+            continue  # the grammar does not open with it
+        matcher = template.deep_copy()
+        if matcher.consume_token(token):  # a refusal of an allowed token is the limit
+            forced = matcher.compute_ff_tokens()
+            if not matcher.is_error() and (not forced or matcher.consume_tokens(forced)):
+                # the next mask is not wanted: computing it is the step that may fail
+                after = np.zeros_like(words)
+                matcher.unsafe_compute_mask_ptr(after.ctypes.data, after.nbytes)
+        if matcher.is_error():
+            return (
+                f"the grammar engine cannot follow a document that opens with {text!r} "
+                f"({first_line(matcher.get_error())}); simplify the schema (fewer properties "
+                "or alternatives)"
+            )
     return None
 
 
