@@ -33,9 +33,19 @@ def settled(before):
         time.sleep(0.01)
     return threads()
 
+def stable():
+    # The count once the threads the load's first step started have ended (they end just
+    # after their join returns: on a loaded machine, a while after): the same for 0.5 s.
+    count, same, deadline = threads(), 0, time.monotonic() + 10
+    while same < 10 and time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = threads()
+        same, count = (same + 1, count) if now == count else (0, now)
+    return count
+
 path = write_tiny_gguf(Path(sys.argv[1]) / "tiny.gguf", "llama", "Q8_0")
 model = ss.load(path, progress=False)  # runs its first step
-before = threads()
+before = stable()
 assert model.kernels.blocks is not None and model.kernels.blocks.threads == 2
 on_own_thread(lambda: model.logits(list(range(40))))
 after_own = settled(before)
