@@ -411,3 +411,24 @@ def test_the_writer_holds_one_part_of_a_snapshot_at_a_time(
     fresh = restart(tmp_path, WINDOWED)
     assert prefill(fresh, 0, [*SYSTEM, 7, 1]) == len(SYSTEM) + 1  # and it restores
     written(fresh)
+
+
+@pytest.mark.parametrize("layout", ["flat", "cell", "ring"])
+def test_a_pool_on_the_meta_device_has_the_store_identity_of_a_real_one(layout: str) -> None:
+    """`slotserve plan --prefix-store` reads the store's identity off a pool on the meta
+    device (shapes and dtypes, no memory): it must be the identity serve's real pool has,
+    or the plan would survey files serve refuses (or the reverse)."""
+    from slotserve.info import ModelInfo
+    from slotserve.kv import KVConfig, KVPool
+
+    info = ModelInfo(
+        arch="gemma3", n_layers=4, dim=16, n_heads=2, n_kv_heads=1, head_dim=8, ffn_dim=32,
+        vocab_size=64, max_context=256, sliding_window=(8, None, 8, None),
+    )  # fmt: skip
+    config = KVConfig(layout=layout, max_seqs=3, max_context=64, dtype="int8", ring_window=16)
+    real = KVPool(info, config)
+    with torch.device("meta"):
+        shapes = KVPool(info, config)
+    assert shapes.groups[0].keys[0].data.device.type == "meta"
+    assert shapes.kv_identity() == real.kv_identity()
+    assert shapes.payload_parts() == real.payload_parts()

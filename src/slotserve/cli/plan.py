@@ -53,6 +53,8 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from slotserve.artifact import load
     from slotserve.engine.cancel_bound import declare_cancel_bound, largest_step_tokens
     from slotserve.engine.plan_measure import measure_arenas
@@ -75,13 +77,14 @@ def run(args: argparse.Namespace) -> int:
     report["budget_scope"] = config.budget_scope
     bound = declare_cancel_bound(largest_step_tokens(config), {}, [])
     if config.prefix_store is not None:
-        # What serve would index there now (headers only; nothing on disk changes).
+        # What serve would index there now (headers only; nothing on disk changes). The
+        # store's identity is the pool's shapes and dtypes: a pool on the meta device has
+        # them and holds no memory (a real one was the whole KV pool, for a plan).
         attention = model.kernels.attention if config.kernels == "auto" else None
+        with torch.device("meta"):
+            shapes = KVPool(model.info, config.kv_config(), attention)
         survey = survey_store(
-            config.prefix_store,
-            model,
-            KVPool(model.info, config.kv_config(), attention),
-            attention_kernel=attention is not None,
+            config.prefix_store, model, shapes, attention_kernel=attention is not None
         )
         report["prefix_store"] = {**survey.to_dict(), "budget_bytes": config.prefix_store_budget}
     if choice is not None:
