@@ -50,14 +50,25 @@ def probe() -> None:
     )
 
 
-def _measure(info: ModelInfo, config: KVConfig) -> dict[str, int]:
-    payload = json.dumps({"info": info.to_json(), "config": dataclasses.asdict(config)})
+def _measure_all(info: ModelInfo, configs: dict[str, KVConfig]) -> dict[str, dict[str, int]]:
+    """Each config's pool measured by `probe` in a fresh process of its own, the processes
+    run side by side (each measures only itself; most of their time is importing torch)."""
     code = "from slotserve.bench.memory import probe; probe()"
-    done = subprocess.run(
-        [sys.executable, "-c", code], input=payload, capture_output=True, text=True, check=True
-    )
-    result: dict[str, int] = json.loads(done.stdout)
-    return result
+    children = {}
+    for name, config in configs.items():
+        payload = json.dumps({"info": info.to_json(), "config": dataclasses.asdict(config)})
+        child = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        children[name] = (child, payload)
+    results = {}
+    for name, (child, payload) in children.items():
+        out, err = child.communicate(payload)
+        if child.returncode != 0:
+            raise RuntimeError(f"memory probe of the {name} pool failed: {err.strip()[-500:]}")
+        results[name] = json.loads(out)
+    return results
 
 
 # The server `run_memory` drives: the issue's 4 slots x 2,048 tokens on the cell layout (the
@@ -78,9 +89,10 @@ def run_memory(model: Model, repeats: int = 1) -> dict[str, Any]:
     """The server's worst case (``repeats`` rounds of it) and the pool of each layout."""
     server = run_worst_case(model.source, model.info.vocab_size, server_flags(model), repeats)
     rows = {}
+    measurements = _measure_all(model.info, LAYOUTS)
     for name, config in LAYOUTS.items():
         plan = CapacityPlan(model.info, config, model.weight_bytes)
-        measured = _measure(model.info, config)
+        measured = measurements[name]
         rows[name] = {
             "planned_bytes": plan.kv_bytes,
             "measured_pool_bytes": measured["pool_bytes"],
