@@ -1,4 +1,4 @@
-"""Time the block kernel's `linear` alone on random blocks of SmolLM2's shapes (the Q8_0
+"""Time the block kernel's `linear` alone on random valid blocks of SmolLM2's shapes (the Q8_0
 head, a Q5_0 FFN projection and a Q5_0 attention projection), at 1 and 8 activation rows:
 the median of 30 calls after one warm-up, on a thread of its own, torch at one thread.
 
@@ -15,18 +15,9 @@ import torch
 from slotserve.model.gguf_linear import pack
 from slotserve.native import build_kernels
 from slotserve.native.threads import on_own_thread
+from slotserve.testing import random_gguf_rows
 
-BLOCK_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q4_1": 20}
 SHAPES = (("Q8_0", 49152, 576), ("Q5_0", 3072, 576), ("Q5_0", 576, 576))
-
-
-def random_rows(kind: str, rows: int, width: int) -> torch.Tensor:
-    """GGUF rows of random blocks whose fp16 scales (and Q4_1 mins) are 2^-7, packed."""
-    blocks = torch.randint(0, 256, (rows, width // 32, BLOCK_BYTES[kind]), dtype=torch.uint8)
-    blocks[:, :, 0:2] = torch.tensor([0x00, 0x20], dtype=torch.uint8)
-    if kind == "Q4_1":
-        blocks[:, :, 2:4] = torch.tensor([0x00, 0x20], dtype=torch.uint8)
-    return pack(blocks.reshape(rows, -1).contiguous(), kind)
 
 
 def timings() -> dict[str, float]:
@@ -35,7 +26,7 @@ def timings() -> dict[str, float]:
     torch.manual_seed(0)
     figures = {}
     for kind, rows, width in SHAPES:
-        weights = random_rows(kind, rows, width)
+        weights = pack(torch.from_numpy(random_gguf_rows(kind, rows, width)), kind)
         for m in (1, 8):
             x = torch.randn(m, width)
             kernel.linear(x, kind, weights, width)

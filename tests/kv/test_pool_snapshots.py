@@ -103,23 +103,17 @@ def test_copy_on_write_room_counts_snapshot_holders() -> None:
     pool.check_integrity()
 
 
-def test_a_flat_snapshot_copies_the_positions_it_keeps() -> None:
-    """A flat pool's snapshot holds a copy of its first positions (no blocks): it outlives
-    its source's later writes and release, and a restore writes it into the new slot."""
+def test_a_flat_pool_never_copies_a_running_sessions_rows_out() -> None:
+    """A flat pool's snapshots are parked slots only: publishing a running session (which
+    could only copy its rows out of the pool) is refused, changing nothing."""
     config = KVConfig(layout="flat", max_seqs=2, max_context=32)
     flat = KVPool(INFO, config, attention=build_kernels().attention)
     flat.reserve(0, 8)
     write(flat, 0, 3, 1.0)
-    flat.publish(0, 3, into=-1)
-    write(flat, 0, 2, 5.0)
-    flat.release(0)
-    flat.check_integrity()
-    flat.reserve_from(1, 10, snapshot=-1, upto=2)
-    assert flat.length(1) == 2
-    assert torch.equal(keys(flat, 1, 2), torch.ones(2))
-    write(flat, 1, 1, 7.0)
-    assert torch.equal(keys(flat, 1, 3), torch.tensor([1.0, 1.0, 7.0]))
-    assert flat.snapshot_nbytes(3) == 3 * flat.snapshot_position_nbytes > 0
+    with pytest.raises(SessionError, match="parked slots"):
+        flat.publish(0, 3, into=-1)
+    assert flat.snapshot_ids() == set() and flat.length(0) == 3
+    assert flat.snapshot_copy_nbytes == 0
     flat.check_integrity()
 
 

@@ -103,9 +103,8 @@ class KVPool:
         self.sessions: dict[int, SessionKV] = {}
         # Read-only snapshots (slot -1): block holders that no step can name or write.
         self.snapshots: dict[int, SessionKV] = {}
-        # Each snapshot's copy of its session's rows in the row groups: a ring's whole row
-        # (sliding-window layers), a flat row's first `length` positions; one (data, int8
-        # scales) pair per storage, in `_row_storages` order.
+        # Each snapshot's copy of its session's ring rows, whole (a pool with flat rows
+        # parks instead); one (data, int8 scales) pair per storage, in `_row_storages` order.
         self._snapshot_rings: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self._free_slots = list(range(config.max_seqs - 1, -1, -1))
 
@@ -240,7 +239,7 @@ class KVPool:
     def supports_snapshots(self) -> bool:
         """True for every layout with layers: a snapshot is block references (cell layers)
         plus a copy of its session's ring rows (sliding-window layers, or every layer of
-        the ring layout) and of the positions it keeps of its flat rows."""
+        the ring layout), or a parked slot (`parks_slots`)."""
         return bool(self.groups)
 
     @property
@@ -268,15 +267,10 @@ class KVPool:
         return sum(g.nbytes for g in self._rings) // max(self.config.max_seqs, 1)
 
     @property
-    def snapshot_position_nbytes(self) -> int:
-        """Bytes one position of a snapshot copies from the flat rows (0 without them)."""
-        positions = self.config.max_seqs * self.config.max_context
-        return sum(g.nbytes for g in self._flats) // max(positions, 1)
-
-    def snapshot_nbytes(self, n_tokens: int) -> int:
-        """Bytes a snapshot of ``n_tokens`` positions copies (its cell blocks are shared,
-        not copied: see `block_nbytes`)."""
-        return self.snapshot_ring_nbytes + n_tokens * self.snapshot_position_nbytes
+    def snapshot_copy_nbytes(self) -> int:
+        """Bytes one snapshot copies out of the pool: its ring rows, or nothing where the
+        pool parks slots (its cell blocks are shared, not copied: see `block_nbytes`)."""
+        return 0 if self.parks_slots else self.snapshot_ring_nbytes
 
     def retains(self, snapshot: int, upto: int) -> bool:
         """Whether every layer of ``snapshot`` still holds what a session restored from its
@@ -302,7 +296,14 @@ class KVPool:
         """Freeze the first ``upto`` committed positions of ``session`` as the read-only
         snapshot ``into``: its blocks are shared by refcount, not copied, and it takes no
         slot. The session keeps running; its next write into a now-shared block copies it
-        (room for that copy is checked here: `KVExhausted`, nothing changed)."""
+        (room for that copy is checked here: `KVExhausted`, nothing changed). A pool that
+        `parks_slots` refuses (`SessionError`): a running session's flat rows could only be
+        copied out of the pool; its slot is parked when it finishes (`release_into`)."""
+        if self.parks_slots:
+            raise SessionError(
+                "publish: a pool with flat rows keeps snapshots only as parked slots; "
+                "release_into the finished session instead"
+            )
         source = self._snapshot_source(session, upto, into, "publish")
         shared = source.table[: self._blocks_for(upto)]
         snapshot = SessionKV(-1, upto, upto, list(shared), source.high_water)
@@ -573,9 +574,9 @@ class KVPool:
         return storage.data[first:last], scales
 
     def _freeze_rings(self, source: SessionKV, into: int, upto: int) -> None:
-        """Keep a copy of ``source``'s row-group cells (rings whole, flat rows' first
-        ``upto`` positions) as snapshot ``into``'s."""
-        if not self._rings and not self._flats:
+        """Keep a copy of ``source``'s rings (whole) as snapshot ``into``'s (a pool with
+        flat rows parks instead: it never copies)."""
+        if not self._rings:
             return
         copies = []
         for group, storage in self._row_storages():
@@ -585,8 +586,7 @@ class KVPool:
         self._snapshot_rings[into] = copies
 
     def _thaw_rings(self, snapshot: int, bound: SessionKV, upto: int) -> None:
-        """Write snapshot ``snapshot``'s row copies into ``bound``'s slot (a flat row's
-        first ``upto`` positions)."""
+        """Write snapshot ``snapshot``'s ring copies into ``bound``'s slot."""
         copies = self._snapshot_rings.get(snapshot, [])
         for (group, storage), (data, scales) in zip(self._row_storages(), copies, strict=True):
             cells = self._copied_cells(group, bound.slot, upto)
@@ -727,13 +727,13 @@ class KVPool:
             assert 0 < frozen.length == frozen.capacity, f"snapshot {sid} length"
             assert len(frozen.table) == self._blocks_for(frozen.capacity), f"table size {sid}"
         assert not self.snapshots or self.supports_snapshots, "snapshot in a pool without layers"
-        copying = self._rings or self._flats
-        expected = {k for k, s in self.snapshots.items() if s.slot < 0} if copying else set()
+        copying = self._rings and not self.parks_slots
+        expected = set(self.snapshots) if copying else set()
         assert set(self._snapshot_rings) == expected, "snapshot row copies drifted"
-        for sid, copies in self._snapshot_rings.items():  # a flat copy holds its length
+        for sid, copies in self._snapshot_rings.items():  # each ring copied whole
             for (group, _), (data, _) in zip(self._row_storages(), copies, strict=True):
-                size = self.snapshots[sid].length if isinstance(group, FlatGroup) else group.row
-                assert data.shape[0] == size, f"snapshot {sid} copies {data.shape[0]} rows"
+                assert isinstance(group, RingGroup), f"snapshot {sid} copies a flat row"
+                assert data.shape[0] == group.row, f"snapshot {sid} copies {data.shape[0]} rows"
         tables = [s.table for s in (*self.sessions.values(), *self.snapshots.values())]
         self.blocks.check_integrity(tables)
         assert self._cow_needed(self.sessions) <= self.blocks.n_free, "copy-on-write overcommitted"

@@ -119,18 +119,17 @@ class PrefixCache:
     @property
     def bytes_pinned(self) -> int:
         """Bytes of the distinct blocks the snapshots hold (a block shared by several
-        snapshots, or with running requests, counts once), and of their copies of
-        sliding-window ring rows and flat rows. A parked slot (`KVPool.parks_slots`) adds
-        nothing: its rows are the pool's own, and it is dropped before a request waits."""
+        snapshots, or with running requests, counts once), and of their copies of ring
+        rows (sliding-window layers, the ring layout). A parked slot (`KVPool.parks_slots`)
+        adds nothing: its rows are the pool's own, and it is dropped before a request waits."""
         copies = sum(self.pool.snapshot_copied_nbytes(k) for k in self._entries)
         return len(self._block_holders) * self.pool.block_nbytes + copies
 
-    def _too_big(self, n_tokens: int, copies: bool = True) -> bool:
-        """Whether one snapshot of ``n_tokens`` alone would pass the budget (``copies``:
-        counting the row copies it would make)."""
+    def _too_big(self, n_tokens: int) -> bool:
+        """Whether one snapshot of ``n_tokens`` alone would pass the budget."""
         blocks = -(-n_tokens // self.pool.config.block_size)
-        copied = self.pool.snapshot_nbytes(n_tokens) if copies else 0
-        return blocks * self.pool.block_nbytes + copied > self.budget_bytes
+        size = blocks * self.pool.block_nbytes + self.pool.snapshot_copy_nbytes
+        return size > self.budget_bytes
 
     @property
     def pins(self) -> int:
@@ -357,7 +356,7 @@ class PrefixCache:
         frozen = tuple(tokens)
         depth, keys = self._trie.longest(frozen)
         covered = bool(keys) and depth == len(frozen)
-        if not frozen or covered or self._too_big(len(frozen), not self.pool.parks_slots):
+        if not frozen or covered or self._too_big(len(frozen)):
             if covered:
                 self._entries.move_to_end(next(k for k in reversed(self._entries) if k in keys))
             self.pool.release(session)
