@@ -49,14 +49,22 @@ def weight_blocks(
     rows_bytes: torch.Tensor, kind: str, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The file's rows as integer weights ``[n, k / 32, 32]``, their scales ``dw`` and, for
-    Q4_1, their mins ``mw`` (float64)."""
+    Q4_1 and the Q5 types, their mins ``mw`` (float64): a Q5_0 weight as Q5_1's, unsigned
+    with ``mw = -16 dw``, as the kernel takes it."""
     grouped = rows_bytes.view(rows_bytes.shape[0], k // 32, -1)
     dw = grouped[:, :, 0:2].contiguous().view(torch.float16).double()[..., 0]
     if kind == "Q8_0":
         return grouped[:, :, 2:].contiguous().view(torch.int8).double(), dw, None
+    mins = grouped[:, :, 2:4].contiguous().view(torch.float16).double()[..., 0]
+    if kind in ("Q5_0", "Q5_1"):
+        at = 2 if kind == "Q5_0" else 4
+        qh = grouped[:, :, at : at + 4].contiguous().numpy()
+        fifth = torch.from_numpy(np.unpackbits(qh, axis=2, bitorder="little")).double()
+        packed = grouped[:, :, at + 4 :]
+        u = torch.cat([packed & 0x0F, packed >> 4], dim=2).double() + 16 * fifth
+        return u, dw, -16 * dw if kind == "Q5_0" else mins
     packed = grouped[:, :, 4:]
-    w = torch.cat([packed & 0x0F, packed >> 4], dim=2).double()
-    return w, dw, grouped[:, :, 2:4].contiguous().view(torch.float16).double()[..., 0]
+    return torch.cat([packed & 0x0F, packed >> 4], dim=2).double(), dw, mins
 
 
 def blockwise_reference(x: torch.Tensor, rows_bytes: torch.Tensor, kind: str) -> torch.Tensor:
@@ -89,9 +97,9 @@ def blockwise_tolerance(x: torch.Tensor, rows_bytes: torch.Tensor, kind: str) ->
 
 @settings(max_examples=60, deadline=None)
 @given(
-    kind=st.sampled_from(["Q4_0", "Q4_1", "Q8_0"]),
+    kind=st.sampled_from(["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"]),
     rows=st.integers(1, 70),
-    blocks=st.integers(1, 8),
+    blocks=st.sampled_from([1, 2, 3, 4, 5, 6, 7, 8, 17, 18, 33, 40]),  # quads, a pair, chunks of 16
     m=st.integers(1, 11),
     threads=st.sampled_from([1, 2, 3]),
     seed=st.integers(0, 2**31 - 1),

@@ -33,15 +33,16 @@ LEVELS = {
 
 
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
-def test_block_products_at_every_level(level: str, kind: str) -> None:
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"])
+@pytest.mark.parametrize("width", [160, 576])  # a quad and a pair; 4 quads, a pair, 2 chunks
+def test_block_products_at_every_level(level: str, kind: str, width: int) -> None:
     kernel = BlockKernel(build.load("blocks", LEVELS[level]), threads=2)
     gen = np.random.default_rng(7)
-    weight = gen.standard_normal((37, 160)) * gen.uniform(0.01, 1.0, (37, 1))
+    weight = gen.standard_normal((37, width)) * gen.uniform(0.01, 1.0, (37, 1))
     rows, stored = gguf_rows(weight, kind)
     linear = file_blocks(weight, kind)
     for m in (1, 3, 4, 9):  # one row, the tail rows, a whole group of 4, both
-        x = torch.from_numpy(gen.standard_normal((m, 160)).astype(np.float32))
+        x = torch.from_numpy(gen.standard_normal((m, width)).astype(np.float32))
         got = kernel.linear(x, linear.kind, linear.packed, linear.in_features)
         expected = blockwise_reference(x, rows, stored)
         bound = blockwise_tolerance(x, rows, stored)
@@ -75,7 +76,7 @@ def test_attention_at_every_level(level: str, dtype: str) -> None:
 
 
 @pytest.mark.parametrize("level", LEVELS)
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q5_0"])
 def test_a_rows_product_does_not_depend_on_its_batch(level: str, kind: str) -> None:
     """Row i of a batch (in a group of 4 rows, or among the 1-3 tail rows) is bit for bit
     the row alone, on every thread count."""
