@@ -154,9 +154,9 @@ class CapacityPlan:
     # for it: it counts in the total, and is not checked per arena.
     grammar_cache_bytes: int = 0
     # Measured, not computed: the process's resident set before the weights (the runtime
-    # arena; 0: left out) and the memory a bundle's program plans for its methods (0 for
-    # a model the halves run in torch). Like the grammars, a memory map does not budget
-    # them: they count in the total.
+    # arena; 0: left out) and the memory a bundle's program plans for its methods, the one
+    # set of arenas they share (0 for a model the halves run in torch). Like the grammars,
+    # a memory map does not budget them: they count in the total.
     runtime_bytes: int = 0
     method_bytes: int = 0
     # Measured where a server builds it at start: what llguidance's tokenizer index (and

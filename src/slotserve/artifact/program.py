@@ -260,10 +260,18 @@ def check_formats(bundle: Bundle) -> None:
 
 
 def planned_method_bytes(pte: Any) -> int:
-    """The memory ExecuTorch plans for the program's methods, all of them: each method's
-    planned (non-constant) buffers, allocated when it is loaded (entry 0 of each list is
-    reserved and 0). Delegates' own scratch (XNNPACK's workspace) is not in it."""
-    return sum(sum(plan.non_const_buffer_sizes) for plan in pte.program.execution_plan)
+    """The memory ExecuTorch plans for the program's methods: one set of arenas that every
+    method shares, each arena (memory id) as large as the largest method's. The runtime
+    (executorch 1.5's ``Program.load_method``) gives every host-only method the same
+    arenas, sized to the largest, and copies outputs out of them; measured on a tiny
+    bundle, running eight 6 MiB methods one after another grew the resident set by one
+    of them. Entry 0 of each method's list is reserved and 0. Delegates' own scratch
+    (XNNPACK's workspace) is not in it."""
+    arenas: dict[int, int] = {}
+    for plan in pte.program.execution_plan:
+        for memory_id, size in enumerate(plan.non_const_buffer_sizes):
+            arenas[memory_id] = max(arenas.get(memory_id, 0), size)
+    return sum(arenas.values())
 
 
 def _check_delegates(bundle: Bundle) -> Any:

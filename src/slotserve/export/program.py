@@ -108,8 +108,8 @@ class TwoPass(nn.Module):
     bundled model's 8da4w bundle agrees with llama.cpp's reference on 92.9-94.8% of the
     positions, its 8da4w-2pass bundle on 95.5-96.8% (the fp32 model: 96.1%). The price,
     measured in one run on the bundled model: a decode step 1.35x as long (the residual's
-    portable ops, twice the rows), and 400 MiB more planned memory resident after a
-    512-token step (the doubled rows between delegate calls, per method)."""
+    portable ops, twice the rows), and 400 MiB more resident after a 512-token step (not
+    the methods' planned arenas, which they share)."""
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
