@@ -241,6 +241,19 @@ def test_a_bundles_planned_method_memory_is_an_arena(tiny_bundle: Path) -> None:
     plan = ss.EngineConfig(max_seqs=2, max_context=128).process_plan(model)
     assert plan.arenas["methods"] == planned
     assert plan.worst_case_bytes == sum(plan.arenas.values())
+    # Within the process's budget the arena is what the load's largest step left resident
+    # (the arenas it wrote, the delegates' scratch for its rows), where that is more.
+    assert model.load_memory is not None
+    kept = model.load_memory.method_bytes
+    process = ss.EngineConfig(max_seqs=2, max_context=128, budget_scope="process")
+    assert process.process_plan(model).arenas["methods"] == max(planned, kept)
+
+
+def test_only_a_bundles_load_runs_its_largest_step(bundled_blocks: ss.Model) -> None:
+    assert bundled_blocks.load_memory is not None
+    assert bundled_blocks.load_memory.method_bytes == 0
+    plan = ss.EngineConfig(max_seqs=2, max_context=128, budget_scope="process")
+    assert "methods" not in plan.process_plan(bundled_blocks).arenas
 
 
 def test_a_fresh_process_counts_its_first_steps_state_as_runtime() -> None:

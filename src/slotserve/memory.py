@@ -83,15 +83,25 @@ class LoadMemory:
     set's peak during the load (its transient copies; 0: not measured, where the system
     cannot reset the peak), which a budget must hold too. ``first_step_bytes`` is what
     the first step left resident (one token, run by the load): one-time state that belongs
-    to the runtime arena (`runtime_arena_bytes`)."""
+    to the runtime arena (`runtime_arena_bytes`). ``method_bytes`` is what a bundle's
+    program methods keep resident after the largest step they take (run by the load after
+    the first): the planned arenas that step writes and the delegates' scratch for its
+    rows; 0 for a model whose halves are not a program."""
 
     runtime_bytes: int
     loaded_bytes: int
     peak_bytes: int = 0
     first_step_bytes: int = 0
+    method_bytes: int = 0
 
     def __post_init__(self) -> None:
-        counts = (self.runtime_bytes, self.loaded_bytes, self.peak_bytes, self.first_step_bytes)
+        counts = (
+            self.runtime_bytes,
+            self.loaded_bytes,
+            self.peak_bytes,
+            self.first_step_bytes,
+            self.method_bytes,
+        )
         if min(counts) < 0:
             raise ValueError(f"{self} holds a negative byte count")
 

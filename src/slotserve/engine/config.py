@@ -172,11 +172,14 @@ class EngineConfig:
 
     def process_plan(self, model: Any, weight_bytes: int | None = None) -> CapacityPlan:
         """The plan the engine checks the budget against, for ``model`` (a loaded `Model`,
-        or anything with its ``info`` and ``weight_bytes``): a bundle's planned method
-        memory (``model.halves.planned_method_bytes``) and the computed arenas; with
+        or anything with its ``info`` and ``weight_bytes``): a bundle's method memory (the
+        arenas its program plans, ``model.halves.planned_method_bytes``, or what the load
+        measured its methods keep after their largest step, if more) and the computed
+        arenas; with
         ``budget_scope="process"`` also the runtime arena and the resident weights as
         `slotserve.load` measured them (``model.load_memory``; the weights count as the
-        larger of the load's resident growth and their own bytes), and the load's peak
+        larger of the load's resident growth, with a bundle's mapped tables, and their own
+        bytes), and the load's peak
         resident set, which the budget must hold as well. ``weight_bytes``
         (default the model's) is what the executor keeps resident. The activations are
         planned for the attention the engine will run (the compiled kernel where the model
@@ -185,15 +188,20 @@ class EngineConfig:
         measured = getattr(model, "load_memory", None)
         if self.budget_scope == "model":
             measured = None
+        # A bundle's methods: the arenas its program plans, or what they and the delegates'
+        # scratch kept resident after the load's largest step, if more (`LoadMemory`).
         methods = int(getattr(getattr(model, "halves", None), "planned_method_bytes", 0))
+        methods = max(methods, getattr(measured, "method_bytes", 0))
         # As the engine builds its pool: the compiled attention where the config runs it.
         kernels = getattr(model, "kernels", None)
         kernel = self.kernels == "auto" and getattr(kernels, "attention", None) is not None
         if measured is None:
             return self.plan(model.info, weights, method_bytes=methods, attention_kernel=kernel)
+        # A bundle's tied embedding tables are mapped, resident only as tokens are looked up.
+        mapped = int(getattr(getattr(model, "halves", None), "mapped_weight_bytes", 0))
         return self.plan(
             model.info,
-            max(weights, measured.growth_bytes),
+            max(weights, measured.growth_bytes + mapped),
             runtime_bytes=measured.runtime_arena_bytes,
             method_bytes=methods,
             load_peak_bytes=measured.peak_bytes,

@@ -62,6 +62,7 @@ from slotserve.errors import AdmissionRefused, KVExhausted
 from slotserve.executor import Executor, HiddenStates, executor_for
 from slotserve.kv.batch import StepBatch
 from slotserve.kv.pool import KVPool
+from slotserve.memory import trim_heap
 from slotserve.model import Model
 from slotserve.native.threads import on_own_thread
 from slotserve.prefix import PendingRestore, PrefixCache, PrefixStore, open_store
@@ -346,6 +347,7 @@ class Engine:
             finally:
                 for session in list(pool.sessions):
                     pool.release(session)
+                trim_heap()  # the step's freed activations leave before the server is ready
             self.counters.count_step_time(tokens, seconds)
             return self.cancel_bound()
 

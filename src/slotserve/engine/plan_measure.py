@@ -44,6 +44,8 @@ def measure_arenas(
     if model.load_memory is not None:
         arenas["runtime"] = model.load_memory.runtime_arena_bytes
         arenas["weights"] = model.load_memory.growth_bytes
+        if model.load_memory.method_bytes:
+            arenas["methods"] = model.load_memory.method_bytes
     trim_heap()
     before = rss_bytes()
     # The pool the engine builds: attending with the compiled kernel where the config runs
