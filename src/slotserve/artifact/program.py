@@ -165,8 +165,9 @@ def map_tied_embedding(bundle: Bundle) -> tuple[torch.Tensor, ...]:
     """A tied embedding's tables (the head's rows, and their scales for int8 rows), mapped
     read-only from the weights file where the manifest says they are (`read_bundle`
     checked the places): the ``embed`` method reads them in place, so only the pages of the
-    rows it looks up are read, and the table is resident once (as the head's packed
-    weights). Empty for a bundle whose ``embed`` holds its own table."""
+    rows it looks up are read, beside the head's packed weights (varied input reads them
+    all: `ProgramHalves.mapped_weight_bytes`). Empty for a bundle whose ``embed`` holds its
+    own table."""
     import numpy as np
 
     tied = bundle.manifest.tied_embedding
