@@ -175,15 +175,13 @@ class EngineConfig:
         or anything with its ``info`` and ``weight_bytes``): a bundle's method memory (the
         arenas its program plans, ``model.halves.planned_method_bytes``, or what the load
         measured its methods keep after their largest step, if more) and the computed
-        arenas; with
-        ``budget_scope="process"`` also the runtime arena and the resident weights as
-        `slotserve.load` measured them (``model.load_memory``; the weights count as the
-        larger of the load's resident growth, with a bundle's mapped tables, and their own
-        bytes), and the load's peak
-        resident set, which the budget must hold as well. ``weight_bytes``
-        (default the model's) is what the executor keeps resident. The activations are
-        planned for the attention the engine will run (the compiled kernel where the model
-        has it and ``kernels`` is ``"auto"``)."""
+        arenas; with ``budget_scope="process"`` also the runtime arena and the resident
+        weights as `slotserve.load` measured them (``model.load_memory``; the weights count
+        as the larger of the load's resident growth, with a bundle's mapped tables, and
+        their own bytes), and the load's peak resident set, which the budget must hold as
+        well. ``weight_bytes`` (default the model's) is what the executor keeps resident.
+        The activations are planned for the attention the engine will run (the compiled
+        kernel where the model has it and ``kernels`` is ``"auto"``)."""
         weights = model.weight_bytes if weight_bytes is None else weight_bytes
         measured = getattr(model, "load_memory", None)
         if self.budget_scope == "model":
