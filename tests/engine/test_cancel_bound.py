@@ -190,3 +190,29 @@ def test_the_bound_is_measured_before_serving_on_the_engines_own_pool(
         final = engine.submit(list(range(10, 40)), PARAMS).result()
         assert final.reason == "length"
         engine.check_integrity()
+
+
+def test_what_the_start_step_keeps_joins_the_process_runtime_arena(
+    tiny: ss.Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The step `measure_cancel_bound` runs leaves one-time state resident: within a
+    process budget it joins the plan's runtime arena (a model budget leaves it out), and a
+    budget it no longer fits refuses with `PlanError`."""
+    import slotserve.engine.engine as engine_module
+
+    readings = iter([100 * 2**20, 103 * 2**20] * 3)  # before and after each step: 3 MiB kept
+    monkeypatch.setattr(engine_module, "rss_bytes", lambda: next(readings))
+    for scope, grown in (("process", 3 * 2**20), ("model", 0)):
+        config = ss.EngineConfig(max_seqs=2, max_context=96, budget_scope=scope)
+        with ss.Engine(tiny, config) as engine:
+            before = engine.plan.runtime_bytes
+            engine.measure_cancel_bound()
+            assert engine.plan.runtime_bytes - before == grown, scope
+    tight = ss.EngineConfig(max_seqs=2, max_context=96, budget_scope="process")
+    with ss.Engine(tiny, tight) as engine:
+        budget = engine.plan.required_bytes + 2**20  # fits now, not with 3 MiB more
+    config = ss.EngineConfig(
+        max_seqs=2, max_context=96, budget_scope="process", memory_budget=str(budget)
+    )
+    with ss.Engine(tiny, config) as engine, pytest.raises(ss.PlanError):
+        engine.measure_cancel_bound()

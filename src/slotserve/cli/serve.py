@@ -222,19 +222,6 @@ def with_grammar_arena(engine: Any, cache_bytes: int, index_bytes: int = 0) -> N
     engine.plan = plan
 
 
-def with_start_state(engine: Any, kept_bytes: int) -> None:
-    """Count what the start's largest step (`Engine.measure_cancel_bound`) left resident
-    in ``engine``'s runtime arena, where the budget is the whole process's: one-time state
-    like the load's first step's, here the C heap of the thread it ran on (a thread's own
-    malloc arena keeps pages the trim cannot return; measured 2.1 MiB on a tiny bundle,
-    0.3 MiB with one arena for every thread). `PlanError` if the budget then does not fit."""
-    if engine.config.budget_scope != "process" or kept_bytes <= 0:
-        return
-    plan = dataclasses.replace(engine.plan, runtime_bytes=engine.plan.runtime_bytes + kept_bytes)
-    plan.check()
-    engine.plan = plan
-
-
 def grammar_plan(plan: Any, scope: str, cache_bytes: int, index_bytes: int) -> Any:
     """``plan`` with the grammars arena, and with the tokenizer index where the budget is
     the whole process's (``scope`` ``"process"``: like the runtime, the index is measured
@@ -364,7 +351,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from slotserve.engine import Engine
-    from slotserve.memory import rss_bytes
     from slotserve.server import serve
     from slotserve.server.connections import HTTPLimits
 
@@ -397,9 +383,7 @@ def _serve(args: argparse.Namespace) -> int:
     try:
         with_grammar_arena(engine, grammars.cache_bytes, index_bytes)
         # /slots and /metrics state the cancellation bound in seconds from the start
-        before = rss_bytes()
         log.info("%s", engine.measure_cancel_bound().describe())
-        with_start_state(engine, rss_bytes() - before)
     except BaseException:
         engine.close()
         compiler.close()

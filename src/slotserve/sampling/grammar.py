@@ -80,6 +80,7 @@ class GrammarCompiler:
         self._index: Any = None  # llguidance.LLTokenizer, once built
         self._lock = threading.Lock()
         self._pool: CompilePool | None = None
+        self._openings: dict[str, int] | None = None  # `_opening_tokens`, once
 
     def json_schema(self, schema: Mapping[str, Any] | None) -> Grammar:
         """Output that parses as JSON and validates against ``schema``; ``None``: any JSON
@@ -164,12 +165,14 @@ class GrammarCompiler:
 
     def _opening_tokens(self) -> dict[str, int]:
         """The tokens that open a JSON object, array or string, where one token is each."""
-        found = {}
-        for text in OPENINGS:
-            ids = self.tokenizer.encode(text, add_bos=False)
-            if len(ids) == 1 and ids[0] < self.vocab_size:
-                found[text] = ids[0]
-        return found
+        if self._openings is None:
+            found = {}
+            for text in OPENINGS:
+                ids = self.tokenizer.encode(text, add_bos=False)
+                if len(ids) == 1 and ids[0] < self.vocab_size:
+                    found[text] = ids[0]
+            self._openings = found
+        return self._openings
 
     def _compile_schema(self, text: str, nbytes: int) -> Grammar:
         import llguidance
