@@ -16,6 +16,7 @@ compiler to the cache; `slotserve.sampling.grammar_index`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 import weakref
@@ -285,12 +286,12 @@ async def _wait(grammars: GrammarCache, pending: _Pending, request: Request | No
     bounds allow; leave it if the client disconnects, the server shuts down (503 at once:
     shutdown never waits for a compile) or this task is cancelled."""
     job = pending.job
-    future = asyncio.wrap_future(job.future)
+    ready = _completion(job.future)
     server = getattr(request.app.state, "server", None) if request is not None else None
     try:
-        while not future.done():
-            await asyncio.wait({future}, timeout=DISCONNECT_POLL_S)
-            if future.done():
+        while not job.future.done():
+            await asyncio.wait({ready}, timeout=DISCONNECT_POLL_S)
+            if job.future.done():
                 break
             if getattr(server, "shutting_down", False):
                 raise GrammarCancelled("the server is shutting down")
@@ -298,14 +299,32 @@ async def _wait(grammars: GrammarCache, pending: _Pending, request: Request | No
                 raise APIError(499, "client disconnected", "client_closed")
             if time.monotonic() > job.deadline and job.expire():
                 raise GrammarBusy(job.busy_message())
-        if future.cancelled():
+        if job.future.cancelled():
             raise GrammarBusy(job.busy_message())  # expired by another waiter
-        return future.result()
+        return job.future.result()
     except BaseException:
-        # Whatever the compile ends with, nobody here reads it any more.
-        future.add_done_callback(lambda done: done.cancelled() or done.exception())
         grammars.leave(pending)
         raise
+
+
+def _completion(job: Future[Grammar]) -> asyncio.Future[None]:
+    """An event-loop future that completes, with no result, when ``job`` does. The
+    outcome stays on ``job`` alone: an `asyncio.wrap_future` copy holding a compile's
+    exception logged "Future exception was never retrieved" (with a traceback) when a
+    waiter had left and the server stopped before reading it."""
+    loop = asyncio.get_running_loop()
+    ready: asyncio.Future[None] = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    def on_done(_: Future[Grammar]) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is waiting
+            loop.call_soon_threadsafe(wake)
+
+    job.add_done_callback(on_done)
+    return ready
 
 
 def output_refusal(grammar: Grammar | None, final: Finished) -> APIError | None:
