@@ -126,7 +126,7 @@ def test_every_type_at_every_level(level: str, kind: str) -> None:
     data = random_rows(kind, 37, in_features, seed=7)
     linear = BlockLinear.from_gguf(data, kind)
     gen = torch.Generator().manual_seed(1)
-    for m in (1, 3, 4, 9):  # one row, the tail rows, a whole group of 4, both
+    for m in (1, 2, 3, 4, 9):  # one row, tails of 2 and 3 rows, a whole group of 4, both
         x = torch.randn(m, in_features, generator=gen)
         got = kernel.linear(x, kind, linear.packed, in_features)
         check(got, reference(x, data, kind), (level, kind, m))
@@ -136,17 +136,19 @@ def test_every_type_at_every_level(level: str, kind: str) -> None:
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_rows_product_does_not_depend_on_its_batch(level: str, kind: str) -> None:
-    """Row i of a batch (in a group of 4 rows, or among the 1-3 tail rows) is bit for bit
-    the row alone, on every thread count."""
+    """Row i of a batch (in a group of 4 rows, or among the 1-3 tail rows, which share
+    one decoding of the weights as a group of their own) is bit for bit the row alone, on
+    every thread count and for every tail: batches of 2 to 7 rows."""
     in_features = 256 if kind in SUPER_KINDS else 96
     linear = BlockLinear.from_gguf(random_rows(kind, 33, in_features, seed=11), kind)
     x = torch.randn(7, in_features, generator=torch.Generator().manual_seed(5))
     for threads in (1, 2):
         kernel = BlockKernel(build.load("blocks", LEVELS[level]), threads)
-        batch = kernel.linear(x, kind, linear.packed, in_features)
-        for i in range(x.shape[0]):
-            alone = kernel.linear(x[i : i + 1], kind, linear.packed, in_features)
-            assert torch.equal(batch[i : i + 1], alone), (level, kind, threads, i)
+        alone = [kernel.linear(x[i : i + 1], kind, linear.packed, in_features) for i in range(7)]
+        for m in range(2, 8):
+            batch = kernel.linear(x[:m], kind, linear.packed, in_features)
+            for i in range(m):
+                assert torch.equal(batch[i : i + 1], alone[i]), (level, kind, threads, m, i)
 
 
 def test_a_stack_of_types_is_its_parts_side_by_side() -> None:

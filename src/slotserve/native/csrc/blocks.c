@@ -42,24 +42,31 @@ INLINE void put(const product *p, int64_t i, int64_t n, float value) {
 }
 
 /* Columns first .. last of a product whose rows `dot` multiplies: each weight row against
- * the activations in groups of ROWS, then one at a time for the 1..3 left over. */
+ * the activations in groups of ROWS, then the 1..3 rows left over in one group of their
+ * own, so that a step of 2 or 3 rows decodes the weights once, as one of 1 row does (each
+ * group size is a constant in its own call, so the dot's loops over rows unroll). */
 #define COLUMNS(name, dot)                                                                   \
     static void name(const product *p, int64_t first, int64_t last) {                       \
         const int64_t row_bytes = weight_row_bytes(p->kind, p->a.k);                         \
+        const int64_t whole = p->m / ROWS * ROWS;                                            \
+        const int tail = (int)(p->m - whole);                                                \
         float out[ROWS];                                                                     \
         for (int64_t n = first; n < last; n++) {                                             \
             const uint8_t *w = p->w + n * row_bytes;                                         \
-            int64_t i = 0;                                                                   \
-            for (; i + ROWS <= p->m; i += ROWS) {                                            \
+            for (int64_t i = 0; i < whole; i += ROWS) {                                      \
                 dot(w, &p->a, i, ROWS, out);                                                 \
                 for (int r = 0; r < ROWS; r++) put(p, i + r, n, out[r]);                     \
             }                                                                                \
-            for (; i < p->m; i++) {                                                          \
-                dot(w, &p->a, i, 1, out);                                                    \
-                put(p, i, n, out[0]);                                                        \
+            switch (tail) {                                                                  \
+            case 3: dot(w, &p->a, whole, 3, out); break;                                     \
+            case 2: dot(w, &p->a, whole, 2, out); break;                                     \
+            case 1: dot(w, &p->a, whole, 1, out); break;                                     \
+            default: break;                                                                  \
             }                                                                                \
+            for (int r = 0; r < tail; r++) put(p, whole + r, n, out[r]);                     \
         }                                                                                    \
     }
+_Static_assert(ROWS == 4, "COLUMNS' tail switch covers 1 .. ROWS - 1 = 3 rows");
 COLUMNS(columns_q4_1, dot_q4_1)
 COLUMNS(columns_q8_0, dot_q8_0)
 COLUMNS(columns_q5_0, dot_q5_0)
