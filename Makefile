@@ -34,11 +34,13 @@ run: $(STAMP)
 
 # The checks and the remaining installs run side by side first (mypy keeps a core busy for
 # about 40 s, the installs mostly wait on the disk and the network), then the suite, which
-# must leave the checkout as it found it (git's view of it, before and after).
+# must leave the checkout as it found it (git's view of it, before and after). The suite
+# runs on two pytest-xdist workers, a module to a worker (its fixtures' servers start once):
+# alone it left the second core idle for much of its time (waiting on servers and clients).
 test: $(STAMP)
 	$(MAKE) --no-print-directory -j4 --output-sync=target $(GEMMA) lint types browser
 	@git status --porcelain --untracked-files=all > .git/slotserve-test-before 2>/dev/null || true
-	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile
 	@if [ -f .git/slotserve-test-before ]; then \
 		git status --porcelain --untracked-files=all | diff .git/slotserve-test-before - \
 		|| { echo "make test changed the checkout (above): tests must write to temporary dirs"; exit 1; }; \

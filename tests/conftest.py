@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -98,8 +99,17 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def export_farm(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ExportFarm]:
-    """Every export the session's tests read, submitted in the order they will be read."""
-    farm = ExportFarm(tmp_path_factory.mktemp("exports"))
+    """Every export the session's tests read, submitted in the order they will be read.
+    Under pytest-xdist the first worker runs them into a directory all workers share (the
+    run's base temporary directory, above each worker's own), and the others wait for
+    them there (`tests.exports.ExportFarm`)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        farm = ExportFarm(tmp_path_factory.mktemp("exports"))
+    else:
+        root = tmp_path_factory.getbasetemp().parent / "exports"
+        root.mkdir(exist_ok=True)
+        farm = ExportFarm(root, owner=worker == "gw0", shared=True)
     inputs = tmp_path_factory.mktemp("export-inputs")
     needed = dict.fromkeys(name for item in request.session.items for name in exports_of(item))
     for name in needed:

@@ -7,6 +7,12 @@ every export its tests will need when the first test starts, the farm runs them 
 at a time at low priority, and the modules that use them run last (`tests/conftest.py`);
 a fixture's `ExportFarm.result` waits for its bundle. Each child runs what the fixture ran
 in-process before: load the model, `export_bundle` it.
+
+Under pytest-xdist (`make test` runs two workers) every worker sees the whole session, but
+only one of them, the farm's owner, runs the exports; the others read the bundles from the
+same directory once the owner has marked each one done (``NAME.done``: empty, or the failed
+child's output). The owner's session then waits for its exports instead of killing them at
+its end, since a test on another worker may still need one.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,10 +71,13 @@ class Export:
 
 class ExportFarm:
     """Runs submitted exports one at a time, in submission order, each in a child process;
-    ``result`` waits for one."""
+    ``result`` waits for one. ``owner`` False: a farm that runs nothing and waits for the
+    bundles another process's farm (its owner, on the same ``root``) writes and marks done;
+    ``shared`` (an owner that others read from): `stop` lets the exports finish."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, *, owner: bool = True, shared: bool = False) -> None:
         self.root = root
+        self.owner, self.shared = owner, shared
         self._exports: dict[str, Export] = {}
         self._done: dict[str, threading.Event] = {}
         self._failures: dict[str, str] = {}
@@ -75,13 +85,15 @@ class ExportFarm:
         self._child: subprocess.Popen[bytes] | None = None
         self._stopping = False
         self._runner = threading.Thread(target=self._run, name="export-farm", daemon=True)
-        self._runner.start()
+        if owner:
+            self._runner.start()
 
     def submit(self, name: str, export: Export) -> None:
         assert name not in self._exports, f"{name} was submitted twice"
         self._exports[name] = export
         self._done[name] = threading.Event()
-        self._queue.put(name)
+        if self.owner:
+            self._queue.put(name)
 
     def source(self, name: str) -> Path | str:
         return self._exports[name].source
@@ -92,14 +104,33 @@ class ExportFarm:
         see it needs: `tests/conftest.py` names each fixture's exports."""
         if name not in self._done:
             raise KeyError(f"the export {name!r} was not submitted (see tests/conftest.py)")
+        if not self.owner:
+            return self._owners_result(name, timeout_s)
         if not self._done[name].wait(timeout_s):
             raise TimeoutError(f"the export {name!r} took over {timeout_s:.0f} s")
         if name in self._failures:
             raise RuntimeError(f"the export {name!r} failed:\n{self._failures[name]}")
         return self.root / name
 
-    def stop(self) -> None:
-        """Kills the running child and runs nothing more."""
+    def _owners_result(self, name: str, timeout_s: float) -> Path:
+        marker = self.root / f"{name}.done"
+        deadline = time.monotonic() + timeout_s
+        while not marker.exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the export {name!r} took over {timeout_s:.0f} s")
+            time.sleep(0.2)
+        if failure := marker.read_text():
+            raise RuntimeError(f"the export {name!r} failed:\n{failure}")
+        return self.root / name
+
+    def stop(self, timeout_s: float = 1800) -> None:
+        """Kills the running child and runs nothing more; a shared owner first lets every
+        submitted export finish (another worker's test may still wait for one)."""
+        if not self.owner:
+            return
+        if self.shared:
+            self._queue.put(None)  # after the exports already queued
+            self._runner.join(timeout=timeout_s)
         self._stopping = True
         self._queue.put(None)
         child = self._child
@@ -126,6 +157,10 @@ class ExportFarm:
                 if self._child.wait() != 0:
                     log.seek(0)
                     self._failures[name] = f"exit {self._child.returncode}\n{log.read()}"
+            # Written whole, then renamed: a reader never sees half a marker.
+            partial = self.root / f"{name}.done.tmp"
+            partial.write_text(self._failures.get(name, ""))
+            partial.replace(self.root / f"{name}.done")
             self._done[name].set()
 
 
