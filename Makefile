@@ -37,10 +37,14 @@ run: $(STAMP)
 # must leave the checkout as it found it (git's view of it, before and after). The suite
 # runs on two pytest-xdist workers, a module to a worker (its fixtures' servers start once):
 # alone it left the second core idle for much of its time (waiting on servers and clients).
+# OpenMP's idle threads sleep instead of spinning (the default spins a while after each
+# parallel region): with two workers the spinning took the core the other worker needed
+# (tests/engine + tests/kv on two workers: 123 s spinning, 105 s sleeping). What the
+# kernels compute does not depend on it.
 test: $(STAMP)
 	$(MAKE) --no-print-directory -j4 --output-sync=target $(GEMMA) lint types browser
 	@git status --porcelain --untracked-files=all > .git/slotserve-test-before 2>/dev/null || true
-	$(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q --durations=25 -n 2 --dist loadfile
 	@if [ -f .git/slotserve-test-before ]; then \
 		git status --porcelain --untracked-files=all | diff .git/slotserve-test-before - \
 		|| { echo "make test changed the checkout (above): tests must write to temporary dirs"; exit 1; }; \
