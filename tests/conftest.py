@@ -3,10 +3,11 @@ bundles the suite exports beside its tests."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -56,11 +57,37 @@ def reference() -> dict[str, Any]:
     return data
 
 
+def xdist_worker() -> str | None:
+    """The pytest-xdist worker this process is ("gw0", ...), None when run alone."""
+    return os.environ.get("PYTEST_XDIST_WORKER")
+
+
+def run_directory(factory: pytest.TempPathFactory, name: str, write: Callable[[Path], Any]) -> Path:
+    """A directory that ``write`` fills, once for the whole test run: the session's own when
+    run alone; under pytest-xdist one in the run's common temporary directory (above each
+    worker's), so that every worker reads the same paths (a bundle records the path of the
+    model it was exported from). Each worker that finds it missing writes its own copy
+    apart and renames it into place; the first rename wins, and the files are the same."""
+    if xdist_worker() is None:
+        path = factory.mktemp(name)
+        write(path)
+        return path
+    shared = factory.getbasetemp().parent / name
+    if not shared.exists():
+        mine = factory.mktemp(name)
+        write(mine)
+        with contextlib.suppress(OSError):  # another worker's copy is in place
+            mine.rename(shared)
+    return shared
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("tiny")
     kinds = ("llama", "llama3-rope", "qwen2", "qwen3", "mistral", "mixed")
-    return {kind: write_tiny_hf_dir(root / kind, kind) for kind in kinds}
+    root = run_directory(
+        tmp_path_factory, "tiny", lambda r: [write_tiny_hf_dir(r / kind, kind) for kind in kinds]
+    )
+    return {kind: root / kind for kind in kinds}
 
 
 @pytest.fixture(scope="session")
@@ -103,31 +130,37 @@ def export_farm(
     Under pytest-xdist the first worker runs them into a directory all workers share (the
     run's base temporary directory, above each worker's own), and the others wait for
     them there (`tests.exports.ExportFarm`)."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    worker = xdist_worker()
     if worker is None:
         farm = ExportFarm(tmp_path_factory.mktemp("exports"))
     else:
         root = tmp_path_factory.getbasetemp().parent / "exports"
         root.mkdir(exist_ok=True)
         farm = ExportFarm(root, owner=worker == "gw0", shared=True)
-    inputs = tmp_path_factory.mktemp("export-inputs")
+    # The exports' inputs: written by the farm's owner, read at the same paths by all.
+    inputs = farm.root / "inputs"
     needed = dict.fromkeys(name for item in request.session.items for name in exports_of(item))
     for name in needed:
-        farm.submit(name, _export(name, inputs, request))
+        farm.submit(name, _export(name, inputs, request, write=farm.owner))
+    farm.submitted()
     yield farm
     farm.stop()
 
 
-def _export(name: str, inputs: Path, request: pytest.FixtureRequest) -> Export:
+def _export(name: str, inputs: Path, request: pytest.FixtureRequest, *, write: bool) -> Export:
+    """Export ``name``'s job, its input files written to ``inputs`` when ``write``."""
     if name in ("tiny-fp32", "twin-fp32"):  # the twin: the same weights, another pairing id
         return Export(request.getfixturevalue("tiny_dirs")["llama"], {"quant": "fp32"})
     if name == "q41-8da4w":  # exported as `slotserve export` does: from the GGUF's blocks
         # Two layers, not the tiny Llama's four: 7 methods to lower, not 11 (each ~6 s).
-        gguf = write_tiny_gguf(inputs / "tiny-q4_1.gguf", "llama", "Q4_1", layers=2)
+        gguf = inputs / "tiny-q4_1.gguf"
+        if write:
+            inputs.mkdir(exist_ok=True)
+            write_tiny_gguf(gguf, "llama", "Q4_1", layers=2)
         return Export(gguf, {"quant": "8da4w", "max_tokens": 64}, blocks=True)
     if name.startswith("tied-"):
         tied = inputs / "tied"
-        if not tied.exists():
+        if write and not tied.exists():
             write_tied_llama(tied)
         return Export(tied, {"quant": name.removeprefix("tied-"), "max_tokens": 64})
     assert name == "bundled-fp32", name

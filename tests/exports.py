@@ -95,7 +95,19 @@ class ExportFarm:
         if self.owner:
             self._queue.put(name)
 
-    def source(self, name: str) -> Path | str:
+    def submitted(self) -> None:
+        """Every export is submitted (an owner marks it: its inputs are written)."""
+        if self.owner:
+            (self.root / "submitted").touch()
+
+    def source(self, name: str, timeout_s: float = 600) -> Path | str:
+        """What export ``name`` is made from; another process's farm's once it has
+        written its inputs."""
+        deadline = time.monotonic() + timeout_s
+        while not self.owner and not (self.root / "submitted").exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the farm's owner did not submit in {timeout_s:.0f} s")
+            time.sleep(0.2)
         return self._exports[name].source
 
     def result(self, name: str, timeout_s: float = 1800) -> Path:
