@@ -127,16 +127,20 @@ def export_farm(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ExportFarm]:
     """Every export the session's tests read, submitted in the order they will be read.
-    Under pytest-xdist the first worker runs them into a directory all workers share (the
-    run's base temporary directory, above each worker's own), and the others wait for
-    them there (`tests.exports.ExportFarm`)."""
-    worker = xdist_worker()
-    if worker is None:
+    Under pytest-xdist the first worker to start a test runs them into a directory all
+    workers share (the run's base temporary directory, above each worker's own), and the
+    others wait for them there (`tests.exports.ExportFarm`)."""
+    if xdist_worker() is None:
         farm = ExportFarm(tmp_path_factory.mktemp("exports"))
     else:
         root = tmp_path_factory.getbasetemp().parent / "exports"
         root.mkdir(exist_ok=True)
-        farm = ExportFarm(root, owner=worker == "gw0", shared=True)
+        try:  # mkdir is atomic: one worker makes it, and owns the farm
+            (root / "owner").mkdir()
+            owner = True
+        except FileExistsError:
+            owner = False
+        farm = ExportFarm(root, owner=owner, shared=True)
     # The exports' inputs: written by the farm's owner, read at the same paths by all.
     inputs = farm.root / "inputs"
     needed = dict.fromkeys(name for item in request.session.items for name in exports_of(item))
