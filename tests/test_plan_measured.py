@@ -135,15 +135,26 @@ def test_release_mapped_drops_the_pages_and_keeps_the_data(tmp_path: Path) -> No
     assert int(mapped.sum(dtype=np.int64)) == total == int(data.sum(dtype=np.int64))
 
 
-def test_prepare_builds_the_index_and_the_server_cache_takes_that_compiler(
+def test_prepare_measures_the_index_then_releases_it_and_the_server_cache_takes_that_compiler(
     tiny: ss.Model,
 ) -> None:
     config = GrammarConfig(max_bytes=4 * MIB, cache_bytes=4 * MIB)
     compiler = GrammarCompiler(tiny.tokenizer, tiny.info.vocab_size, config)
+    built: list[object] = []
+    build = compiler._tokenizer_index
+
+    def counted() -> object:
+        built.append(build())
+        return built[-1]
+
+    compiler._tokenizer_index = counted  # type: ignore[method-assign]
     try:
         grown = prepare(compiler)
-        assert grown >= 0 and compiler._index is not None  # built, not left to a request
-        assert compiler._pool is not None  # the first compile went through the pool
+        assert grown >= 0 and len(built) >= 1  # built and measured, not left to a request
+        # ... then released: held again only once a structured request needs it.
+        assert compiler._index is None and compiler._pool is None
+        assert compiler.submit(None).result().matcher(tiny.info.vocab_size) is not None
+        assert compiler._index is not None and compiler._pool is not None
         assert GrammarCache(tiny, config=config, compiler=compiler).compiler is compiler
         other = GrammarConfig(max_bytes=4 * MIB, cache_bytes=8 * MIB)
         assert GrammarCache(tiny, config=other, compiler=compiler).compiler is not compiler

@@ -53,6 +53,26 @@ def trim_heap() -> None:
         trim(0)
 
 
+def written_bytes(address: int, nbytes: int) -> int | None:
+    """The bytes of ``[address, address + nbytes)`` on pages this process has written and
+    holds: present, and mapped by this process alone (Linux's ``/proc/self/pagemap``), so
+    the kernel's shared zero page, which a read of an untouched anonymous page maps, is not
+    counted. None where the page map cannot be read."""
+    page = mmap.PAGESIZE
+    first, end = address // page, (address + nbytes + page - 1) // page
+    try:
+        with open("/proc/self/pagemap", "rb") as pagemap:
+            pagemap.seek(first * 8)
+            entries = pagemap.read((end - first) * 8)
+    except OSError:
+        return None
+    import numpy as np
+
+    flags = np.frombuffer(entries, dtype="<u8")
+    held = int(((flags >> np.uint64(63)) & (flags >> np.uint64(56)) & np.uint64(1)).sum())
+    return min(held * page, nbytes)  # bit 63: present; bit 56: exclusively mapped
+
+
 def release_mapped_range(address: int, nbytes: int) -> None:
     """Drop the pages of the ``nbytes`` of a file-backed memory map from ``address`` on from
     this process's resident set (Linux ``madvise(MADV_DONTNEED)``; nothing elsewhere). The

@@ -284,6 +284,9 @@ class Engine:
         self.close()
 
     def stats(self) -> EngineStats:
+        # Outside the lock: the pool's storage never moves, and reading the page map of a
+        # large pool takes a few milliseconds that no step should wait for.
+        resident = self.pool.resident_bytes
         with self._lock:
             running = list(self._admission.running.values())
             usage = self.pool.usage()
@@ -310,6 +313,7 @@ class Engine:
                 pressure_level=None if self.pressure is None else self.pressure.reading(),
                 prefix=self._prefix_stats(),
                 cancel_bound=self.cancel_bound(),
+                kv_resident_bytes=resident,
             )
 
     def cancel_bound(self) -> CancelBound:

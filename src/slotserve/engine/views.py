@@ -92,7 +92,8 @@ class EngineStats:
     """A snapshot of the engine. KV blocks are cell blocks (cell layout) or slot rows.
     ``pressure_level`` is None without a pressure signal, ``prefix`` None with the prefix
     cache off. ``cancel_bound`` is the declared worst-case cancel→release time beside the
-    measured p99 (`Engine.cancel_bound`)."""
+    measured p99 (`Engine.cancel_bound`). ``kv_pool_bytes`` is the pool the plan reserves,
+    ``kv_resident_bytes`` what of it is resident: the pages sessions have written."""
 
     slots_in_use: int
     max_seqs: int
@@ -112,6 +113,7 @@ class EngineStats:
     pressure_level: float | None = None
     prefix: PrefixStats | None = None
     cancel_bound: CancelBound | None = None
+    kv_resident_bytes: int = 0
 
 
 @dataclass(frozen=True)

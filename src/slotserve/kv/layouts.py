@@ -53,6 +53,12 @@ class LayerGroup(ABC):
             s.nbytes for s in self.values.values()
         )
 
+    @property
+    def resident_bytes(self) -> int:
+        """What of `nbytes` is resident: the pages its sessions wrote (`zeros_on_write`)."""
+        storages = (*self.keys.values(), *self.values.values())
+        return sum(s.resident_bytes for s in storages)
+
     @abstractmethod
     def cell_index(self, session: SessionKV, positions: torch.Tensor) -> torch.Tensor:
         """Cells holding ``positions`` of ``session``."""

@@ -112,8 +112,14 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        """Resident bytes of all K/V storage (measured from the tensors)."""
+        """Bytes of all K/V storage (measured from the tensors): what the plan reserves."""
         return sum(g.nbytes for g in self.groups)
+
+    @property
+    def resident_bytes(self) -> int:
+        """What of `nbytes` the process holds: storage pages become resident only when a
+        cell on them is first written (`slotserve.kv.storage.zeros_on_write`)."""
+        return sum(g.resident_bytes for g in self.groups)
 
     @property
     def free_slots(self) -> int:

@@ -6,18 +6,58 @@ values as they are; int8 keeps one fp32 scale per (cell, head) row, symmetric.
 
 from __future__ import annotations
 
+import mmap
+
 import torch
+
+from slotserve.memory import written_bytes
+
+# Below this a tensor is torch's own: a mapping of its own costs a system call and a map entry.
+MAPPED_FROM_BYTES = 64 << 10
+
+
+def zeros_on_write(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A zero tensor whose pages become resident only when written: a large one lives in an
+    anonymous mapping of its own, which the kernel backs with its shared zero page until a
+    page is written (reading an unwritten cell gives 0, as `torch.zeros` would, and costs
+    nothing). A pool planned for ``max_seqs`` sessions at ``max_context`` then holds only
+    what its sessions wrote; the plan still reserves all of it. The tensor keeps its
+    mapping alive, and the mapping is unmapped with the last tensor that uses it."""
+    numel = 1
+    for size in shape:
+        numel *= size
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if nbytes < MAPPED_FROM_BYTES:
+        return torch.zeros(shape, dtype=dtype)
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=dtype).view(shape)
+
+
+def resident_bytes(tensor: torch.Tensor) -> int:
+    """The bytes of a contiguous ``tensor`` the process holds: for a `zeros_on_write` one,
+    those on pages written so far; all of a small one, or where Linux cannot tell."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes < MAPPED_FROM_BYTES:
+        return nbytes
+    held = written_bytes(tensor.data_ptr(), nbytes)
+    return nbytes if held is None else held
 
 
 class KVStorage:
     def __init__(self, n_cells: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
         self.quantised = dtype == torch.int8
-        self.data = torch.zeros(n_cells, kv_heads, head_dim, dtype=dtype)
-        self.scales = torch.zeros(n_cells, kv_heads, 1) if self.quantised else None
+        self.data = zeros_on_write(n_cells, kv_heads, head_dim, dtype=dtype)
+        self.scales = zeros_on_write(n_cells, kv_heads, 1) if self.quantised else None
 
     @property
     def nbytes(self) -> int:
         return self.data.nbytes + (self.scales.nbytes if self.scales is not None else 0)
+
+    @property
+    def resident_bytes(self) -> int:
+        """What of `nbytes` the process holds: the pages cells were written to."""
+        scales = resident_bytes(self.scales) if self.scales is not None else 0
+        return resident_bytes(self.data) + scales
 
     def write(self, index: torch.Tensor, values: torch.Tensor) -> None:
         """Store ``values[T, heads, dim]`` at cells ``index[T]`` (indices must be unique)."""

@@ -105,6 +105,12 @@ class _EngineCollector:
             ("slotserve_kv_blocks_used", "KV blocks (or rows) held", stats.kv_blocks_used),
             ("slotserve_kv_blocks_free", "KV blocks (or rows) free", stats.kv_blocks_free),
             ("slotserve_queue_length", "Requests waiting for a slot", stats.queue_len),
+            ("slotserve_kv_pool_bytes", "KV pool reserved by the plan", stats.kv_pool_bytes),
+            (
+                "slotserve_kv_resident_bytes",
+                "KV pool resident: the pages sessions have written",
+                stats.kv_resident_bytes,
+            ),
         ):
             yield GaugeMetricFamily(name, doc, value=value)
         if stats.pressure_level is not None:  # only with a pressure signal (serve --pressure)
