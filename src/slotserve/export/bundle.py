@@ -72,8 +72,9 @@ class ExportOptions:
     blocks of a Q4_0/Q4_1 GGUF loaded with them kept exactly; int8 rows for the head, int8
     blocks for an untied embedding, and the head's rows for a tied one; int8 dynamic
     activations per token), or ``8da4w-2pass`` (the
-    same, with every projection and the head in two passes, `TwoPass`: closer to the fp32
-    model, at a cost in step time and planned memory; docs/EXECUTORCH-NOTES.md).
+    same, with every projection and the head in two passes, `TwoPass`: as close to llama.cpp
+    as the fp32 model, for decode steps 1.5-2.4x as long; `slotserve export`'s default;
+    docs/EXECUTORCH-NOTES.md).
     ``max_tokens``: the largest step (decode tokens plus a prefill chunk) the methods take;
     ``max_context``: the longest sequence the bundle serves (default: the model's).
     ``threads``: the load option recorded for the runtime (0: every core)."""

@@ -105,11 +105,11 @@ class TwoPass(nn.Module):
 
     Both passes are one call on twice the rows, so the weights are read once a step. Per-token
     int8 is coarser than the int8 blocks of 32 llama.cpp quantises activations in: the
-    bundled model's 8da4w bundle agrees with llama.cpp's reference on 92.9-94.8% of the
-    positions, its 8da4w-2pass bundle on 95.5-96.8% (the fp32 model: 96.1%). The price,
-    measured in one run on the bundled model: a decode step 1.35x as long (the residual's
-    portable ops, twice the rows), and 400 MiB more resident after a 512-token step (not
-    the methods' planned arenas, which they share)."""
+    bundled model's 8da4w bundle agrees with llama.cpp's reference on 91.6-94.8% of the
+    positions, its 8da4w-2pass bundle (the default export) on 95.5-96.8% (the fp32 model:
+    96.1%). The price, measured on the bundled model on 2026-12-03: a decode step 1.5-2.4x
+    as long (the residual's ~20 small ops and portable ops a projection, twice the rows)
+    and 28 MiB more resident at load (docs/EXECUTORCH-NOTES.md)."""
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
