@@ -6,6 +6,7 @@ values as they are; int8 keeps one fp32 scale per (cell, head) row, symmetric.
 
 from __future__ import annotations
 
+import math
 import mmap
 
 import torch
@@ -23,10 +24,7 @@ def zeros_on_write(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Ten
     nothing). A pool planned for ``max_seqs`` sessions at ``max_context`` then holds only
     what its sessions wrote; the plan still reserves all of it. The tensor keeps its
     mapping alive, and the mapping is unmapped with the last tensor that uses it."""
-    numel = 1
-    for size in shape:
-        numel *= size
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if nbytes < MAPPED_FROM_BYTES:
         return torch.zeros(shape, dtype=dtype)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

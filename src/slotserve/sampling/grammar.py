@@ -146,7 +146,6 @@ class GrammarCompiler:
         self.close()
         with self._lock:
             self._index = None
-            self._openings = None
 
     def compile(self, grammar: str, description: str, nbytes: int = 0) -> Grammar:
         """``grammar`` (llguidance's grammar text) as a `Grammar` charged ``nbytes``;

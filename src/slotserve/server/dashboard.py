@@ -78,7 +78,7 @@ def _bucket_quantile(buckets: list[tuple[float, float]], count: float, q: float)
 def plan_view(engine: Engine) -> dict[str, Any]:
     """The memory plan: arenas, budget (or per-arena map) and the levers."""
     view = engine.plan.to_dict()
-    view["kv_pool_bytes"] = engine.stats().kv_pool_bytes
+    view["kv_pool_bytes"] = engine.pool.nbytes
     return view
 
 
