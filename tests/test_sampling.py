@@ -23,6 +23,7 @@ from slotserve.sampling import (
     filter_probs,
     sample_batch,
 )
+from slotserve.sampling.cpu import greedy_tokens
 from slotserve.testing import TINY_VOCAB, tiny_tokenizer
 from slotserve.tokenizer import Tokenizer
 
@@ -30,6 +31,26 @@ from slotserve.tokenizer import Tokenizer
 def test_greedy_takes_argmax() -> None:
     logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
     assert RequestSampler(SamplingParams(temperature=0), 4).sample(logits) == 1
+
+
+@given(
+    st.lists(
+        st.lists(
+            st.sampled_from([-1.5, 0.0, 2.0, 2.0, float("inf"), float("-inf"), float("nan")]),
+            min_size=1,
+            max_size=12,
+        ),
+        min_size=1,
+        max_size=5,
+    ).filter(lambda rows: len({len(r) for r in rows}) == 1)
+)
+def test_greedy_tokens_are_torch_argmax_ties_and_nans_included(rows: list[list[float]]) -> None:
+    """The numpy path picks what torch's argmax picks: the first of equal values, and a
+    NaN over everything; a strided view (torch's own path) gives the same answer."""
+    logits = torch.tensor(rows, dtype=torch.float32)
+    assert greedy_tokens(logits) == logits.argmax(-1).tolist()
+    strided = torch.stack([logits, logits], dim=-1)[..., 0]  # a view of stride 2
+    assert greedy_tokens(strided) == logits.argmax(-1).tolist()
 
 
 def test_same_seed_same_tokens_other_seed_differs() -> None:

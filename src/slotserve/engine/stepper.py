@@ -90,7 +90,8 @@ class Stepper:
         if not sampling:
             return finished
         began = self.clock()
-        rows = logits[sampling_rows]
+        # Every row samples in a decode step: no copy (8 MB of Gemma 3 logits at 8 rows).
+        rows = logits if len(sampling_rows) == logits.shape[0] else logits[sampling_rows]
         tokens = sample_batch(rows, [r.sampler for r in sampling])
         now = self.clock()
         share = (now - began) / len(sampling)

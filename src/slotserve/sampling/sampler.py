@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from slotserve.sampling.cpu import private_copy
+from slotserve.sampling.cpu import greedy_tokens, private_copy
 from slotserve.sampling.params import SamplingParams
 
 
@@ -69,7 +69,7 @@ class RequestSampler:
         if params.has_penalties:
             logits = apply_penalties(logits, params, self.seen, self.generated_counts)
         if params.greedy:
-            return int(logits.argmax())
+            return greedy_tokens(logits.reshape(1, -1))[0]
         values, candidates = logits, None
         if params.top_k and params.top_k < logits.shape[-1]:
             # Top-k first, on the raw logits (temperature keeps their order): the double
@@ -137,7 +137,7 @@ def sample_batch(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> li
             if sampler.restricts:
                 sampler.restrict(row)
     if all(s.params.greedy and not s.params.has_penalties for s in samplers):
-        tokens: list[int] = logits.argmax(-1).tolist()
+        tokens = greedy_tokens(logits)
     else:
         tokens = [s.draw(row) for s, row in zip(samplers, logits, strict=True)]
     for sampler, token in zip(samplers, tokens, strict=True):
