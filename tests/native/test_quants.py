@@ -23,6 +23,8 @@ KINDS = ("Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 SUPER_KINDS = ("Q4_K", "Q5_K", "Q6_K")
 LEVELS = {
     "native": build.FLAGS,
+    # AVX-512 without VNNI: groups of 8 rows on the maddubs products
+    "avx512": tuple(f.replace("native", "x86-64-v4") for f in build.FLAGS),
     "avx2": tuple(f.replace("native", "x86-64-v3") for f in build.FLAGS),
     "plain-c": tuple(f.replace("native", "x86-64") for f in build.FLAGS),
 }
@@ -136,16 +138,16 @@ def test_every_type_at_every_level(level: str, kind: str) -> None:
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_rows_product_does_not_depend_on_its_batch(level: str, kind: str) -> None:
-    """Row i of a batch (in a group of 4 rows, or among the 1-3 tail rows, which share
-    one decoding of the weights as a group of their own) is bit for bit the row alone, on
-    every thread count and for every tail: batches of 2 to 7 rows."""
+    """Row i of a batch (in a group of rows that share one decoding of the weights: 8
+    with AVX-512, 4 below it; or among the tail rows, a group of their own) is bit for bit
+    the row alone, on every thread count and for every tail: batches of 2 to 17 rows."""
     in_features = 256 if kind in SUPER_KINDS else 96
     linear = BlockLinear.from_gguf(random_rows(kind, 33, in_features, seed=11), kind)
-    x = torch.randn(7, in_features, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(17, in_features, generator=torch.Generator().manual_seed(5))
     for threads in (1, 2):
         kernel = BlockKernel(build.load("blocks", LEVELS[level]), threads)
-        alone = [kernel.linear(x[i : i + 1], kind, linear.packed, in_features) for i in range(7)]
-        for m in range(2, 8):
+        alone = [kernel.linear(x[i : i + 1], kind, linear.packed, in_features) for i in range(17)]
+        for m in range(2, 18):
             batch = kernel.linear(x[:m], kind, linear.packed, in_features)
             for i in range(m):
                 assert torch.equal(batch[i : i + 1], alone[i]), (level, kind, threads, m, i)

@@ -42,8 +42,8 @@ INLINE void put(const product *p, int64_t i, int64_t n, float value) {
 }
 
 /* Columns first .. last of a product whose rows `dot` multiplies: each weight row against
- * the activations in groups of ROWS, then the 1..3 rows left over in one group of their
- * own, so that a step of 2 or 3 rows decodes the weights once, as one of 1 row does (each
+ * the activations in groups of ROWS, then the 1..ROWS - 1 rows left over in one group of
+ * their own, so that a step of 2 or 3 rows decodes the weights once, as one of 1 row does (each
  * group size is a constant in its own call, so the dot's loops over rows unroll). */
 #define COLUMNS(name, dot)                                                                   \
     static void name(const product *p, int64_t first, int64_t last) {                       \
@@ -58,6 +58,10 @@ INLINE void put(const product *p, int64_t i, int64_t n, float value) {
                 for (int r = 0; r < ROWS; r++) put(p, i + r, n, out[r]);                     \
             }                                                                                \
             switch (tail) {                                                                  \
+            case 7: dot(w, &p->a, whole, 7, out); break;                                     \
+            case 6: dot(w, &p->a, whole, 6, out); break;                                     \
+            case 5: dot(w, &p->a, whole, 5, out); break;                                     \
+            case 4: dot(w, &p->a, whole, 4, out); break;                                     \
             case 3: dot(w, &p->a, whole, 3, out); break;                                     \
             case 2: dot(w, &p->a, whole, 2, out); break;                                     \
             case 1: dot(w, &p->a, whole, 1, out); break;                                     \
@@ -66,7 +70,7 @@ INLINE void put(const product *p, int64_t i, int64_t n, float value) {
             for (int r = 0; r < tail; r++) put(p, whole + r, n, out[r]);                     \
         }                                                                                    \
     }
-_Static_assert(ROWS == 4, "COLUMNS' tail switch covers 1 .. ROWS - 1 = 3 rows");
+_Static_assert(ROWS <= 8, "COLUMNS' tail switch covers 1 .. 7 rows");
 COLUMNS(columns_q4_1, dot_q4_1)
 COLUMNS(columns_q8_0, dot_q8_0)
 COLUMNS(columns_q5_0, dot_q5_0)

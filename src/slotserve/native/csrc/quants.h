@@ -49,7 +49,13 @@
 
 #define BLOCK 32
 #define SUPER 256 /* a K-quant super-block */
-#define ROWS 4    /* activation rows that share one decoding of the weights */
+/* Activation rows that share one decoding of the weights: 8 where AVX-512VL gives 32
+ * vector registers (a group's accumulators and scales fit), 4 with AVX2's 16. */
+#if defined(__AVX512VL__)
+#define ROWS 8
+#else
+#define ROWS 4
+#endif
 
 enum { KIND_Q4_1 = 0, KIND_Q8_0 = 1, KIND_Q5_0 = 2, KIND_Q5_1 = 3, KIND_Q4_K = 4, KIND_Q5_K = 5, KIND_Q6_K = 6 };
 enum { ACT_PAIRS = 0, ACT_Q8_K = 2 };
@@ -288,10 +294,10 @@ INLINE __m256i add_fifth(__m256i u, const uint8_t *bits) {
 #endif
 }
 
-/* acc[r][slot] += the products of the pair of blocks from `first` (lane j of scales[r]
- * holds block b + j's dw * da, `lane` that of `first`). */
+/* acc[r] += the products of the pair of blocks from `first` (lane j of scales[r] holds
+ * block b + j's dw * da, `lane` that of `first`). */
 INLINE void pair_dot(int kind, const uint8_t *w, const acts *a, int64_t i, int rows,
-                     int64_t first, const __m256 *scales, int lane, __m256 acc[][2], int slot) {
+                     int64_t first, const __m256 *scales, int lane, __m256 *acc) {
     __m256i u0, u1, w0 = _mm256_setzero_si256(), w1 = _mm256_setzero_si256();
     if (kind == KIND_Q8_0) {
         w0 = _mm256_loadu_si256((const __m256i *)(w + first * 32));
@@ -321,7 +327,7 @@ INLINE void pair_dot(int kind, const uint8_t *w, const acts *a, int64_t i, int r
         if (kind == KIND_Q8_0 && !Q8_0_OFFSET) v0 = _mm256_sign_epi8(v0, w0), v1 = _mm256_sign_epi8(v1, w1);
         __m256i sums = dot_add(dot_add(_mm256_setzero_si256(), u0, v0), u1, v1);
         __m256 scale = _mm256_permutevar8x32_ps(scales[r], spread);
-        acc[r][slot] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r][slot]);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
     }
 }
 #endif
@@ -349,9 +355,11 @@ INLINE void dot_pairs(int kind, const uint8_t *w, const acts *a, int64_t i, int 
     const uint16_t *dw = (const uint16_t *)(w + np * pair_weight_bytes(kind)), *mw = dw + np;
 #if defined(__AVX2__)
     const int offset = kind != KIND_Q8_0 || Q8_0_OFFSET;
-    __m256 acc[ROWS][2], offsets[ROWS];
-    for (int r = 0; r < rows; r++)
-        acc[r][0] = acc[r][1] = offsets[r] = _mm256_setzero_ps();
+    /* One accumulator a row: the offsets' products join it block by block. The rows'
+     * chains are independent, so the fma latency hides behind the other rows (and the
+     * next weight row) rather than behind a second accumulator. */
+    __m256 acc[ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < np; b += 8) { /* 8 blocks (4 pairs) share one scale vector */
         int64_t count = np - b < 8 ? np - b : 8;
         __m256 weight_scales = load_halves(dw + b, count), scales[ROWS], weight_mins;
@@ -362,17 +370,12 @@ INLINE void dot_pairs(int kind, const uint8_t *w, const acts *a, int64_t i, int 
         for (int r = 0; r < rows; r++) {
             scales[r] = _mm256_mul_ps(weight_scales, load_floats(a->d + (i + r) * np + b, count));
             if (offset)
-                offsets[r] = _mm256_fmadd_ps(weight_mins, load_floats(a->s + (i + r) * np + b, count), offsets[r]);
+                acc[r] = _mm256_fmadd_ps(weight_mins, load_floats(a->s + (i + r) * np + b, count), acc[r]);
         }
-        /* Two pairs a turn into two accumulators: one fma chain would wait on itself. */
-        for (int64_t pair = 0; pair < count / 2; pair += 2) {
-            pair_dot(kind, w, a, i, rows, b + 2 * pair, scales, 2 * (int)pair, acc, 0);
-            if (pair + 1 < count / 2)
-                pair_dot(kind, w, a, i, rows, b + 2 * pair + 2, scales, 2 * (int)pair + 2, acc, 1);
-        }
+        for (int64_t pair = 0; pair < count / 2; pair++)
+            pair_dot(kind, w, a, i, rows, b + 2 * pair, scales, 2 * (int)pair, acc);
     }
-    for (int r = 0; r < rows; r++)
-        out[r] = hsum(_mm256_add_ps(acc[r][0], acc[r][1])) + hsum(offsets[r]);
+    for (int r = 0; r < rows; r++) out[r] = hsum(acc[r]);
 #else
     const int offset = kind != KIND_Q8_0;
     for (int r = 0; r < rows; r++) {
