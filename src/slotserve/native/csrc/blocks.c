@@ -41,6 +41,13 @@ INLINE void put(const product *p, int64_t i, int64_t n, float value) {
     *y = p->accumulate ? *y + value : value;
 }
 
+/* Weight rows fetched ahead of the row being multiplied. A product of several activation
+ * rows computes long enough on each weight row that the hardware prefetchers fall behind a
+ * matrix streamed from memory: Gemma 3's 168 MB Q8_0 head at 8 rows took 37.6 ms on one
+ * thread of the 2-core AMD EPYC without these prefetches and 21.7-23.0 ms with them (the
+ * weights in L2, the same loop takes about 20 ms). */
+#define AHEAD 8
+
 /* Columns first .. last of a product whose rows `dot` multiplies: each weight row against
  * the activations in groups of ROWS, then the 1..ROWS - 1 rows left over in one group of
  * their own, so that a step of 2 or 3 rows decodes the weights once, as one of 1 row does (each
@@ -53,6 +60,9 @@ INLINE void put(const product *p, int64_t i, int64_t n, float value) {
         float out[ROWS];                                                                     \
         for (int64_t n = first; n < last; n++) {                                             \
             const uint8_t *w = p->w + n * row_bytes;                                         \
+            if (n + AHEAD < last) /* see AHEAD */                                            \
+                for (int64_t line = 0; line < row_bytes; line += 64)                         \
+                    __builtin_prefetch(w + AHEAD * row_bytes + line, 0, 0);                  \
             for (int64_t i = 0; i < whole; i += ROWS) {                                      \
                 dot(w, &p->a, i, ROWS, out);                                                 \
                 for (int r = 0; r < ROWS; r++) put(p, i + r, n, out[r]);                     \
