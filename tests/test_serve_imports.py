@@ -1,5 +1,6 @@
 """``slotserve serve`` imports only what serving needs (issue 27): not ExecuTorch,
-transformers, matplotlib or playwright, in a fresh interpreter that runs the serve command
+transformers, matplotlib or playwright, nor llguidance before a structured request needs it
+(the grammar index is measured in a worker), in a fresh interpreter that runs the serve command
 on the bundled model (model load, plan, engine, grammar setup) and a request through its
 engine; only the HTTP server itself is replaced."""
 
@@ -9,7 +10,7 @@ import json
 import subprocess
 import sys
 
-NOT_FOR_SERVING = ("executorch", "transformers", "matplotlib", "playwright")
+NOT_FOR_SERVING = ("executorch", "transformers", "matplotlib", "playwright", "llguidance")
 
 SCRIPT = f"""
 import json, sys

@@ -156,7 +156,7 @@ def test_a_worker_killed_before_it_has_the_schema_is_a_cancelled_compile(
     then meets a broken pipe, which is the cancellation, not an OSError for the waiter (CI
     once got BrokenPipeError from ``running.future`` in the test above)."""
     compiler = new_compiler(compilers, model)
-    worker = Worker(compiler._worker_source())
+    worker = Worker(compiler.worker_source())
     worker.kill()
     job = CompileJob(json.dumps({"type": "string"}), 1.0)
     with pytest.raises(OSError):  # not cancelled: the broken pipe is an error

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 from slotserve.cli import bench, build_kernels, chat, export, generate, inspect, plan, serve
 from slotserve.errors import SlotserveError
+from slotserve.memory import one_malloc_arena
 
 COMMANDS = {
     "generate": generate,
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    one_malloc_arena()  # before the engine's and the server's threads start
     logging.basicConfig(level=logging.WARNING, format="slotserve: %(message)s")
     logging.getLogger("slotserve").setLevel(logging.INFO)  # progress lines of our own
     try:

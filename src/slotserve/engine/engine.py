@@ -70,6 +70,11 @@ from slotserve.sampling import SamplingParams
 
 log = logging.getLogger("slotserve")
 IDLE_WAIT_S = 0.05
+# After this long with nothing to step, the engine gives the C heap's free pages back
+# (`trim_heap`): a step's activations are freed when it ends, but malloc keeps their pages,
+# 16-31 MiB after four 1,500-token prompts on the bundled model. The trim takes 2-3 ms,
+# and the next step faults the pages it uses back in, so it waits for a pause in traffic.
+IDLE_TRIM_S = 1.0
 EXIT_CLOSE_TIMEOUT_S = 5.0
 
 
@@ -128,6 +133,8 @@ class Engine:
         )
         self._ids = itertools.count()
         self._steps_taken = 0
+        self._idle_since: float | None = None  # engine thread only: `_trim_when_idle`
+        self._trimmed = True
         self._thread = threading.Thread(target=self._loop, name="slotserve-engine", daemon=True)
         self._close_at_exit = _exit_closer(weakref.ref(self))
         atexit.register(self._close_at_exit)
@@ -462,14 +469,27 @@ class Engine:
                 ]  # fmt: skip
                 work = self._scheduler.select(ready, self._max_batch())
                 if not work:
+                    self._trim_when_idle()
                     self._lock.wait(IDLE_WAIT_S)
                     continue
+                self._idle_since, self._trimmed = None, False
                 try:
                     return work, self._commit(work)
                 except Exception:  # a step the pool refuses ends its requests, not the engine
                     log.exception("step refused by the KV pool; ending its requests")
                     for request, _ in work:
                         self._end(request, "error")
+
+    def _trim_when_idle(self) -> None:
+        """Once the engine has had nothing to step for `IDLE_TRIM_S` since its last step,
+        give the heap's free pages back (once a pause). Under the lock: a request submitted
+        meanwhile waits the trim's few milliseconds."""
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+        elif not self._trimmed and now - self._idle_since >= IDLE_TRIM_S:
+            trim_heap()
+            self._trimmed = True
 
     def _max_batch(self) -> int:
         max_seqs = self.config.max_seqs

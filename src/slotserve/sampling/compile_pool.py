@@ -326,7 +326,8 @@ def lower_priority() -> None:
 class Worker:
     """One worker process: a Python that imports llguidance only (no torch), builds the
     tokenizer index once, then compiles one schema at a time and reports what the grammar
-    keeps (malloc's bytes in use). Killed on any bound, cancellation or close."""
+    keeps (malloc's bytes in use). Killed on any bound, cancellation or close.
+    ``bare_rss`` is its resident set before it imported llguidance."""
 
     def __init__(self, source: tuple[Any, int, list[int]]) -> None:
         self.process = subprocess.Popen(
@@ -340,9 +341,10 @@ class Worker:
         self._in, self._out = self.process.stdin, self.process.stdout
         self._send(source)
         reply = self._receive()
-        if reply != ("ready",):
+        if not (isinstance(reply, tuple) and len(reply) == 2 and reply[0] == "ready"):
             self.dispose()
             raise GrammarError(f"the grammar worker did not start: {reply!r}")
+        self.bare_rss = int(reply[1])
 
     @property
     def alive(self) -> bool:
@@ -461,6 +463,14 @@ class MallInfo2(ctypes.Structure):
         "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
     ).split()]
 
+def resident():
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+bare = resident()
 try:
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = MallInfo2
@@ -468,9 +478,7 @@ try:
         info = libc.mallinfo2()
         return info.uordblks + info.hblkhd
 except Exception:
-    def in_use():
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    in_use = resident
 
 import llguidance
 
@@ -487,7 +495,7 @@ source, n_vocab, eos = receive()
 if isinstance(source, dict):
     source = llguidance.TokenizerWrapper(Tokens(source))
 index = llguidance.LLTokenizer(source, n_vocab=n_vocab, eos_token=eos)
-send(("ready",))
+send(("ready", bare))
 while True:
     kind, text, options, limits = receive()
     before = in_use()

@@ -118,7 +118,7 @@ class GrammarCompiler:
     def _put(self, job: CompileJob) -> CompileJob:
         with self._lock:
             if self._pool is None:
-                self._pool = CompilePool(self.config, self._worker_source, self._finish)
+                self._pool = CompilePool(self.config, self.worker_source, self._finish)
             pool = self._pool
         pool.put(job)
         return job
@@ -210,7 +210,7 @@ class GrammarCompiler:
                 )
             return self._index
 
-    def _worker_source(self) -> tuple[Any, int, list[int]]:
+    def worker_source(self) -> tuple[Any, int, list[int]]:
         """What a worker builds the same tokenizer index from (picklable, no torch)."""
         backend = self.tokenizer.backend
         source: Any

@@ -2,12 +2,14 @@
 ``grammar_index`` arena of the memory plan.
 
 llguidance's view of the tokenizer (`GrammarCompiler`: ~60 MiB resident on the bundled
-model's 49k vocabulary) and the first compile's one-time costs in this process (the worker
-fed the tokenizer, the library's own state) are paid once per compiler, by whatever
-request comes first; left to it, they are in no arena. `prepare` pays them before the
-engine's plan is checked, the way a first structured request would, measures the resident
-growth they caused, which the plan then reserves, and releases them: the first structured
-request builds them again (~0.5 s, once), and a server that never gets one never holds them.
+model's 49k vocabulary), the library itself and the first compile's one-time costs are paid
+once per compiler, in the server's process, by whatever structured request comes first;
+left to it, they are in no arena. `prepare` measures them before the engine's plan is
+checked, and the plan reserves them. It measures them in a grammar worker process (the
+compile pool's `Worker`, a bare interpreter that imports llguidance alone), which builds
+the same index from the same source and takes the same first compile: the server's process
+imports nothing of llguidance until a request needs it, and a server that never gets a
+structured request never holds any of it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import logging
 from typing import Any
 
 from slotserve.memory import rss_bytes, trim_heap
-from slotserve.sampling.grammar import GrammarBusy, GrammarCompiler, GrammarError
+from slotserve.sampling.compile_pool import CompileJob, Worker
+from slotserve.sampling.grammar import GrammarBusy, GrammarCompiler, GrammarError, schema_text
 
 log = logging.getLogger("slotserve")
 
@@ -30,19 +33,36 @@ WARM_SCHEMA: dict[str, Any] = {
 
 
 def prepare(compiler: GrammarCompiler) -> int:
-    """Build ``compiler``'s tokenizer index and take its first compile through the bounded
-    pool (`GrammarCompiler.submit`, as a client's schema goes: the worker started and
-    fed the tokenizer, the grammar compiled again here, then dropped); return the bytes
-    the process's resident set grew by, the ``grammar_index`` arena, after releasing
-    what was built (`GrammarCompiler.release`). Where the pool cannot compile (its worker
-    does not start), the index is built here alone and that is measured; the structured
+    """The ``grammar_index`` arena of ``compiler``: the bytes a worker process's resident
+    set grew by from before it imported llguidance until it had built the tokenizer index
+    and compiled `WARM_SCHEMA` within the config's bounds, as this process will when its
+    first structured request comes. Where no worker starts or compiles, the index is built
+    here instead, measured, and released (`GrammarCompiler.release`); the structured
     requests then report the worker's failure themselves."""
+    try:
+        worker = Worker(compiler.worker_source())
+    except (GrammarError, OSError) as exc:
+        log.warning("grammar worker did not start (%s); measuring the index here", exc)
+        return _measure_here(compiler)
+    try:
+        job = CompileJob(schema_text(WARM_SCHEMA), compiler.config.queue_timeout_s)
+        worker.compile(job, compiler.config)
+        return max(rss_bytes(worker.process.pid) - worker.bare_rss, 0)
+    except (GrammarError, OSError) as exc:
+        log.warning("grammar worker warm-up failed (%s); measuring the index here", exc)
+        return _measure_here(compiler)
+    finally:
+        worker.dispose()
+
+
+def _measure_here(compiler: GrammarCompiler) -> int:
+    """The index built and a first compile taken in this process: its resident growth,
+    after which both are released."""
     before = rss_bytes()
     try:
-        compiler.submit(WARM_SCHEMA).result()  # within the config's queue and compile bounds
-    except (GrammarError, GrammarBusy) as exc:
-        log.warning("grammar worker warm-up failed (%s); building the index here alone", exc)
         compiler.json_schema(WARM_SCHEMA)
+    except (GrammarError, GrammarBusy) as exc:
+        log.warning("the index could not be built (%s); the plan reserves none", exc)
     grown = max(rss_bytes() - before, 0)
     compiler.release()
     trim_heap()
