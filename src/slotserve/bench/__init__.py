@@ -94,6 +94,10 @@ def run_bench(
             from slotserve.bench.baselines import run_baselines
 
             results[name]["baselines"] = run_baselines(model_spec, results[name])
+        if name == "memory" and baselines:
+            from slotserve.bench.memory_side import run_side_by_side
+
+            results[name]["side_by_side"] = run_side_by_side(model)
     images: dict[str, str] = {}
     if scenario == "all":
         for name, result in results.items():

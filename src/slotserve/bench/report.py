@@ -326,6 +326,8 @@ def _memory(r: dict[str, Any]) -> list[str]:
     ]
     if "server" in r:
         lines += _memory_server(r["server"])
+    if "side_by_side" in r:
+        lines += _memory_side_by_side(r["side_by_side"])
     lines += [
         f"### memory: KV pool at max_seqs={r['max_seqs']}, max_context={r['max_context']}",
         "",
@@ -388,6 +390,40 @@ def _memory_server(s: dict[str, Any]) -> list[str]:
     rows.append(["whole process, peak", "all", format_bytes(total), format_bytes(peak)])
     header = ["span (resident set)", "plan arenas", "planned", "measured"]
     return lines + markdown_table(header, rows)
+
+
+def _memory_side_by_side(r: dict[str, Any]) -> list[str]:
+    """``memory --baselines``: both servers' whole resident set (`slotserve.bench.memory_side`)."""
+    if "skipped" in r:
+        return [f"### memory: beside llama-server: skipped ({r['skipped']})", ""]
+    lines = [
+        f"### memory: beside llama-server, {r['seqs']} slots × {r['context']} tokens",
+        "",
+        f"Both servers on `{r['gguf']}`, {r['threads']} threads, one at a time: "
+        f"{r['seqs']} distinct prompts of {r['prompt_tokens']} tokens at once, "
+        f"{r['decode_tokens']} greedy tokens each. slotserve: `serve --kv-layout cell` "
+        "(fp16 KV, the prefix cache on); llama-server: its defaults (f16 KV, allocated at "
+        f"start). Resident set (VmRSS) at ready, right after the last answer and after a "
+        f"{r['pause_s']:g} s pause; the peak is VmHWM over the process's life.",
+        "",
+    ]
+    keys = (
+        ("at ready", "ready_bytes"),
+        ("right after the run", "after_bytes"),
+        (f"after {r['pause_s']:g} s idle", "paused_bytes"),
+        ("peak", "peak_bytes"),
+    )
+    servers, ratios = r["servers"], r["ratios"]
+    rows = [
+        [
+            label,
+            format_bytes(servers["slotserve"][key]),
+            format_bytes(servers["llama-server"][key]),
+            f"{ratios[key]:.2f}×",
+        ]
+        for label, key in keys
+    ]
+    return lines + markdown_table(["RSS", "slotserve", "llama-server", "ratio"], rows)
 
 
 SECTIONS = {

@@ -144,7 +144,7 @@ def repeated_prompt_ttft(client: Any, model: str, prompts: list[list[int]]) -> l
     return times[1:]
 
 
-def _gguf_of(model: Model, reference: Model | None) -> Path:
+def gguf_of(model: Model, reference: Model | None) -> Path:
     """The GGUF llama-server runs: the reference's, the model's own, or the bundle's source."""
     from slotserve.bench.executors import reference_of
 
@@ -175,7 +175,7 @@ def run_servers(
     binary = find_llama_server()
     if binary is None:
         return {"skipped": "llama-server is not built; `make bench-deps` builds it"}
-    gguf = _gguf_of(model, reference)
+    gguf = gguf_of(model, reference)
     threads = threads or process_cores()  # the kernels' threads (torch's may be 1: load())
     slots = max(levels)
     servers = {

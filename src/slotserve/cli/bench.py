@@ -42,8 +42,9 @@ def register(commands: Any) -> None:
     parser.add_argument(
         "--baselines",
         action="store_true",
-        help="single: also run transformers / llama-cpp-python on the same weights; all: also "
-        "run servers (llama-server side by side, `make bench-deps` builds it)",
+        help="single: also run transformers / llama-cpp-python on the same weights; memory: "
+        "also both servers' whole RSS at 4 x 2048 side by side; all: also run servers "
+        "(llama-server side by side, `make bench-deps` builds it)",
     )
     parser.add_argument(
         "--background-share",
