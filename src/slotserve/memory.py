@@ -19,17 +19,18 @@ def rss_bytes(pid: int | None = None) -> int:
         return peak_rss_bytes() if pid is None else 0
 
 
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far, or since `reset_peak_rss` (Linux's
-    VmHWM; getrusage's peak without /proc)."""
+def peak_rss_bytes(pid: int | None = None) -> int:
+    """Peak resident set size of this process, or of process ``pid``, so far or since
+    `reset_peak_rss` (Linux's VmHWM); without /proc, this process's peak from getrusage
+    (0 for another process)."""
     try:
-        with open("/proc/self/status") as handle:
+        with open(f"/proc/{pid or 'self'}/status") as handle:
             for line in handle:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 if pid is None else 0
 
 
 def reset_peak_rss() -> bool:

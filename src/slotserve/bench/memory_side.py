@@ -28,7 +28,12 @@ DECODE_TOKENS = 64
 PAUSE_S = 2.5
 
 
-def run_side_by_side(model: Model, threads: int | None = None) -> dict[str, Any]:
+def run_side_by_side(
+    model: Model,
+    threads: int | None = None,
+    prompt_tokens: int = PROMPT_TOKENS,
+    decode_tokens: int = DECODE_TOKENS,
+) -> dict[str, Any]:
     """Both servers on ``model``'s GGUF (see the module docstring); ``{"skipped": why}``
     where llama-server is not built."""
     from slotserve.bench.llama_server import find_llama_server
@@ -55,7 +60,7 @@ def run_side_by_side(model: Model, threads: int | None = None) -> dict[str, Any]
     for name in ("slotserve", "llama-server"):
         server = start(name)
         try:
-            servers[name] = _drive(server, vocab)
+            servers[name] = _drive(server, vocab, prompt_tokens, decode_tokens)
         finally:
             server.stop()
     ratios = {
@@ -67,26 +72,26 @@ def run_side_by_side(model: Model, threads: int | None = None) -> dict[str, Any]
         "threads": threads,
         "seqs": SEQS,
         "context": CONTEXT,
-        "prompt_tokens": PROMPT_TOKENS,
-        "decode_tokens": DECODE_TOKENS,
+        "prompt_tokens": prompt_tokens,
+        "decode_tokens": decode_tokens,
         "pause_s": PAUSE_S,
         "servers": servers,
         "ratios": ratios,
     }
 
 
-def _drive(server: Any, vocab: int) -> dict[str, int]:
+def _drive(server: Any, vocab: int, prompt_tokens: int, decode_tokens: int) -> dict[str, int]:
     pid = server.process.pid
     ready = proc_status(pid)["VmRSS"]
     rng = random.Random(0)
-    prompts = [[rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)] for _ in range(SEQS)]
+    prompts = [[rng.randrange(3, vocab) for _ in range(prompt_tokens)] for _ in range(SEQS)]
     failures: list[str] = []
 
     def one(prompt: list[int]) -> None:
         body = {
             "model": server.model_name,
             "prompt": prompt,
-            "max_tokens": DECODE_TOKENS,
+            "max_tokens": decode_tokens,
             "temperature": 0,
         }
         reply = httpx.post(server.url + "/v1/completions", json=body, timeout=600)
@@ -107,5 +112,6 @@ def _drive(server: Any, vocab: int) -> dict[str, int]:
         "ready_bytes": ready,
         "after_bytes": after,
         "paused_bytes": status["VmRSS"],
-        "peak_bytes": status["VmHWM"],
+        # Linux updates VmHWM lazily: it may trail a VmRSS read before it.
+        "peak_bytes": max(status["VmHWM"], ready, after, status["VmRSS"]),
     }
