@@ -6,19 +6,22 @@ and the grammar compiler's tokenizer index, measured in a worker process at a se
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
+import mmap
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 import slotserve as ss
 from slotserve.engine.config import EngineConfig
 from slotserve.kv import KVConfig
-from slotserve.memory import LoadMemory, release_mapped_range
+from slotserve.memory import LoadMemory, release_code_pages, release_mapped_range
 from slotserve.plan import CapacityPlan, LoadPeakError, format_bytes
 from slotserve.sampling import grammar_index
 from slotserve.sampling.grammar import GrammarCompiler, GrammarConfig, GrammarError
@@ -134,6 +137,46 @@ def test_release_mapped_drops_the_pages_and_keeps_the_data(tmp_path: Path) -> No
     release_mapped_range(tail.ctypes.data, tail.nbytes)
     assert _rss_file_kib() - before <= 1024
     assert int(mapped.sum(dtype=np.int64)) == total == int(data.sum(dtype=np.int64))
+
+
+def test_release_code_pages_drops_library_code_that_still_runs() -> None:
+    """The libraries' code pages leave the resident set (torch's, in this process, hold
+    many MiB of it), and the code runs on: a torch op and a C library call fault in
+    what they need."""
+    torch.ones(4).sum()
+    before = _rss_file_kib()
+    released = release_code_pages()
+    after = _rss_file_kib()
+    assert released >= 4 * MIB, f"only {format_bytes(released)} of code was resident"
+    assert after < before
+    assert float(torch.arange(8.0).sum()) == 28.0
+    assert ctypes.CDLL(None).strlen(b"slotserve") == 9
+
+
+def test_release_code_pages_keeps_an_executable_mapping_with_pages_of_its_own(
+    tmp_path: Path,
+) -> None:
+    """A private executable mapping holding a written page (as a text relocation or a
+    breakpoint leaves one) keeps it: dropping the page would restore the file's bytes."""
+    path = tmp_path / "code"
+    path.write_bytes(bytes(mmap.PAGESIZE))
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long)  # fmt: skip
+    libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    libc.munmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t)
+    with path.open("rb") as handle:
+        address = libc.mmap(None, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_WRITE,
+                            mmap.MAP_PRIVATE, handle.fileno(), 0)  # fmt: skip
+    assert address not in (None, ctypes.c_void_p(-1).value), ctypes.get_errno()
+    try:
+        ctypes.memmove(address, b"written", 7)  # the mapping's own copy of the page
+        assert libc.mprotect(address, mmap.PAGESIZE, mmap.PROT_READ | mmap.PROT_EXEC) == 0
+        release_code_pages()
+        assert ctypes.string_at(address, 7) == b"written"
+    finally:
+        libc.munmap(address, mmap.PAGESIZE)
 
 
 def _counted_index(compiler: GrammarCompiler) -> list[object]:

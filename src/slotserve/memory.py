@@ -111,6 +111,60 @@ def release_mapped_range(address: int, nbytes: int) -> None:
     madvise(start, address + nbytes - start, advice)
 
 
+def release_code_pages() -> int:
+    """Drop the pages of every library's code this process has mapped from its resident
+    set (Linux ``madvise(MADV_DONTNEED)`` on each executable file mapping; nothing
+    elsewhere) and return how many bytes were resident there. The code stays runnable: an
+    instruction on a dropped page faults it in again from the page cache, where the pages
+    stay (clean, the kernel's to reclaim). What this takes is the code only the imports ran:
+    libtorch's static initialisers register its thousands of operators from all over its
+    text, and left 46 MiB of libtorch_cpu's code resident after ``import torch``; four
+    prompts on the bundled model fault back 16 of the 71 MiB dropped, and no step ran
+    measurably slower. A mapping with pages of its own (a text relocation, a debugger's
+    breakpoint) is left alone: dropping those pages would lose the writes."""
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if advice is None:
+        return 0
+    madvise = ctypes.CDLL(None).madvise  # the C library's, already loaded: no search
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    released = 0
+    try:
+        mappings = _code_mappings()
+    except OSError:
+        return 0
+    for start, end, resident in mappings:
+        if madvise(start, end - start, advice) == 0:
+            released += resident
+    return released
+
+
+def _code_mappings() -> list[tuple[int, int, int]]:
+    """(start, end, resident bytes) of each executable file mapping that holds no page of
+    its own (``Private_Dirty`` and ``Anonymous`` 0), from /proc/self/smaps."""
+    found: list[tuple[int, int, int]] = []
+    current: list[int] | None = None  # start, end, resident, private
+
+    def close() -> None:
+        if current is not None and current[3] == 0 and current[2] > 0:
+            found.append((current[0], current[1], current[2]))
+
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+                close()
+                current = None
+                if len(fields) >= 6 and fields[1] == "r-xp" and fields[5].startswith("/"):
+                    first, last = (int(x, 16) for x in fields[0].split("-"))
+                    current = [first, last, 0, 0]
+            elif current is not None and fields[0] == "Rss:":
+                current[2] = int(fields[1]) * 1024
+            elif current is not None and fields[0] in ("Private_Dirty:", "Anonymous:"):
+                current[3] += int(fields[1])
+        close()
+    return found
+
+
 @dataclass(frozen=True)
 class LoadMemory:
     """What loading one model did to the process, measured: ``runtime_bytes`` its resident

@@ -20,7 +20,14 @@ from slotserve.artifact.named import NAMED_MODELS, model_path
 from slotserve.artifact.program import open_bundle
 from slotserve.errors import ArtifactError
 from slotserve.kv import KVConfig, KVPool, StepBatch
-from slotserve.memory import LoadMemory, peak_rss_bytes, reset_peak_rss, rss_bytes, trim_heap
+from slotserve.memory import (
+    LoadMemory,
+    peak_rss_bytes,
+    release_code_pages,
+    reset_peak_rss,
+    rss_bytes,
+    trim_heap,
+)
 from slotserve.model import Model
 from slotserve.model.quantized import with_weights
 from slotserve.native import (
@@ -69,6 +76,10 @@ def load(
     """
     built = build_kernels(kernels)
     weights = weight_format(spec, weights, built)
+    # The code only the imports ran leaves the resident set before the runtime arena is
+    # measured; what steps run faults back in at the first step and the largest, which
+    # count it (`release_code_pages`).
+    release_code_pages()
     # The load's own peak (its transient copies) is measured from here: the process's peak
     # resident set starts again (`reset_peak_rss`).
     peak_measured = reset_peak_rss()
@@ -94,6 +105,8 @@ def load(
     peak = peak_rss_bytes() if peak_measured else 0
     trim_heap()  # the load's freed temporaries leave the resident set
     loaded = rss_bytes()
+    if peak_measured:  # VmHWM lags the resident set by the pages of its last faults
+        peak = max(peak, loaded)
     first_step = _first_step_bytes(model, loaded)
     methods = _largest_step_bytes(model, loaded + first_step)
     model.load_memory = LoadMemory(runtime, loaded, peak, first_step, methods)
