@@ -366,19 +366,22 @@ class Engine:
                 for session in list(pool.sessions):
                     pool.release(session)
                 trim_heap()  # the step's freed activations leave before the server is ready
-            self._count_start_state(rss_bytes() - before)
+            self.count_start_state(rss_bytes() - before)
             self.counters.count_step_time(tokens, seconds)
             return self.cancel_bound()
 
-    def _count_start_state(self, kept_bytes: int) -> None:
-        """Add ``kept_bytes`` of one-time state to the plan's runtime arena, where the
-        budget is the whole process's."""
+    def count_start_state(self, kept_bytes: int) -> None:
+        """Add ``kept_bytes`` of one-time state, what the start left resident after the
+        load measured the runtime (the largest step's, a server's own), to the plan's
+        runtime arena, where the budget is the whole process's; `PlanError` if the budget
+        then does not hold the plan."""
         if self.config.budget_scope != "process" or kept_bytes <= 0:
             return
-        runtime = self.plan.runtime_bytes + kept_bytes
-        plan = dataclasses.replace(self.plan, runtime_bytes=runtime)
-        plan.check()
-        self.plan = plan
+        with self._lock:
+            runtime = self.plan.runtime_bytes + kept_bytes
+            plan = dataclasses.replace(self.plan, runtime_bytes=runtime)
+            plan.check()
+            self.plan = plan
 
     def _prefix_stats(self) -> PrefixStats | None:
         if self.prefix is None:

@@ -19,6 +19,7 @@ from types import FrameType
 import uvicorn
 
 from slotserve.engine import Engine
+from slotserve.memory import rss_bytes, trim_heap
 from slotserve.sampling.grammar import GrammarCompiler
 from slotserve.server.app import create_app
 from slotserve.server.connections import ConnectionTracker, HTTPLimits
@@ -65,6 +66,7 @@ def serve(
     tokenizer index was built at start, serves the structured outputs."""
     limits = limits or HTTPLimits()
     connections = ConnectionTracker(limits)
+    before_server = rss_bytes()
     app = create_app(
         engine,
         model_name,
@@ -93,17 +95,30 @@ def serve(
     log.info("sampling defaults: %s", app.state.server.sampling.describe())
     if cors_origins:
         log.info("CORS: allowing %s", ", ".join(cors_origins))
-    CancellingServer(config, app.state.server).run()
+    CancellingServer(config, app.state.server, engine, before_server).run()
     return 0
 
 
 class CancellingServer(uvicorn.Server):
     """uvicorn's server whose shutdown closes the engine first, instead of waiting for
-    running requests to finish on their own."""
+    running requests to finish on their own; its start counts what it left resident
+    since ``before_bytes`` (the app, the HTTP stack, the code their set-up ran) in the
+    engine's runtime arena."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    def __init__(
+        self, config: uvicorn.Config, state: ServerState, engine: Engine, before_bytes: int
+    ) -> None:
         super().__init__(config)
         self.state = state
+        self.engine = engine
+        self.before_bytes = before_bytes
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        trim_heap()
+        kept = rss_bytes() - self.before_bytes
+        self.engine.count_start_state(kept)  # PlanError: the budget no longer holds it
+        log.info("the server's start kept %.1f MiB resident (runtime arena)", kept / 2**20)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # A signal handler: it only sets flags; the event loop acts on them within a tick.
