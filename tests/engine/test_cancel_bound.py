@@ -216,3 +216,27 @@ def test_what_the_start_step_keeps_joins_the_process_runtime_arena(
     )
     with ss.Engine(tiny, config) as engine, pytest.raises(ss.PlanError):
         engine.measure_cancel_bound()
+
+
+def test_the_kv_the_start_step_writes_counts_in_the_pool_not_the_runtime(
+    tiny: ss.Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The start step writes KV pages of the engine's own pool (the plan's kv arena): only
+    what it keeps beyond them joins the runtime arena. They were counted in both."""
+    import slotserve.engine.engine as engine_module
+
+    # 4 x 256 cells: storage large enough to become resident as it is written
+    config = ss.EngineConfig(max_seqs=4, max_context=256, budget_scope="process")
+    with ss.Engine(tiny, config) as engine:
+        start, calls = engine.pool.resident_bytes, []
+
+        def rss() -> int:  # the KV written, and 3 MiB more once the step ran
+            calls.append(1)
+            kept = 3 * 2**20 if len(calls) > 1 else 0
+            return 100 * 2**20 + kept + engine.pool.resident_bytes - start
+
+        monkeypatch.setattr(engine_module, "rss_bytes", rss)
+        before = engine.plan.runtime_bytes
+        engine.measure_cancel_bound()
+        assert engine.pool.resident_bytes > start  # the step wrote pool pages
+        assert engine.plan.runtime_bytes - before == 3 * 2**20
