@@ -208,6 +208,7 @@ def test_executors_compares_a_bundle_with_the_model_it_came_from(
     updated = replace_section(document, "executors", {"executors": result}, "slotserve bench")
     assert "old rows" not in updated and "## single: x" in updated
     assert updated.count("## executors:") == 1 and "| 8 |" in updated
+    assert updated.endswith("|\n")  # one newline ends the file, as it ended before
     appended = replace_section("# Benchmarks\n", "executors", {"executors": result}, "cmd")
     assert "## executors:" in appended
     with pytest.raises(ValueError, match="not a bundle"):

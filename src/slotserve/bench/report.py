@@ -470,9 +470,9 @@ def replace_section(document: str, name: str, results: dict[str, Any], command: 
     lines = document.rstrip("\n").split("\n")
     span = _section_span(lines, name)
     if span is None:
-        return "\n".join([*lines, "", *section])
+        return "\n".join([*lines, "", *section]).rstrip("\n") + "\n"
     start, end = span
-    return "\n".join([*lines[:start], *section, *lines[end:]])
+    return "\n".join([*lines[:start], *section, *lines[end:]]).rstrip("\n") + "\n"
 
 
 def keep_sections(old: str, new: str, names: tuple[str, ...]) -> str:
