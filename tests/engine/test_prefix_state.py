@@ -43,26 +43,33 @@ class PrefixEngineMachine(RuleBasedStateMachine):
             prefix_cache_bytes=12 * 4 * 2 * 2 * 2 * 32 * 4,
         )  # fmt: skip
         self.engine = ss.Engine(self.model, config)
-        self.handles: list[tuple[ss.RequestHandle, int]] = []
+        # A refused submit keeps its place (None): whether the queue had room depends on
+        # how far the engine thread got, and the rules a step may draw must not, or
+        # hypothesis finds the same draws taking another path (FlakyStrategyDefinition).
+        self.handles: list[tuple[ss.RequestHandle | None, int]] = []
 
     @rule(prompt=PROMPT, new=st.integers(1, 8), keep=st.booleans())
     def submit(self, prompt: tuple[int, list[int]], new: int, keep: bool) -> None:
         tokens = SYSTEMS[prompt[0]] + prompt[1]
         params = ss.SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
+        handle: ss.RequestHandle | None = None
         with contextlib.suppress(ss.AdmissionRefused):
             handle = self.engine.submit(tokens, params, publish_completion=keep)
-            self.handles.append((handle, len(tokens)))
+        self.handles.append((handle, len(tokens)))
 
     @precondition(lambda self: bool(self.handles))
     @rule(index=st.integers(0, 100), wait=st.booleans())
     def cancel(self, index: int, wait: bool) -> None:
         handle, _ = self.handles[index % len(self.handles)]
-        handle.cancel(wait=wait)
+        if handle is not None:
+            handle.cancel(wait=wait)
 
     @precondition(lambda self: bool(self.handles))
     @rule()
     def finish_oldest(self) -> None:
         handle, n_prompt = self.handles.pop(0)
+        if handle is None:  # refused at submit
+            return
         try:
             final = handle.result()
         except ss.AdmissionRefused:
