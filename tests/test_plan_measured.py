@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 import slotserve as ss
 from slotserve.engine.config import EngineConfig
@@ -139,18 +138,34 @@ def test_release_mapped_drops_the_pages_and_keeps_the_data(tmp_path: Path) -> No
     assert int(mapped.sum(dtype=np.int64)) == total == int(data.sum(dtype=np.int64))
 
 
+CODE_PROBE = """
+import ctypes, json, torch
+from slotserve.memory import release_code_pages
+def rss_file():
+    with open("/proc/self/status") as handle:
+        return next(int(line.split()[1]) * 1024 for line in handle if line.startswith("RssFile:"))
+torch.ones(4).sum()
+before = rss_file()
+released = release_code_pages()
+after = rss_file()
+runs = float(torch.arange(8.0).sum()) == 28.0 and ctypes.CDLL(None).strlen(b"slotserve") == 9
+print(json.dumps({"before": before, "released": released, "after": after, "runs": runs}))
+"""
+
+
 def test_release_code_pages_drops_library_code_that_still_runs() -> None:
-    """The libraries' code pages leave the resident set (torch's, in this process, hold
-    many MiB of it), and the code runs on: a torch op and a C library call fault in
-    what they need."""
-    torch.ones(4).sum()
-    before = _rss_file_kib()
-    released = release_code_pages()
-    after = _rss_file_kib()
-    assert released >= 4 * MIB, f"only {format_bytes(released)} of code was resident"
-    assert after < before
-    assert float(torch.arange(8.0).sum()) == 28.0
-    assert ctypes.CDLL(None).strlen(b"slotserve") == 9
+    """In a fresh process, as a server's load finds it: ``import torch`` left tens of MiB of
+    libtorch's code resident (46 MiB measured), the call drops it, and the code runs on:
+    a torch op and a C library call fault in what they need. (In the suite's process the
+    earlier loads dropped it already.)"""
+    probe = subprocess.run(
+        [sys.executable, "-c", CODE_PROBE], capture_output=True, text=True, timeout=300
+    )
+    assert probe.returncode == 0, probe.stderr
+    measured = json.loads(probe.stdout.strip().splitlines()[-1])
+    assert measured["released"] >= 20 * MIB, f"{format_bytes(measured['released'])} dropped"
+    assert measured["before"] - measured["after"] >= 20 * MIB
+    assert measured["runs"]
 
 
 def test_release_code_pages_keeps_an_executable_mapping_with_pages_of_its_own(

@@ -101,14 +101,10 @@ def release_mapped_range(address: int, nbytes: int) -> None:
     its neighbours: 1.5 MiB for a 540 KiB tensor), so a load that releases each tensor's own
     bytes alone keeps those of its neighbours, already read, resident (52 of the bundled
     model's 94 MiB); it releases the span of all of them."""
-    advice = getattr(mmap, "MADV_DONTNEED", None)
-    if advice is None or not nbytes:
+    if not nbytes:
         return
-    page = mmap.PAGESIZE
-    start = address // page * page
-    madvise = ctypes.CDLL(None).madvise  # the C library's, already loaded: no search
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    madvise(start, address + nbytes - start, advice)
+    start = address // mmap.PAGESIZE * mmap.PAGESIZE
+    _dont_need(start, address + nbytes - start)
 
 
 def release_code_pages() -> int:
@@ -122,47 +118,45 @@ def release_code_pages() -> int:
     prompts on the bundled model fault back 16 of the 71 MiB dropped, and no step ran
     measurably slower. A mapping with pages of its own (a text relocation, a debugger's
     breakpoint) is left alone: dropping those pages would lose the writes."""
-    advice = getattr(mmap, "MADV_DONTNEED", None)
-    if advice is None:
-        return 0
-    madvise = ctypes.CDLL(None).madvise  # the C library's, already loaded: no search
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    released = 0
     try:
         mappings = _code_mappings()
     except OSError:
         return 0
-    for start, end, resident in mappings:
-        if madvise(start, end - start, advice) == 0:
-            released += resident
-    return released
+    return sum(resident for start, end, resident in mappings if _dont_need(start, end - start))
+
+
+def _dont_need(start: int, length: int) -> bool:
+    """``madvise(start, length, MADV_DONTNEED)`` (``start`` page-aligned); False where the
+    system has no such call or refused it."""
+    advice = getattr(mmap, "MADV_DONTNEED", None)
+    if advice is None:
+        return False
+    madvise = ctypes.CDLL(None).madvise  # the C library's, already loaded: no search
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return bool(madvise(start, length, advice) == 0)
 
 
 def _code_mappings() -> list[tuple[int, int, int]]:
     """(start, end, resident bytes) of each executable file mapping that holds no page of
     its own (``Private_Dirty`` and ``Anonymous`` 0), from /proc/self/smaps."""
-    found: list[tuple[int, int, int]] = []
-    current: list[int] | None = None  # start, end, resident, private
-
-    def close() -> None:
-        if current is not None and current[3] == 0 and current[2] > 0:
-            found.append((current[0], current[1], current[2]))
-
+    mappings: list[dict[str, int]] = []
+    current: dict[str, int] | None = None  # the code mapping whose fields follow
     with open("/proc/self/smaps") as smaps:
         for line in smaps:
             fields = line.split()
             if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
-                close()
                 current = None
                 if len(fields) >= 6 and fields[1] == "r-xp" and fields[5].startswith("/"):
                     first, last = (int(x, 16) for x in fields[0].split("-"))
-                    current = [first, last, 0, 0]
-            elif current is not None and fields[0] == "Rss:":
-                current[2] = int(fields[1]) * 1024
-            elif current is not None and fields[0] in ("Private_Dirty:", "Anonymous:"):
-                current[3] += int(fields[1])
-        close()
-    return found
+                    current = {"start": first, "end": last}
+                    mappings.append(current)
+            elif current is not None and fields[0] in ("Rss:", "Private_Dirty:", "Anonymous:"):
+                current[fields[0]] = int(fields[1]) * 1024
+    return [
+        (m["start"], m["end"], m["Rss:"])
+        for m in mappings
+        if m.get("Rss:") and not m.get("Private_Dirty:") and not m.get("Anonymous:")
+    ]
 
 
 @dataclass(frozen=True)
