@@ -63,9 +63,10 @@ def add_weights_arg(parser: argparse.ArgumentParser) -> None:
         "--weights",
         choices=["auto", "gguf", "fp32", "int8"],
         default="auto",
-        help="how a .gguf/HF model's weights are held: gguf keeps a GGUF file's Q4_0/Q4_1/"
-        "Q8_0 blocks (its size in memory, the fastest decode); fp32 dequantises; int8 "
-        "quantises fp32 projections; auto (default): gguf where the file has such blocks",
+        help="how a .gguf/HF model's weights are held: gguf keeps a GGUF file's Q4_0, Q4_1, "
+        "Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K blocks (its size in memory, the fastest "
+        "decode); fp32 dequantises; int8 quantises fp32 projections; auto (default): gguf "
+        "where the file has such blocks",
     )
 
 
