@@ -78,8 +78,9 @@ def test_the_scales_are_the_files_fp16_values(q4_file: Path) -> None:
         assert torch.equal(blocks.m, torch.from_numpy(m))
 
 
-def test_a_row_padded_to_pairs_keeps_only_its_own_blocks() -> None:
-    """Three blocks a row: the packed row carries a fourth (zero) block, which is dropped."""
+def test_rows_of_a_partial_group_keep_their_own_blocks() -> None:
+    """Five rows of three blocks: the kernel interleaves them as one group of five (not a
+    whole group of 8), and each row's blocks come back as its own."""
     gen = np.random.default_rng(0)
     weights = gen.standard_normal((5, 3 * BLOCK)).astype(np.float32)
     rows = torch.from_numpy(gguf.quants.quantize(weights, gguf.GGMLQuantizationType.Q4_1))

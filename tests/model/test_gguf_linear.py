@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import slotserve as ss
-from slotserve.model.gguf_linear import BlockEmbedding, BlockLinear, to_q4_1
+from slotserve.model.gguf_linear import BlockEmbedding, BlockLinear, file_rows, to_q4_1
 from slotserve.native import build, build_kernels
 from slotserve.native.blocks import BlockKernel
 from slotserve.testing import write_tiny_gguf
@@ -140,6 +140,38 @@ def test_blocks_dequantise_as_gguf_py_does(kind: str) -> None:
     assert torch.equal(linear.dequantize(), expected.reshape(12, 128))
     rows = torch.tensor([3, 0, 11])
     assert torch.equal(BlockEmbedding(linear)[rows], expected.reshape(12, 128)[rows])
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    kind=st.sampled_from(["Q4_1", "Q8_0", "Q5_0", "Q5_1"]),
+    rows=st.integers(1, 40),  # whole groups of 8, a last group of fewer, or only that
+    blocks=st.integers(1, 5),
+    data=st.data(),
+)
+def test_interleaved_rows_give_back_the_files(
+    kind: str, rows: int, blocks: int, data: st.DataObject
+) -> None:
+    """The kernel's layout moves a matrix's rows into groups of 8; every way back to rows
+    (all of them, a lookup's, reordered, two matrices stacked) gives the file's bytes."""
+    gen = np.random.default_rng(rows * 10 + blocks)
+    file, _ = gguf_rows(gen.standard_normal((rows, blocks * 32)), kind)
+    linear = BlockLinear.from_gguf(file, kind)
+    assert linear.packed.shape == file.shape
+    assert torch.equal(file_rows(linear.packed, kind), file)
+    picked = torch.tensor(data.draw(st.lists(st.integers(0, rows - 1), min_size=1, max_size=12)))
+    assert torch.equal(file_rows(linear.packed, kind, picked), file[picked])
+    quant = gguf.GGMLQuantizationType[kind]
+    weights = torch.from_numpy(np.asarray(gguf.quants.dequantize(file.numpy(), quant), np.float32))
+    assert torch.equal(linear.dequantize(picked), weights[picked])
+    assert torch.equal(linear.dequantize(), weights)
+    order = torch.from_numpy(gen.permutation(rows))
+    assert torch.equal(file_rows(linear.rows(order).packed, kind), file[order])
+    split = data.draw(st.integers(1, rows))
+    parts = [BlockLinear.from_gguf(file[:split], kind)]
+    if split < rows:
+        parts.append(BlockLinear.from_gguf(file[split:], kind))
+    assert torch.equal(BlockLinear.stack(parts).packed, linear.packed)
 
 
 def test_misshapen_blocks_are_refused() -> None:

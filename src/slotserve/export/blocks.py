@@ -3,9 +3,9 @@ stores them as they are instead of requantising their fp32 dequantisation.
 
 A block holds 32 weights of one row: ``w = d·q + m`` with ``q`` in 0..15 and ``d``, ``m`` the
 file's fp16 values (a Q4_0 file's blocks were converted to Q4_1 exactly at load, with
-``m = -8·d``). They are read from the model's packed rows (`slotserve.model.gguf_linear.pack`:
-a row's nibbles block by block, then its ``d``, then its ``m``, padded to pairs with a zero
-block), so the rows are the model's: Q/K rows already un-permuted, projections fused.
+``m = -8·d``). They are read from the model's rows in the file's block layout
+(`slotserve.model.gguf_linear.file_rows`: ``d``, ``m``, then 16 bytes of nibbles a block), so
+the rows are the model's: Q/K rows already un-permuted, projections fused.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from slotserve.model.gguf_linear import BLOCK, BLOCK_BYTES, BlockLinear
+from slotserve.model.gguf_linear import BLOCK, BLOCK_BYTES, BlockLinear, file_rows
 
 
 @dataclass(frozen=True)
@@ -41,11 +41,10 @@ def q4_blocks(linear: BlockLinear) -> Q4Blocks:
     if linear.kind != "Q4_1":
         raise ValueError(f"a {linear.kind} BlockLinear has no 4-bit blocks")
     rows, cols = linear.shape
-    packed = linear.packed
-    blocks, padded = cols // BLOCK, packed.shape[1] // BLOCK_BYTES["Q4_1"]
+    blocks = file_rows(linear.packed, "Q4_1").reshape(rows, cols // BLOCK, BLOCK_BYTES["Q4_1"])
     # Low nibbles hold a block's first 16 weights, high nibbles its last 16.
-    nibbles = packed[:, : padded * 16].reshape(rows, padded, 16)[:, :blocks]
+    nibbles = blocks[:, :, 4:]
     q = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2).reshape(rows, cols)
-    halves = packed[:, padded * 16 :].contiguous().view(torch.float16).float()
-    d, m = halves[:, :blocks], halves[:, padded : padded + blocks]
-    return Q4Blocks(q, d.contiguous(), m.contiguous())
+    d = blocks[:, :, 0:2].contiguous().view(torch.float16).float().reshape(rows, -1)
+    m = blocks[:, :, 2:4].contiguous().view(torch.float16).float().reshape(rows, -1)
+    return Q4Blocks(q, d, m)

@@ -1,6 +1,7 @@
 """Linears and embeddings on a GGUF file's own weight blocks (Q4_1, Q8_0, Q5_0, Q5_1, Q4_K,
-Q5_K, Q6_K): the file's bytes, Q4_1, Q8_0, Q5_0 and Q5_1 packed in pairs of blocks for the
-kernel (`slotserve.native.blocks`), the K-quants as the file has them.
+Q5_K, Q6_K): the file's bytes, those of Q4_1, Q8_0, Q5_0 and Q5_1 rows interleaved in groups
+of 8 for the kernel (`pack`; the layout is in ``native/csrc/quants.h``), the K-quants as the
+file has them.
 
 Reading the weights is most of a CPU decode step; these read the file's 4.5 to 8.5 bits
 per weight instead of a 32-bit copy, and multiply the way llama.cpp does (activations in
@@ -12,6 +13,7 @@ built (no C compiler), `slotserve.load` keeps dequantised weights.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import gguf
 import numpy as np
@@ -22,8 +24,8 @@ from slotserve.native.blocks import (
     BLOCK,
     BLOCK_BYTES,
     BLOCK_SIZES,
+    GROUP,
     PACKED_KINDS,
-    padded_blocks,
     row_bytes,
 )
 
@@ -33,74 +35,121 @@ __all__ = [
     "BlockEmbedding",
     "BlockLinear",
     "StackedBlocks",
+    "file_rows",
     "pack",
     "to_q4_1",
     "unpack",
 ]
 
 
+# Byte ranges of a file block's fields: (d, m, fifth bits, weights); None where it has none.
+_FIELDS: dict[str, tuple[tuple[int, int], ...]] = {
+    "Q4_1": ((0, 2), (2, 4), (0, 0), (4, 20)),
+    "Q5_0": ((0, 2), (0, 0), (2, 6), (6, 22)),
+    "Q5_1": ((0, 2), (2, 4), (4, 8), (8, 24)),
+    "Q8_0": ((0, 2), (0, 0), (0, 0), (2, 34)),
+}
+
+
+def _interleave(blocks: np.ndarray, kind: str) -> np.ndarray:
+    """File blocks ``[G, t, nb, bytes]`` (G groups of t rows) as ``[G, nb · t · bytes]``:
+    each group's blocks in turn, each block's fields interleaved over the group's rows."""
+    groups, t, nb, _ = blocks.shape
+    (d0, d1), (m0, m1), (h0, h1), (v0, v1) = _FIELDS[kind]
+    by_block = blocks.transpose(0, 2, 1, 3)  # [G, nb, t, bytes]
+    # weights: vector c holds bytes 4c..4c+3 of each row
+    values = by_block[..., v0:v1].reshape(groups, nb, t, (v1 - v0) // 4, 4)
+    parts = [values.transpose(0, 1, 3, 2, 4).reshape(groups, nb, t * (v1 - v0))]
+    if h1:  # fifth bits: mask 2c + h, bit 4n + i = bit 16h + 4c + i of row n's qh
+        bits = np.unpackbits(by_block[..., h0:h1], axis=-1, bitorder="little")
+        bits = bits.reshape(groups, nb, t, 2, 4, 4).transpose(0, 1, 4, 3, 2, 5)
+        parts.append(np.packbits(bits.reshape(groups, nb, 32 * t), axis=-1, bitorder="little"))
+    parts.append(by_block[..., d0:d1].reshape(groups, nb, 2 * t))
+    if m1:
+        parts.append(by_block[..., m0:m1].reshape(groups, nb, 2 * t))
+    return np.concatenate(parts, axis=-1).reshape(groups, nb * t * BLOCK_BYTES[kind])
+
+
+def _deinterleave(groups: np.ndarray, kind: str, t: int, nb: int) -> np.ndarray:
+    """`_interleave` undone: ``[G, nb · t · bytes]`` as file blocks ``[G, t, nb, bytes]``."""
+    count = groups.shape[0]
+    (d0, d1), (m0, m1), (h0, h1), (v0, v1) = _FIELDS[kind]
+    by_block = groups.reshape(count, nb, t * BLOCK_BYTES[kind])
+    out = np.empty((count, nb, t, BLOCK_BYTES[kind]), dtype=np.uint8)
+    width = v1 - v0
+    values = by_block[..., : width * t].reshape(count, nb, width // 4, t, 4)
+    out[..., v0:v1] = values.transpose(0, 1, 3, 2, 4).reshape(count, nb, t, width)
+    at = width * t
+    if h1:
+        bits = np.unpackbits(by_block[..., at : at + 4 * t], axis=-1, bitorder="little")
+        bits = bits.reshape(count, nb, 4, 2, t, 4).transpose(0, 1, 4, 3, 2, 5)
+        out[..., h0:h1] = np.packbits(bits.reshape(count, nb, t, 32), axis=-1, bitorder="little")
+        at += 4 * t
+    out[..., d0:d1] = by_block[..., at : at + 2 * t].reshape(count, nb, t, 2)
+    if m1:
+        out[..., m0:m1] = by_block[..., at + 2 * t : at + 4 * t].reshape(count, nb, t, 2)
+    return out.transpose(0, 2, 1, 3)
+
+
 def pack(gguf_rows: torch.Tensor, kind: str) -> torch.Tensor:
     """A GGUF matrix's rows (``[rows, in / block values · block bytes]`` uint8) in the
-    kernel's layout (see ``csrc/quants.h``): Q4_1, Q8_0, Q5_0 and Q5_1 moved into pairs of
-    blocks, the K-quants as they are."""
+    kernel's layout, the same shape (see ``csrc/quants.h``): Q4_1, Q8_0, Q5_0 and Q5_1 rows
+    interleaved in groups of 8 (the last group the rows left over), the K-quants as they are.
+    Row i of the result is not row i's bytes: `file_rows` gives those back."""
     if kind not in PACKED_KINDS:
         return gguf_rows
     rows = gguf_rows.shape[0]
-    grouped = gguf_rows.reshape(rows, -1, BLOCK_BYTES[kind])
-    if grouped.shape[1] % 2:  # a zero block pads the row to pairs
-        grouped = torch.cat([grouped, grouped.new_zeros(rows, 1, BLOCK_BYTES[kind])], dim=1)
-    pairs = grouped.shape[1] // 2
-    scale = grouped[:, :, 0:2].reshape(rows, -1)
-    if kind == "Q4_1":
-        nibbles = grouped[:, :, 4:].reshape(rows, -1)
-        return torch.cat([nibbles, scale, grouped[:, :, 2:4].reshape(rows, -1)], dim=1)
-    if kind in ("Q5_0", "Q5_1"):
-        bits_at = 2 if kind == "Q5_0" else 4
-        nibbles = grouped[:, :, bits_at + 4 :].reshape(rows, -1)
-        # qh of each block as [block, half, 2 bytes] -> per pair [half, block, 2 bytes]: the
-        # word of a half holds the first block's 16 bits, then the second's
-        bits = grouped[:, :, bits_at : bits_at + 4].reshape(rows, pairs, 2, 2, 2)
-        bits = bits.transpose(2, 3).reshape(rows, -1)
-        tail = [scale] if kind == "Q5_0" else [scale, grouped[:, :, 2:4].reshape(rows, -1)]
-        return torch.cat([nibbles, bits, *tail], dim=1)
-    values = grouped[:, :, 2:].reshape(rows, pairs, 2, 2, 16)  # [pair, block, half, 16]
-    values = values.transpose(2, 3).reshape(rows, -1)  # pair order: [pair, half, block, 16]
-    return torch.cat([values, scale], dim=1)
+    blocks = gguf_rows.numpy().reshape(rows, -1, BLOCK_BYTES[kind])
+    whole = rows // GROUP * GROUP
+    parts = [_interleave(blocks[:whole].reshape(-1, GROUP, *blocks.shape[1:]), kind).reshape(-1)]
+    if whole < rows:
+        parts.append(_interleave(blocks[None, whole:], kind).reshape(-1))
+    return torch.from_numpy(np.concatenate(parts)).reshape(rows, -1)
 
 
-def _file_blocks(packed: torch.Tensor, kind: str, blocks: int) -> torch.Tensor:
-    """A packed Q5_0 / Q5_1 row's blocks back in the file's layout ``[rows, blocks, bytes]``."""
-    rows = packed.shape[0]
-    nibbles = packed[:, : blocks * 16].reshape(rows, blocks, 16)
-    bits = packed[:, blocks * 16 : blocks * 20].reshape(rows, blocks // 2, 2, 2, 2)
-    bits = bits.transpose(2, 3).reshape(rows, blocks, 4)
-    scale = packed[:, blocks * 20 : blocks * 22].reshape(rows, blocks, 2)
-    head = [scale] if kind == "Q5_0" else [scale, packed[:, blocks * 22 :].reshape(rows, blocks, 2)]
-    return torch.cat([*head, bits, nibbles], dim=2)
+def file_rows(packed: torch.Tensor, kind: str, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The file's bytes of a matrix's rows (all, or ``rows`` in that order) from the
+    kernel's layout: `pack` undone."""
+    if kind not in PACKED_KINDS:
+        return packed if rows is None else torch.index_select(packed, 0, rows)
+    count, width = packed.shape
+    nb, whole = width // BLOCK_BYTES[kind], count // GROUP * GROUP
+    flat = packed.numpy().reshape(-1)
+    wanted = np.arange(count) if rows is None else rows.numpy().astype(np.int64)
+    groups = np.unique(wanted // GROUP)  # in order: the last group, if partial, comes last
+    full = groups[groups * GROUP < whole]
+    grouped = flat[: whole * width].reshape(-1, GROUP * width)
+    file = _deinterleave(grouped[full], kind, GROUP, nb).reshape(-1, width)
+    if len(full) < len(groups):  # the last group, of the rows left over
+        tail = _deinterleave(flat[whole * width :][None], kind, count - whole, nb)
+        file = np.concatenate([file, tail.reshape(-1, width)])
+    picked = file[np.searchsorted(groups, wanted // GROUP) * GROUP + wanted % GROUP]
+    return torch.from_numpy(np.ascontiguousarray(picked))
 
 
 def unpack(packed: torch.Tensor, kind: str, in_features: int) -> torch.Tensor:
     """The fp32 weights ``[rows, in_features]`` of the kernel's rows (gguf-py dequantises
-    the types that keep the file's blocks, and the Q5 types put back in them)."""
-    rows, blocks = packed.shape[0], padded_blocks(in_features)
-    if kind in ("Q5_0", "Q5_1"):
-        packed = _file_blocks(packed, kind, blocks).reshape(rows, -1)
-        packed = packed[:, : in_features // BLOCK * BLOCK_BYTES[kind]].contiguous()
-    if kind not in ("Q4_1", "Q8_0"):
-        quant = gguf.GGMLQuantizationType[kind]
-        weights = gguf.quants.dequantize(packed.numpy(), quant)
-        return torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32))
-    if kind == "Q4_1":
-        nibbles = packed[:, : blocks * 16].reshape(rows, blocks, 16)
-        halves = packed[:, blocks * 16 :].contiguous().view(torch.float16).float()
-        scale, offset = halves[:, :blocks, None], halves[:, blocks:, None]
-        values = torch.cat([nibbles & 0x0F, nibbles >> 4], dim=2).float() * scale + offset
-    else:
-        ints = packed[:, : blocks * 32].contiguous().view(torch.int8)
-        ints = ints.reshape(rows, blocks // 2, 2, 2, 16).transpose(2, 3)  # back to blocks
-        scale = packed[:, blocks * 32 :].contiguous().view(torch.float16).float()
-        values = ints.reshape(rows, blocks, BLOCK).float() * scale[:, :, None]
-    return values.reshape(rows, -1)[:, :in_features]
+    the file's blocks)."""
+    return _dequantize(file_rows(packed, kind), kind)
+
+
+def _dequantize(gguf_rows: torch.Tensor, kind: str) -> torch.Tensor:
+    """File rows as fp32, as gguf-py computes them (Q8_0 and Q4_1 here, in its arithmetic:
+    an embedding's lookup each step would otherwise spend most of its time in the call)."""
+    data = gguf_rows.numpy()
+    if kind in ("Q8_0", "Q4_1"):
+        blocks = data.reshape(data.shape[0], -1, BLOCK_BYTES[kind])
+        d = blocks[:, :, 0:2].copy().view(np.float16).astype(np.float32)
+        if kind == "Q8_0":
+            weights = d * blocks[:, :, 2:].copy().view(np.int8).astype(np.float32)
+        else:
+            m = blocks[:, :, 2:4].copy().view(np.float16).astype(np.float32)
+            nibbles = blocks[:, :, 4:]
+            q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=2).astype(np.float32)
+            weights = d * q + m
+        return torch.from_numpy(weights.reshape(data.shape[0], -1))
+    weights = gguf.quants.dequantize(data, gguf.GGMLQuantizationType[kind])
+    return torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32))
 
 
 @dataclass(frozen=True)
@@ -147,7 +196,23 @@ class BlockLinear:
 
     def rows(self, order: torch.Tensor) -> BlockLinear:
         """The same matrix with its rows in ``order``."""
-        return BlockLinear(self.packed[order].contiguous(), self.kind, self.in_features, self.bias)
+        moved = pack(file_rows(self.packed, self.kind, order), self.kind)
+        return BlockLinear(moved, self.kind, self.in_features, self.bias)
+
+    @classmethod
+    def stack(cls, parts: list[BlockLinear], bias: torch.Tensor | None = None) -> BlockLinear:
+        """The rows of ``parts`` (one type, one width) one after another. One part is used as
+        it is (a tied head shares the embedding's storage); parts whose rows are whole groups
+        join as they are, others are interleaved again."""
+        first = parts[0]
+        if len(parts) == 1:
+            return cls(first.packed, first.kind, first.in_features, bias)
+        if all(part.shape[0] % GROUP == 0 for part in parts[:-1]):
+            joined = torch.cat([part.packed for part in parts])
+        else:
+            rows = torch.cat([file_rows(part.packed, part.kind) for part in parts])
+            joined = pack(rows, first.kind)
+        return cls(joined, first.kind, first.in_features, bias)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -167,8 +232,36 @@ class BlockLinear:
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The fp32 weights (of ``rows`` only, if given): ``[len(rows), in_features]``."""
-        packed = self.packed if rows is None else torch.index_select(self.packed, 0, rows)
-        return unpack(packed, self.kind, self.in_features)
+        if rows is not None and self._row_offsets is not None:  # an embedding's lookup
+            count, width = self.packed.shape
+            whole, at = count // GROUP * GROUP, rows.numpy() // GROUP * GROUP
+            full, tail = self._row_offsets
+            lanes = rows.numpy() % GROUP
+            offsets = np.where(
+                (at < whole)[:, None],
+                at[:, None] * width + full[np.minimum(lanes, GROUP - 1)],
+                whole * width + tail[np.minimum(lanes, len(tail) - 1)],
+            )
+            return _dequantize(
+                torch.from_numpy(self.packed.numpy().reshape(-1)[offsets]), self.kind
+            )
+        return _dequantize(file_rows(self.packed, self.kind, rows), self.kind)
+
+    @cached_property
+    def _row_offsets(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Where each byte of a row's file blocks lies in its group (``[GROUP, width]`` for
+        a whole group, ``[max(1, n % GROUP), width]`` for the last one), for the byte types
+        (Q4_1, Q8_0); None for the others (a Q5 type's fifth bits are bits apart)."""
+        if self.kind not in ("Q4_1", "Q8_0"):
+            return None
+        count, width = self.packed.shape
+        blocks = width // BLOCK_BYTES[self.kind]
+
+        def offsets(t: int) -> np.ndarray:
+            file_order = np.arange(t * width, dtype=np.int64).reshape(1, t, blocks, -1)
+            return np.argsort(_interleave(file_order, self.kind).reshape(-1)).reshape(t, width)
+
+        return offsets(GROUP), offsets(max(1, count % GROUP))
 
 
 @dataclass(frozen=True)

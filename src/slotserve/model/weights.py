@@ -122,13 +122,9 @@ class _StateDict:
                 runs[-1].append(part)
             else:
                 runs.append([part])
-        fused = [
-            BlockLinear(_cat([p.packed for p in run]), run[0].kind, run[0].in_features)
-            for run in runs
-        ]
-        if len(fused) == 1:
-            return BlockLinear(fused[0].packed, fused[0].kind, fused[0].in_features, bias)
-        return StackedBlocks(tuple(fused), bias)
+        if len(runs) == 1:
+            return BlockLinear.stack(runs[0], bias)
+        return StackedBlocks(tuple(BlockLinear.stack(run) for run in runs), bias)
 
 
 def _cat(rows: list[torch.Tensor]) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Binding of ``csrc/blocks.c``: products with a GGUF file's weight blocks (Q4_1, Q8_0, Q5_0
-and Q5_1 packed in pairs, the other types as the file has them; see ``csrc/quants.h``), and a
+and Q5_1 rows interleaved in groups of 8, the other types as the file has them; see
+``csrc/quants.h``), and a
 transformer layer's work around its attention in two calls (`BlockKernel.layer_in`,
 `BlockKernel.layer_out`).
 
@@ -34,20 +35,15 @@ PACKED_KINDS = (
     "Q8_0",
     "Q5_0",
     "Q5_1",
-)  # rows repacked in pairs of blocks; the rest as in the file
+)  # rows interleaved in groups of GROUP; the rest as in the file
+GROUP = 8
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
-def padded_blocks(in_features: int) -> int:
-    """Blocks of a packed row: ``in_features / 32`` rounded up to pairs."""
-    return (in_features // BLOCK + 1) // 2 * 2
-
-
 def row_bytes(kind: str, in_features: int) -> int:
-    """Bytes of one weight row of ``in_features`` values as the kernel takes it."""
-    if kind in PACKED_KINDS:
-        return padded_blocks(in_features) * BLOCK_BYTES[kind]
+    """Bytes of one weight row of ``in_features`` values (a matrix of n rows holds n times
+    that, interleaved or not)."""
     values, size = BLOCK_SIZES[kind]
     return in_features // values * size
 
@@ -127,7 +123,7 @@ class ScratchSpace:
     the fp32 rows between a layer's products (a lone product needs none)."""
 
     def __init__(self, m: int, widest: int, *, rows: bool = True) -> None:
-        blocks = padded_blocks(widest)
+        blocks = -(-widest // BLOCK)
         self.h = torch.empty(m, widest) if rows else None
         self.q = torch.empty(m, blocks * BLOCK, dtype=torch.int8)
         self.scales = torch.empty(2, m, blocks)

@@ -41,6 +41,13 @@ INLINE void put(const product *p, int64_t i, int64_t n, float value) {
     *y = p->accumulate ? *y + value : value;
 }
 
+/* Outputs n .. n + t - 1 of row i (t <= 8, a constant where this is inlined). */
+INLINE void put_lanes(const product *p, int64_t i, int64_t n, int t, const float *value) {
+    float *y = p->y + i * p->ldy + n;
+#pragma omp simd
+    for (int c = 0; c < t; c++) y[c] = p->accumulate ? y[c] + value[c] : value[c];
+}
+
 /* Weight rows fetched ahead of the row being multiplied. A product of several activation
  * rows computes long enough on each weight row that the hardware prefetchers fall behind a
  * matrix streamed from memory: Gemma 3's 168 MB Q8_0 head at 8 rows took 37.6 ms on one
@@ -89,24 +96,62 @@ INLINE void put(const product *p, int64_t i, int64_t n, float value) {
         }                                                                                    \
     }
 _Static_assert(ROWS == 4 || ROWS == 8, "COLUMNS' tail switch covers 1 .. ROWS - 1 rows");
-COLUMNS(columns_q4_1, dot_q4_1)
-COLUMNS(columns_q8_0, dot_q8_0)
-COLUMNS(columns_q5_0, dot_q5_0)
-COLUMNS(columns_q5_1, dot_q5_1)
 COLUMNS(columns_q4_k, dot_q4_k)
 COLUMNS(columns_q5_k, dot_q5_k)
 COLUMNS(columns_q6_k, dot_q6_k)
 
+#define GROUP_TAIL(rows) case rows: dot_group(kind, w, t, &p->a, whole, rows, out); break;
+#if ROWS == 8
+#define WIDE_GROUP_TAILS GROUP_TAIL(7) GROUP_TAIL(6) GROUP_TAIL(5) GROUP_TAIL(4)
+#else
+#define WIDE_GROUP_TAILS
+#endif
+
+/* Every activation row times the group of t rows at `w` (columns n ..): in groups of ROWS,
+ * then the rows left over in one group of their own, as COLUMNS does for a row. */
+INLINE void group_rows(int kind, const product *p, const uint8_t *w, int t, int64_t n) {
+    const int64_t whole = p->m / ROWS * ROWS;
+    const int tail = (int)(p->m - whole);
+    float out[ROWS][GROUP];
+    for (int64_t i = 0; i < whole; i += ROWS) {
+        dot_group(kind, w, t, &p->a, i, ROWS, out);
+        for (int r = 0; r < ROWS; r++) put_lanes(p, i + r, n, t, out[r]);
+    }
+    switch (tail) {
+    WIDE_GROUP_TAILS
+    GROUP_TAIL(3)
+    GROUP_TAIL(2)
+    GROUP_TAIL(1)
+    default: break;
+    }
+    for (int r = 0; r < tail; r++) put_lanes(p, whole + r, n, t, out[r]);
+}
+
+/* Columns first .. last (first a multiple of GROUP) of a product in a group type. Whole
+ * groups take the size as a constant (their loads and offsets compile for it); only the
+ * last group of a matrix may have fewer rows. */
+INLINE void groups(int kind, const product *p, int64_t first, int64_t last) {
+    const int64_t row_bytes = weight_row_bytes(kind, p->a.k);
+    for (int64_t n = first; n < last; n += GROUP) {
+        const uint8_t *w = p->w + n * row_bytes;
+        if (n + GROUP < last) /* the next group: see AHEAD */
+            for (int64_t line = 0; line < GROUP * row_bytes; line += 64)
+                __builtin_prefetch(w + GROUP * row_bytes + line, 0, 0);
+        if (p->n - n >= GROUP) group_rows(kind, p, w, GROUP, n);
+        else group_rows(kind, p, w, (int)(p->n - n), n);
+    }
+}
+
 static void product_part(const product *p, int part, int parts) {
-    /* Columns in runs of 16, so that a part's rows are whole cache lines of y. */
+    /* Columns in runs of 16: whole cache lines of y, whole groups of GROUP rows. */
     int64_t runs = (p->n + 15) / 16;
     int64_t first = runs * part / parts * 16, last = runs * (part + 1) / parts * 16;
     if (last > p->n) last = p->n;
     switch (p->kind) {
-    case KIND_Q4_1: columns_q4_1(p, first, last); break;
-    case KIND_Q8_0: columns_q8_0(p, first, last); break;
-    case KIND_Q5_0: columns_q5_0(p, first, last); break;
-    case KIND_Q5_1: columns_q5_1(p, first, last); break;
+    case KIND_Q4_1: groups(KIND_Q4_1, p, first, last); break;
+    case KIND_Q8_0: groups(KIND_Q8_0, p, first, last); break;
+    case KIND_Q5_0: groups(KIND_Q5_0, p, first, last); break;
+    case KIND_Q5_1: groups(KIND_Q5_1, p, first, last); break;
     case KIND_Q4_K: columns_q4_k(p, first, last); break;
     case KIND_Q5_K: columns_q5_k(p, first, last); break;
     default: columns_q6_k(p, first, last); break;
@@ -115,7 +160,7 @@ static void product_part(const product *p, int part, int parts) {
 
 /* ---- a transformer layer's work around its attention ------------------------------------ */
 
-/* One matrix: its blocks (packed in pairs for Q4_1/Q8_0/Q5_0/Q5_1, the file's otherwise), GGUF type (KIND_*)
+/* One matrix: its blocks (rows in groups of 8 for Q4_1/Q8_0/Q5_0/Q5_1, the file's otherwise), GGUF type (KIND_*)
  * and output width (rows; its input width is implied by the call); `next`, if not NULL,
  * the rows after these, in another type. */
 typedef struct matrix {
@@ -124,8 +169,8 @@ typedef struct matrix {
     const struct matrix *next;
 } matrix;
 
-/* Scratch for a step of m rows: h[m, widest] fp32; q[m, widest] int8 (padded to pairs of
- * blocks); d and s[m, widest / 32 padded]; sums[m, widest / 16] int16. */
+/* Scratch for a step of m rows: h[m, widest] fp32; q[m, widest] int8; d and s
+ * [m, widest / 32]; sums[m, widest / 16] int16. */
 typedef struct {
     float *h;
     int8_t *q;
