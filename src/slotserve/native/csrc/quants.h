@@ -1,5 +1,6 @@
 /* The arithmetic of each GGUF weight type the block products take: how the activations
- * are quantised for it, and one weight row's dot product with up to ROWS activation rows.
+ * are quantised for it, and the dot products of one weight row (of a group of 8 rows, for
+ * the types stored in groups) with up to ROWS activation rows.
  * Included by blocks.c (one translation unit), which runs the products and layers.
  *
  * Every type follows llama.cpp's arithmetic for it: the activations become int8 with one
@@ -48,8 +49,8 @@
  * natural order.
  *
  * Each dot computes, for every row, the same operations in the same order whether it runs
- * with 1 or ROWS rows (the rows only share the weights' decoding): a row's result never
- * depends on its batch.
+ * with 1 or ROWS rows (the rows only share the weights' decoding; the lanes of a group never
+ * mix): a row's result never depends on its batch.
  */
 #ifndef SLOTSERVE_QUANTS_H
 #define SLOTSERVE_QUANTS_H
