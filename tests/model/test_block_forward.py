@@ -4,6 +4,7 @@ any shape through the pool agree with one pass."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import pytest
@@ -88,3 +89,32 @@ def test_steps_of_any_shape_agree_with_one_pass(block_model: ss.Model) -> None:
     stepped = torch.cat(outputs)
     assert (stepped.argmax(-1) == alone.argmax(-1)).float().mean() >= 0.95
     assert (stepped - alone).abs().max() < 0.05 * alone.abs().max()
+
+
+def test_threads_stepping_one_model_keep_their_own_buffers(block_model: ss.Model) -> None:
+    """Decode-sized steps keep their buffers and kernel arguments from one step to the next,
+    per thread: two threads stepping the same model at once each get what one alone gets."""
+    ids = list(range(3, 27))
+
+    def decode() -> torch.Tensor:
+        pool = KVPool(block_model.info, KVConfig(layout="cell", max_seqs=1, max_context=32))
+        pool.reserve(0, 32)
+        rows = []
+        for t, token in enumerate(ids):
+            batch = StepBatch([0], [t], [1])
+            pool.begin_step(batch)
+            rows.append(block_model.forward(torch.tensor([token]), batch, pool))
+        return torch.cat(rows)
+
+    alone = decode()
+    results: list[list[torch.Tensor]] = [[], []]
+    threads = [
+        threading.Thread(target=lambda i=i: results[i].extend(decode() for _ in range(3)))
+        for i in range(2)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert all(torch.equal(logits, alone) for run in results for logits in run)
+    assert sum(len(run) for run in results) == 6
