@@ -30,8 +30,10 @@ class RequestSampler:
         self.generator = torch.Generator().manual_seed(seed)
         self.seen = torch.zeros(vocab_size, dtype=torch.bool)
         self.generated_counts = torch.zeros(vocab_size, dtype=torch.float32)
+        # numpy views of the same memory: a token's two updates took 8.7 us as torch ops, 0.27 here
+        self._seen, self._counts = self.seen.numpy(), self.generated_counts.numpy()
         if prompt:
-            self.seen[torch.tensor(list(prompt))] = True
+            self._seen[list(prompt)] = True
         self.bias = _bias_tensors(params.logit_bias, vocab_size)
         self.matcher = params.grammar.matcher(vocab_size) if params.grammar is not None else None
 
@@ -51,8 +53,8 @@ class RequestSampler:
 
     def accept(self, token: int) -> None:
         """Record a token the request produced (feeds the penalties and the grammar)."""
-        self.seen[token] = True
-        self.generated_counts[token] += 1
+        self._seen[token] = True
+        self._counts[token] += 1
         if self.matcher is not None:
             self.matcher.accept(token)
 
