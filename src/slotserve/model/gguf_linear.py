@@ -38,11 +38,10 @@ __all__ = [
     "file_rows",
     "pack",
     "to_q4_1",
-    "unpack",
 ]
 
 
-# Byte ranges of a file block's fields: (d, m, fifth bits, weights); None where it has none.
+# Byte ranges of a file block's fields: (d, m, fifth bits, weights); (0, 0) where it has none.
 _FIELDS: dict[str, tuple[tuple[int, int], ...]] = {
     "Q4_1": ((0, 2), (2, 4), (0, 0), (4, 20)),
     "Q5_0": ((0, 2), (0, 0), (2, 6), (6, 22)),
@@ -125,12 +124,6 @@ def file_rows(packed: torch.Tensor, kind: str, rows: torch.Tensor | None = None)
         file = np.concatenate([file, tail.reshape(-1, width)])
     picked = file[np.searchsorted(groups, wanted // GROUP) * GROUP + wanted % GROUP]
     return torch.from_numpy(np.ascontiguousarray(picked))
-
-
-def unpack(packed: torch.Tensor, kind: str, in_features: int) -> torch.Tensor:
-    """The fp32 weights ``[rows, in_features]`` of the kernel's rows (gguf-py dequantises
-    the file's blocks)."""
-    return _dequantize(file_rows(packed, kind), kind)
 
 
 def _dequantize(gguf_rows: torch.Tensor, kind: str) -> torch.Tensor:
