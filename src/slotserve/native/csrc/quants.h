@@ -240,13 +240,6 @@ INLINE float hsum(__m256 v) {
     return _mm_cvtss_f32(x);
 }
 
-INLINE int hsum_int(__m256i v) {
-    __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4e));
-    x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0xb1));
-    return _mm_cvtsi128_si32(x);
-}
-
 /* Lanes below `count` set: masked loads read no further (nor fault) and give zeros, without
  * the stall of building a short vector in memory first. */
 INLINE __m256i first_lanes(int64_t count) {
@@ -386,11 +379,10 @@ INLINE void dot_group(int kind, const uint8_t *w, int t, const acts *a, int64_t 
                 const __m256 scaled = _mm256_fmadd_ps(total, _mm256_set1_ps(da),
                                                       _mm256_set1_ps(offset * a->s[(i + r) * a->d_stride + b]));
                 acc[r] = _mm256_fmadd_ps(dw, scaled, acc[r]);
-            } else if (kind == KIND_Q8_0) {
+            } else { /* Q8_0 without VNNI; Q4_1 and Q5_1 then add their mins' share */
                 acc[r] = _mm256_fmadd_ps(dw, _mm256_mul_ps(total, _mm256_set1_ps(da)), acc[r]);
-            } else {
-                acc[r] = _mm256_fmadd_ps(dw, _mm256_mul_ps(total, _mm256_set1_ps(da)), acc[r]);
-                acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->s[(i + r) * a->d_stride + b]), acc[r]);
+                if (kind != KIND_Q8_0)
+                    acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->s[(i + r) * a->d_stride + b]), acc[r]);
             }
         }
     }
