@@ -159,6 +159,9 @@ class CapacityPlan:
     # a memory map does not budget them: they count in the total.
     runtime_bytes: int = 0
     method_bytes: int = 0
+    # Measured: what the model's metadata and tokenizer hold, read before the weights
+    # (`LoadMemory.tokenizer_bytes`; 0: left out, or counted in the weights).
+    tokenizer_bytes: int = 0
     # Measured where a server builds it at start: what llguidance's tokenizer index (and
     # the first compile's one-time costs) hold, the ``grammar_index`` arena (0: none built).
     grammar_index_bytes: int = 0
@@ -177,7 +180,13 @@ class CapacityPlan:
             raise ValueError(f"prefix_cache_bytes={self.prefix_cache_bytes} must be >= 0")
         if self.grammar_cache_bytes < 0:
             raise ValueError(f"grammar_cache_bytes={self.grammar_cache_bytes} must be >= 0")
-        measured = ("runtime_bytes", "method_bytes", "grammar_index_bytes", "load_peak_bytes")
+        measured = (
+            "runtime_bytes",
+            "method_bytes",
+            "tokenizer_bytes",
+            "grammar_index_bytes",
+            "load_peak_bytes",
+        )
         for name in ("weight_bytes", *measured):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
@@ -221,9 +230,11 @@ class CapacityPlan:
     @property
     def arenas(self) -> dict[str, int]:
         """Bytes by arena; ``kv`` is the pool plus the prefix cache's copies
-        (`prefix_copy_bytes`). ``runtime``, ``methods``, ``grammar_index`` and ``grammars``
-        appear when set."""
+        (`prefix_copy_bytes`). ``runtime``, ``tokenizer``, ``methods``, ``grammar_index``
+        and ``grammars`` appear when set."""
         arenas = {"runtime": self.runtime_bytes} if self.runtime_bytes else {}
+        if self.tokenizer_bytes:
+            arenas["tokenizer"] = self.tokenizer_bytes
         arenas["weights"] = self.weight_bytes
         if self.method_bytes:
             arenas["methods"] = self.method_bytes

@@ -22,6 +22,7 @@ from slotserve.errors import ArtifactError
 from slotserve.kv import KVConfig, KVPool, StepBatch
 from slotserve.memory import (
     LoadMemory,
+    TokenizerMark,
     peak_rss_bytes,
     release_code_pages,
     reset_peak_rss,
@@ -71,8 +72,9 @@ def load(
     load option).
 
     ``model.load_memory`` is what the load did to the process (`slotserve.memory.LoadMemory`):
-    its resident set before and after, and its peak during the load (measured by resetting
-    the process's peak resident set, Linux's VmHWM, when the load starts).
+    its resident set before and after, what the tokenizer added before the weights were
+    read, and its peak during the load (measured by resetting the process's peak resident
+    set, Linux's VmHWM, when the load starts).
     """
     built = build_kernels(kernels)
     weights = weight_format(spec, weights, built)
@@ -83,7 +85,8 @@ def load(
     # The load's own peak (its transient copies) is measured from here: the process's peak
     # resident set starts again (`reset_peak_rss`).
     peak_measured = reset_peak_rss()
-    runtime = rss_bytes()  # the runtime arena: what the process holds before the weights
+    runtime = rss_bytes()  # the runtime arena: what the process holds before the model
+    tokenizer_read = TokenizerMark()
     if weights == "gguf":
         if built.blocks is None:
             state = "off" if kernels == "off" else "not built (see the warning above)"
@@ -94,9 +97,12 @@ def load(
         # this thread that outlives it (see slotserve.native.threads). Only this path
         # returns block weights.
         dedicate_cores_to_kernels()
-        model = load_gguf(_gguf_path(spec), progress=progress, blocks=True, kernels=built)
+        path = _gguf_path(spec)
+        model = load_gguf(
+            path, progress=progress, blocks=True, kernels=built, tokenizer_read=tokenizer_read
+        )
     else:
-        model = _load(spec, progress, built, bundle_threads)
+        model = _load(spec, progress, built, bundle_threads, tokenizer_read)
         if weights != "fp32":
             if model.weights is None:
                 raise ValueError(f"weights={weights!r}: a bundle's weights were fixed at export")
@@ -109,7 +115,8 @@ def load(
         peak = max(peak, loaded)
     first_step = _first_step_bytes(model, loaded)
     methods = _largest_step_bytes(model, loaded + first_step)
-    model.load_memory = LoadMemory(runtime, loaded, peak, first_step, methods)
+    tokenizer = max((tokenizer_read.rss_bytes or runtime) - runtime, 0)
+    model.load_memory = LoadMemory(runtime, loaded, peak, first_step, methods, tokenizer)
     return model
 
 
@@ -186,14 +193,22 @@ def _gguf_path(spec: str | Path) -> Path:
     return path
 
 
-def _load(spec: str | Path, progress: bool, kernels: Kernels, bundle_threads: int | None) -> Model:
+def _load(
+    spec: str | Path,
+    progress: bool,
+    kernels: Kernels,
+    bundle_threads: int | None,
+    tokenizer_read: TokenizerMark,
+) -> Model:
     path = model_path(spec)
     if is_bundle(path):
-        return open_bundle(read_bundle(path), kernels, threads=bundle_threads)
+        bundle = read_bundle(path)  # its manifest and tokenizer; the program's weights next
+        tokenizer_read()
+        return open_bundle(bundle, kernels, threads=bundle_threads)
     if path.is_dir():
-        return load_hf_dir(path, kernels)
+        return load_hf_dir(path, kernels, tokenizer_read)
     if path.suffix == ".gguf" or path.is_file():
-        return load_gguf(path, progress=progress, kernels=kernels)
+        return load_gguf(path, progress=progress, kernels=kernels, tokenizer_read=tokenizer_read)
     raise ArtifactError(
         path,
         f"no such model; pass one of {tuple(NAMED_MODELS)}, a .gguf file or a Hugging Face "

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -44,21 +44,25 @@ def load_gguf(
     progress: bool = True,
     blocks: bool = False,
     kernels: Kernels = NO_KERNELS,
+    tokenizer_read: Callable[[], None] | None = None,
 ) -> Model:
     """Load ``path``; the first load dequantises (with a progress bar) and fills the cache.
 
-    With ``blocks``, the Q4_0/Q4_1/Q8_0 matrices stay the file's blocks (`BlockLinear`, read
-    without the cache: there is nothing to dequantise) and the rest is dequantised."""
+    With ``blocks``, the matrices the block kernel multiplies stay the file's blocks
+    (`BlockLinear`, read without the cache: there is nothing to dequantise) and the rest is
+    dequantised. ``tokenizer_read`` is called once the tokenizer is built from the file's
+    metadata, before its tensors are read (`slotserve.memory.TokenizerMark`); not on a
+    load from the cache, which reads its weights first."""
     if not path.is_file():
         raise ArtifactError(path, "no such file; pass a path to a .gguf file")
     if blocks:
-        info, tokenizer, parts = _read_gguf(path, progress, keep_blocks=True)
+        info, tokenizer, parts = _read_gguf(path, progress, tokenizer_read, keep_blocks=True)
         weights = build_weights(info, parts, str(path), take=True)
         return Model.from_weights(info, tokenizer, weights, str(path), kernels)
     digest = weight_cache.file_digest(path)
     if use_cache and (model := _load_cached(path, digest, kernels)) is not None:
         return model
-    info, tokenizer, tensors = _read_gguf(path, progress)
+    info, tokenizer, tensors = _read_gguf(path, progress, tokenizer_read)
     weights = build_weights(info, tensors, str(path))
     # Written only once the weights were built from it, so a GGUF whose tensors do not
     # fit its metadata never leaves an entry behind.
@@ -95,13 +99,19 @@ def _decode_entry_meta(meta: Mapping[str, str], entry: Path) -> tuple[ModelInfo,
 
 
 def _read_gguf(
-    path: Path, progress: bool, *, keep_blocks: bool = False
+    path: Path,
+    progress: bool,
+    tokenizer_read: Callable[[], None] | None,
+    *,
+    keep_blocks: bool = False,
 ) -> tuple[ModelInfo, Tokenizer, dict[str, Any]]:
     reader = open_gguf(path)
     meta = read_metadata(reader)
     shapes = tensor_shapes(reader)
     info = model_info_from_gguf(meta, shapes.keys(), path, shapes=shapes)
     tokenizer = tokenizer_from_gguf(meta, str(path))
+    if tokenizer_read is not None:
+        tokenizer_read()
     tensors: Iterable[tuple[str, Any]] = _released(
         reader, iter_tensors(reader, info, path, keep_blocks=keep_blocks)
     )

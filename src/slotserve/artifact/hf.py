@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +21,21 @@ from slotserve.native import NO_KERNELS, Kernels
 from slotserve.tokenizer import Tokenizer
 
 
-def load_hf_dir(path: Path, kernels: Kernels = NO_KERNELS) -> Model:
+def load_hf_dir(
+    path: Path,
+    kernels: Kernels = NO_KERNELS,
+    tokenizer_read: Callable[[], None] | None = None,
+) -> Model:
+    """The model in Hugging Face directory ``path``; ``tokenizer_read`` is called once its
+    tokenizer is built, before its weights are read (`slotserve.memory.TokenizerMark`)."""
     config = _read_json(path / "config.json")
     info = model_info_from_config(config, path / "config.json")
+    tokenizer = _read_tokenizer(path, info)
+    if tokenizer_read is not None:
+        tokenizer_read()
     tensors = _read_safetensors(path)
     weights = build_weights(info, tensors, str(path))
-    return Model.from_weights(info, _read_tokenizer(path, info), weights, str(path), kernels)
+    return Model.from_weights(info, tokenizer, weights, str(path), kernels)
 
 
 def _read_json(path: Path) -> dict[str, Any]:

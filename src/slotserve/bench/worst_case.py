@@ -20,13 +20,13 @@ reported beside it. The worst case, phase by phase, each read from ``/proc/PID/s
 - ``worst case``: ``rounds`` more worst-case rounds, the prefix cache full again before
   each and the grammars held: the whole plan at once.
 
-Arenas are measured where the outside of the process can tell them apart (`ARENA_ROWS`):
-the resident set at ready (the runtime and the weights), the peak of ``serving`` above it
-(the KV pool, whose pages become resident as sessions write them, the prefix cache's
-copies and the activations, with whatever serving costs once), the growth of
-``grammars`` (the grammar compiler's tokenizer index, which serve measures at start and
-builds again at the first structured request, and the grammars), and the peak of the
-last rounds above their start (which the plan has nothing more for).
+Arenas are measured where the outside of the process can tell them apart (`ARENA_ROWS`): the
+resident set at ready (the runtime, the tokenizer and the weights), the peak of ``serving`` above it
+(the KV pool, whose pages become resident as sessions write them, the prefix cache's copies and the
+activations, with whatever serving costs once), the growth of ``grammars`` (the grammar compiler's
+tokenizer index, which serve measures at start and builds again at the first structured request, and
+the grammars), and the peak of the last rounds above their start (which the plan has nothing more
+for).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ PHASES = ("ready", "serving", "grammars", "worst case")
 # of the plan that span holds (``pool``: the KV pool alone, ``copies``: the kv arena less
 # the pool, the prefix cache's copies).
 ARENA_ROWS = (
-    ("at ready", ("runtime", "weights", "methods")),
+    ("at ready", ("runtime", "tokenizer", "weights", "methods")),
     ("serving, its peak above ready", ("pool", "copies", "activations")),
     ("grammars, growth", ("grammar_index", "grammars")),
     ("worst case with the grammars, its peak above its start", ()),

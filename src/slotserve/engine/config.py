@@ -148,13 +148,15 @@ class EngineConfig:
         *,
         runtime_bytes: int = 0,
         method_bytes: int = 0,
+        tokenizer_bytes: int = 0,
         load_peak_bytes: int = 0,
         attention_kernel: bool = False,
     ) -> CapacityPlan:
         """The plan of this config for a model of ``info`` keeping ``weight_bytes``
-        resident; the measured arenas (``runtime_bytes``, ``method_bytes``) and the load's
-        peak (``load_peak_bytes``) as given; ``attention_kernel``: the pool attends with the
-        compiled kernel (`CapacityPlan.attention_kernel`)."""
+        resident; the measured arenas (``runtime_bytes``, ``method_bytes``,
+        ``tokenizer_bytes``) and the load's peak (``load_peak_bytes``) as given;
+        ``attention_kernel``: the pool attends with the compiled kernel
+        (`CapacityPlan.attention_kernel`)."""
         budget = None if self.memory_budget is None else parse_bytes(self.memory_budget)
         return CapacityPlan(
             info,
@@ -166,6 +168,7 @@ class EngineConfig:
             self.prefix_cache_budget,
             runtime_bytes=runtime_bytes,
             method_bytes=method_bytes,
+            tokenizer_bytes=tokenizer_bytes,
             load_peak_bytes=load_peak_bytes,
             attention_kernel=attention_kernel,
         )
@@ -175,13 +178,14 @@ class EngineConfig:
         or anything with its ``info`` and ``weight_bytes``): a bundle's method memory (the
         arenas its program plans, ``model.halves.planned_method_bytes``, or what the load
         measured its methods keep after their largest step, if more) and the computed
-        arenas; with ``budget_scope="process"`` also the runtime arena and the resident
-        weights as `slotserve.load` measured them (``model.load_memory``; the weights count
-        as the larger of the load's resident growth, with a bundle's mapped tables, and
-        their own bytes), and the load's peak resident set, which the budget must hold as
-        well. ``weight_bytes`` (default the model's) is what the executor keeps resident.
-        The activations are planned for the attention the engine will run (the compiled
-        kernel where the model has it and ``kernels`` is ``"auto"``)."""
+        arenas; with ``budget_scope="process"`` also the runtime arena, the tokenizer's and
+        the resident weights as `slotserve.load` measured them (``model.load_memory``; the
+        weights count as the larger of the load's resident growth past the tokenizer, with a
+        bundle's mapped tables, and their own bytes), and the load's peak resident set,
+        which the budget must hold as well. ``weight_bytes`` (default the model's) is what
+        the executor keeps resident. The activations are planned for the attention the
+        engine will run (the compiled kernel where the model has it and ``kernels`` is
+        ``"auto"``)."""
         weights = model.weight_bytes if weight_bytes is None else weight_bytes
         measured = getattr(model, "load_memory", None)
         if self.budget_scope == "model":
@@ -202,6 +206,7 @@ class EngineConfig:
             max(weights, measured.growth_bytes + mapped),
             runtime_bytes=measured.runtime_arena_bytes,
             method_bytes=methods,
+            tokenizer_bytes=measured.tokenizer_bytes,
             load_peak_bytes=measured.peak_bytes,
             attention_kernel=kernel,
         )

@@ -1,12 +1,12 @@
 """The memory plan measured: each arena's bytes as the process really holds them.
 
-`measure_arenas` allocates what the plan counts and reads the resident set around each:
-the runtime and the weights as `slotserve.load` measured them (`Model.load_memory`), the KV
-pool allocated and every page written (as sessions at ``max_context`` would), and the
-activations as the peak growth of the largest step the config allows (`largest_step_tokens`,
-run on that pool with every session at its longest). `slotserve plan --measure` prints it
-beside the plan; tests compare the two. It allocates a pool of its own: call it where one
-more pool fits, never inside a running engine's budget.
+`measure_arenas` allocates what the plan counts and reads the resident set around each: the runtime,
+the tokenizer and the weights as `slotserve.load` measured them (`Model.load_memory`), the KV pool
+allocated and every page written (as sessions at ``max_context`` would), and the activations as the
+peak growth of the largest step the config allows (`largest_step_tokens`, run on that pool with
+every session at its longest). `slotserve plan --measure` prints it beside the plan; tests compare
+the two. It allocates a pool of its own: call it where one more pool fits, never inside a running
+engine's budget.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ def measure_arenas(
     arenas: dict[str, int] = {}
     if model.load_memory is not None:
         arenas["runtime"] = model.load_memory.runtime_arena_bytes
+        if model.load_memory.tokenizer_bytes:
+            arenas["tokenizer"] = model.load_memory.tokenizer_bytes
         arenas["weights"] = model.load_memory.growth_bytes
         if model.load_memory.method_bytes:
             arenas["methods"] = model.load_memory.method_bytes
