@@ -1,7 +1,6 @@
 """Linears and embeddings on a GGUF file's own weight blocks (Q4_1, Q8_0, Q5_0, Q5_1, Q4_K,
-Q5_K, Q6_K): the file's bytes, those of Q4_1, Q8_0, Q5_0 and Q5_1 rows interleaved in groups
-of 8 for the kernel (`pack`; the layout is in ``native/csrc/quants.h``), the K-quants as the
-file has them.
+Q5_K, Q6_K): the file's bytes, rows interleaved in groups of 8 for the kernel (`pack`; the
+layout is in ``native/csrc/quants.h``).
 
 Reading the weights is most of a CPU decode step; these read the file's 4.5 to 8.5 bits
 per weight instead of a 32-bit copy, and multiply the way llama.cpp does (activations in
@@ -25,7 +24,6 @@ from slotserve.native.blocks import (
     BLOCK_BYTES,
     BLOCK_SIZES,
     GROUP,
-    PACKED_KINDS,
     row_bytes,
 )
 
@@ -41,62 +39,75 @@ __all__ = [
 ]
 
 
-# Byte ranges of a file block's fields: (d, m, fifth bits, weights); (0, 0) where it has none.
-_FIELDS: dict[str, tuple[tuple[int, int], ...]] = {
-    "Q4_1": ((0, 2), (2, 4), (0, 0), (4, 20)),
-    "Q5_0": ((0, 2), (0, 0), (2, 6), (6, 22)),
-    "Q5_1": ((0, 2), (2, 4), (4, 8), (8, 24)),
-    "Q8_0": ((0, 2), (0, 0), (0, 0), (2, 34)),
+# The kernel's layout of one block of a group of t rows (``native/csrc/quants.h``): these
+# byte ranges of each row's file block, one after another in the order the kernel reads
+# them, each as [words][t][word] (lane n of a vector is row n's word); ``_BITS``: the
+# Q5_0/Q5_1 fifth bits, as 8 masks of 4t bits (mask 2c + h, bit 4n + i: bit 16h + 4c + i
+# of row n's). A Q6_K super-block's weights come as the kernel takes them, 64 at a time:
+# 16 bytes of ql's low half, 16 of its high half and 16 of qh.
+_BITS = 0
+_Q6_K_WEIGHTS = tuple(
+    (start, start + 16, 4)
+    for h in range(2)
+    for q in range(2)
+    for start in (64 * h + 16 * q, 64 * h + 32 + 16 * q, 128 + 32 * h + 16 * q)
+)
+_SEGMENTS: dict[str, tuple[tuple[int, int, int], ...]] = {
+    "Q4_1": ((4, 20, 4), (0, 2, 2), (2, 4, 2)),
+    "Q5_0": ((6, 22, 4), (2, 6, _BITS), (0, 2, 2)),
+    "Q5_1": ((8, 24, 4), (4, 8, _BITS), (0, 2, 2), (2, 4, 2)),
+    "Q8_0": ((2, 34, 4), (0, 2, 2)),
+    "Q4_K": ((4, 16, 4), (0, 2, 2), (2, 4, 2), (16, 144, 4)),
+    "Q5_K": ((4, 16, 4), (0, 2, 2), (2, 4, 2), (16, 48, 4), (48, 176, 4)),
+    "Q6_K": ((192, 208, 4), *_Q6_K_WEIGHTS, (208, 210, 2)),
 }
 
 
 def _interleave(blocks: np.ndarray, kind: str) -> np.ndarray:
     """File blocks ``[G, t, nb, bytes]`` (G groups of t rows) as ``[G, nb · t · bytes]``:
-    each group's blocks in turn, each block's fields interleaved over the group's rows."""
+    each group's blocks in turn, each block's segments interleaved over the group's rows."""
     groups, t, nb, _ = blocks.shape
-    (d0, d1), (m0, m1), (h0, h1), (v0, v1) = _FIELDS[kind]
     by_block = blocks.transpose(0, 2, 1, 3)  # [G, nb, t, bytes]
-    # weights: vector c holds bytes 4c..4c+3 of each row
-    values = by_block[..., v0:v1].reshape(groups, nb, t, (v1 - v0) // 4, 4)
-    parts = [values.transpose(0, 1, 3, 2, 4).reshape(groups, nb, t * (v1 - v0))]
-    if h1:  # fifth bits: mask 2c + h, bit 4n + i = bit 16h + 4c + i of row n's qh
-        bits = np.unpackbits(by_block[..., h0:h1], axis=-1, bitorder="little")
-        bits = bits.reshape(groups, nb, t, 2, 4, 4).transpose(0, 1, 4, 3, 2, 5)
-        parts.append(np.packbits(bits.reshape(groups, nb, 32 * t), axis=-1, bitorder="little"))
-    parts.append(by_block[..., d0:d1].reshape(groups, nb, 2 * t))
-    if m1:
-        parts.append(by_block[..., m0:m1].reshape(groups, nb, 2 * t))
+    parts = []
+    for start, end, word in _SEGMENTS[kind]:
+        field = by_block[..., start:end]
+        if word == _BITS:
+            bits = np.unpackbits(field, axis=-1, bitorder="little")
+            bits = bits.reshape(groups, nb, t, 2, 4, 4).transpose(0, 1, 4, 3, 2, 5)
+            parts.append(np.packbits(bits.reshape(groups, nb, 32 * t), axis=-1, bitorder="little"))
+        else:
+            words = field.reshape(groups, nb, t, (end - start) // word, word)
+            parts.append(words.transpose(0, 1, 3, 2, 4).reshape(groups, nb, t * (end - start)))
     return np.concatenate(parts, axis=-1).reshape(groups, nb * t * BLOCK_BYTES[kind])
 
 
 def _deinterleave(groups: np.ndarray, kind: str, t: int, nb: int) -> np.ndarray:
     """`_interleave` undone: ``[G, nb · t · bytes]`` as file blocks ``[G, t, nb, bytes]``."""
     count = groups.shape[0]
-    (d0, d1), (m0, m1), (h0, h1), (v0, v1) = _FIELDS[kind]
     by_block = groups.reshape(count, nb, t * BLOCK_BYTES[kind])
     out = np.empty((count, nb, t, BLOCK_BYTES[kind]), dtype=np.uint8)
-    width = v1 - v0
-    values = by_block[..., : width * t].reshape(count, nb, width // 4, t, 4)
-    out[..., v0:v1] = values.transpose(0, 1, 3, 2, 4).reshape(count, nb, t, width)
-    at = width * t
-    if h1:
-        bits = np.unpackbits(by_block[..., at : at + 4 * t], axis=-1, bitorder="little")
-        bits = bits.reshape(count, nb, 4, 2, t, 4).transpose(0, 1, 4, 3, 2, 5)
-        out[..., h0:h1] = np.packbits(bits.reshape(count, nb, t, 32), axis=-1, bitorder="little")
-        at += 4 * t
-    out[..., d0:d1] = by_block[..., at : at + 2 * t].reshape(count, nb, t, 2)
-    if m1:
-        out[..., m0:m1] = by_block[..., at + 2 * t : at + 4 * t].reshape(count, nb, t, 2)
+    at = 0
+    for start, end, word in _SEGMENTS[kind]:
+        width = end - start
+        field = by_block[..., at : at + width * t]
+        if word == _BITS:
+            bits = np.unpackbits(field, axis=-1, bitorder="little")
+            bits = bits.reshape(count, nb, 4, 2, t, 4).transpose(0, 1, 4, 3, 2, 5)
+            out[..., start:end] = np.packbits(
+                bits.reshape(count, nb, t, 8 * width), axis=-1, bitorder="little"
+            )
+        else:
+            words = field.reshape(count, nb, width // word, t, word)
+            out[..., start:end] = words.transpose(0, 1, 3, 2, 4).reshape(count, nb, t, width)
+        at += width * t
     return out.transpose(0, 2, 1, 3)
 
 
 def pack(gguf_rows: torch.Tensor, kind: str) -> torch.Tensor:
     """A GGUF matrix's rows (``[rows, in / block values · block bytes]`` uint8) in the
-    kernel's layout, the same shape (see ``csrc/quants.h``): Q4_1, Q8_0, Q5_0 and Q5_1 rows
-    interleaved in groups of 8 (the last group the rows left over), the K-quants as they are.
-    Row i of the result is not row i's bytes: `file_rows` gives those back."""
-    if kind not in PACKED_KINDS:
-        return gguf_rows
+    kernel's layout, the same shape (see ``csrc/quants.h``): rows interleaved in groups of 8
+    (the last group the rows left over). Row i of the result is not row i's bytes:
+    `file_rows` gives those back."""
     rows = gguf_rows.shape[0]
     blocks = gguf_rows.numpy().reshape(rows, -1, BLOCK_BYTES[kind])
     whole = rows // GROUP * GROUP
@@ -109,8 +120,6 @@ def pack(gguf_rows: torch.Tensor, kind: str) -> torch.Tensor:
 def file_rows(packed: torch.Tensor, kind: str, rows: torch.Tensor | None = None) -> torch.Tensor:
     """The file's bytes of a matrix's rows (all, or ``rows`` in that order) from the
     kernel's layout: `pack` undone."""
-    if kind not in PACKED_KINDS:
-        return packed if rows is None else torch.index_select(packed, 0, rows)
     count, width = packed.shape
     nb, whole = width // BLOCK_BYTES[kind], count // GROUP * GROUP
     flat = packed.numpy().reshape(-1)

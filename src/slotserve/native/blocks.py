@@ -30,13 +30,7 @@ BLOCK_SIZES = {
 }
 BLOCK_BYTES = {kind: size for kind, (_, size) in BLOCK_SIZES.items()}
 KIND_CODES = {kind: code for code, kind in enumerate(BLOCK_SIZES)}  # the kernel's names
-PACKED_KINDS = (
-    "Q4_1",
-    "Q8_0",
-    "Q5_0",
-    "Q5_1",
-)  # rows interleaved in groups of GROUP; the rest as in the file
-GROUP = 8
+GROUP = 8  # rows interleaved in a matrix (every type: gguf_linear.pack)
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 

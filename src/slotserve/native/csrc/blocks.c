@@ -36,11 +36,6 @@ typedef struct {
     float *y;
 } product;
 
-INLINE void put(const product *p, int64_t i, int64_t n, float value) {
-    float *y = p->y + i * p->ldy + n;
-    *y = p->accumulate ? *y + value : value;
-}
-
 /* Outputs n .. n + t - 1 of row i (t <= 8, a constant where this is inlined). */
 INLINE void put_lanes(const product *p, int64_t i, int64_t n, int t, const float *value) {
     float *y = p->y + i * p->ldy + n;
@@ -48,59 +43,15 @@ INLINE void put_lanes(const product *p, int64_t i, int64_t n, int t, const float
     for (int c = 0; c < t; c++) y[c] = p->accumulate ? y[c] + value[c] : value[c];
 }
 
-/* Weight rows fetched ahead of the row being multiplied. A product of several activation
- * rows computes long enough on each weight row that the hardware prefetchers fall behind a
- * matrix streamed from memory: Gemma 3's 168 MB Q8_0 head at 8 rows took 37.6 ms on one
- * thread of the 2-core AMD EPYC without these prefetches and 21.7-23.0 ms with them (about
- * what the loop's rate on weights resident in L2, 0.95 ns per 64 weights a row, gives). */
-#define AHEAD 8
+/* Any type's group of t rows: the K-quants' dot or the others' (`kind` is a constant
+ * where this is inlined, so the choice is made at compile time). */
+INLINE void dot_any_group(int kind, const uint8_t *w, int t, const acts *a, int64_t i, int rows,
+                          float out[][GROUP]) {
+    if (kind == KIND_Q4_K || kind == KIND_Q5_K || kind == KIND_Q6_K) dot_group_k(kind, w, t, a, i, rows, out);
+    else dot_group(kind, w, t, a, i, rows, out);
+}
 
-/* The tails of 4 to 7 rows exist only where the groups are of 8. */
-#if ROWS == 8
-#define WIDE_TAILS(dot)                                                                      \
-    case 7: dot(w, &p->a, whole, 7, out); break;                                             \
-    case 6: dot(w, &p->a, whole, 6, out); break;                                             \
-    case 5: dot(w, &p->a, whole, 5, out); break;                                             \
-    case 4: dot(w, &p->a, whole, 4, out); break;
-#else
-#define WIDE_TAILS(dot)
-#endif
-
-/* Columns first .. last of a product whose rows `dot` multiplies: each weight row against
- * the activations in groups of ROWS, then the 1..ROWS - 1 rows left over in one group of
- * their own, so that a step of 2 or 3 rows decodes the weights once, as one of 1 row does (each
- * group size is a constant in its own call, so the dot's loops over rows unroll). */
-#define COLUMNS(name, dot)                                                                   \
-    static void name(const product *p, int64_t first, int64_t last) {                       \
-        const int64_t row_bytes = weight_row_bytes(p->kind, p->a.k);                         \
-        const int64_t whole = p->m / ROWS * ROWS;                                            \
-        const int tail = (int)(p->m - whole);                                                \
-        float out[ROWS];                                                                     \
-        for (int64_t n = first; n < last; n++) {                                             \
-            const uint8_t *w = p->w + n * row_bytes;                                         \
-            if (n + AHEAD < last) /* see AHEAD */                                            \
-                for (int64_t line = 0; line < row_bytes; line += 64)                         \
-                    __builtin_prefetch(w + AHEAD * row_bytes + line, 0, 0);                  \
-            for (int64_t i = 0; i < whole; i += ROWS) {                                      \
-                dot(w, &p->a, i, ROWS, out);                                                 \
-                for (int r = 0; r < ROWS; r++) put(p, i + r, n, out[r]);                     \
-            }                                                                                \
-            switch (tail) {                                                                  \
-            WIDE_TAILS(dot)                                                                  \
-            case 3: dot(w, &p->a, whole, 3, out); break;                                     \
-            case 2: dot(w, &p->a, whole, 2, out); break;                                     \
-            case 1: dot(w, &p->a, whole, 1, out); break;                                     \
-            default: break;                                                                  \
-            }                                                                                \
-            for (int r = 0; r < tail; r++) put(p, whole + r, n, out[r]);                     \
-        }                                                                                    \
-    }
-_Static_assert(ROWS == 4 || ROWS == 8, "COLUMNS' tail switch covers 1 .. ROWS - 1 rows");
-COLUMNS(columns_q4_k, dot_q4_k)
-COLUMNS(columns_q5_k, dot_q5_k)
-COLUMNS(columns_q6_k, dot_q6_k)
-
-#define GROUP_TAIL(rows) case rows: dot_group(kind, w, t, &p->a, whole, rows, out); break;
+#define GROUP_TAIL(rows) case rows: dot_any_group(kind, w, t, &p->a, whole, rows, out); break;
 #if ROWS == 8
 #define WIDE_GROUP_TAILS GROUP_TAIL(7) GROUP_TAIL(6) GROUP_TAIL(5) GROUP_TAIL(4)
 #else
@@ -108,13 +59,15 @@ COLUMNS(columns_q6_k, dot_q6_k)
 #endif
 
 /* Every activation row times the group of t rows at `w` (columns n ..): in groups of ROWS,
- * then the rows left over in one group of their own, as COLUMNS does for a row. */
+ * then the 1 .. ROWS - 1 rows left over in one group of their own, so that a step of 2 or
+ * 3 rows decodes the weights once, as one of 1 row does (each count is a constant in its
+ * own call, so the dot's loops over rows unroll). */
 INLINE void group_rows(int kind, const product *p, const uint8_t *w, int t, int64_t n) {
     const int64_t whole = p->m / ROWS * ROWS;
     const int tail = (int)(p->m - whole);
     float out[ROWS][GROUP];
     for (int64_t i = 0; i < whole; i += ROWS) {
-        dot_group(kind, w, t, &p->a, i, ROWS, out);
+        dot_any_group(kind, w, t, &p->a, i, ROWS, out);
         for (int r = 0; r < ROWS; r++) put_lanes(p, i + r, n, t, out[r]);
     }
     switch (tail) {
@@ -127,16 +80,17 @@ INLINE void group_rows(int kind, const product *p, const uint8_t *w, int t, int6
     for (int r = 0; r < tail; r++) put_lanes(p, whole + r, n, t, out[r]);
 }
 
-/* Columns first .. last (first a multiple of GROUP) of a product in a group type. Whole
- * groups take the size as a constant (their loads and offsets compile for it); only the
- * last group of a matrix may have fewer rows. */
+/* Columns first .. last (first a multiple of GROUP) of a product. Whole groups take the
+ * size as a constant (their loads and offsets compile for it); only the last group of a
+ * matrix may have fewer rows. A group's bytes are read in one forward stream, which the
+ * hardware prefetchers follow: prefetching the next group's lines ahead (as rows one by
+ * one needed) made products slower. On the 2-core AMD EPYC, caches evicted, Gemma 3's 168
+ * MB Q8_0 head took 9.4 -> 6.3 ms at 1 row on one thread without it, 22.0 -> 19.2 ms at 8;
+ * a [576 x 1536] Q5_0 product streamed from memory on 2 threads 37 -> 28-31 us at 1 row. */
 INLINE void groups(int kind, const product *p, int64_t first, int64_t last) {
     const int64_t row_bytes = weight_row_bytes(kind, p->a.k);
     for (int64_t n = first; n < last; n += GROUP) {
         const uint8_t *w = p->w + n * row_bytes;
-        if (n + GROUP < last) /* the next group: see AHEAD */
-            for (int64_t line = 0; line < GROUP * row_bytes; line += 64)
-                __builtin_prefetch(w + GROUP * row_bytes + line, 0, 0);
         if (p->n - n >= GROUP) group_rows(kind, p, w, GROUP, n);
         else group_rows(kind, p, w, (int)(p->n - n), n);
     }
@@ -152,15 +106,15 @@ static void product_part(const product *p, int part, int parts) {
     case KIND_Q8_0: groups(KIND_Q8_0, p, first, last); break;
     case KIND_Q5_0: groups(KIND_Q5_0, p, first, last); break;
     case KIND_Q5_1: groups(KIND_Q5_1, p, first, last); break;
-    case KIND_Q4_K: columns_q4_k(p, first, last); break;
-    case KIND_Q5_K: columns_q5_k(p, first, last); break;
-    default: columns_q6_k(p, first, last); break;
+    case KIND_Q4_K: groups(KIND_Q4_K, p, first, last); break;
+    case KIND_Q5_K: groups(KIND_Q5_K, p, first, last); break;
+    default: groups(KIND_Q6_K, p, first, last); break;
     }
 }
 
 /* ---- a transformer layer's work around its attention ------------------------------------ */
 
-/* One matrix: its blocks (rows in groups of 8 for Q4_1/Q8_0/Q5_0/Q5_1, the file's otherwise), GGUF type (KIND_*)
+/* One matrix: its blocks (rows in groups of 8: quants.h), GGUF type (KIND_*)
  * and output width (rows; its input width is implied by the call); `next`, if not NULL,
  * the rows after these, in another type. */
 typedef struct matrix {

@@ -23,15 +23,28 @@
  * q = min(127, round(x * -127 / max)), where max is the value of largest magnitude, with
  * d = max / -127 and bsums, the sums of each 16 q.
  *
- * Layouts. Q4_1, Q8_0, Q5_0 and Q5_1 matrices hold their rows in groups of GROUP = 8 (the
- * last group has the n % 8 rows left, if any; gguf_linear.pack), each group's blocks one
- * after another, and each block of a group of t rows interleaved so that lane n of a vector
- * is row n's:
+ * Layouts. Matrices hold their rows in groups of GROUP = 8 (the last group has the n % 8
+ * rows left, if any; gguf_linear.pack), each group's blocks (super-blocks for the
+ * K-quants) one after another, and each block of a group of t rows interleaved so that
+ * lane n of a vector is row n's:
  *
  *   Q4_1  nibbles [4][t][4] bytes, d [t] fp16, m [t] fp16                   20 t bytes
  *   Q5_0  nibbles [4][t][4], fifth bits (8 masks of 4 t bits), d [t]        22 t
  *   Q5_1  nibbles, fifth bits, d [t], m [t]                                  24 t
  *   Q8_0  int8 [8][t][4], d [t]                                              34 t
+ *   Q4_K  scales [3][t][4], d [t], dmin [t], nibbles [32][t][4]             144 t
+ *   Q5_K  scales [3][t][4], d [t], dmin [t], qh [8][t][4], nibbles          176 t
+ *   Q6_K  scales [4][t][4], 4 x (ql [4][t][4], ql [4][t][4], qh [4][t][4]),  210 t
+ *         d [t]
+ *
+ * A K-quant's vector w of a field holds in lane n bytes 4w .. 4w + 3 of that field of row
+ * n's super-block, the fields in the order the products read them (k_segments: Q6_K's
+ * weights 64 at a time), so one dot-product instruction multiplies four weights
+ * of 8 rows, and a sub-block's sums of 8 rows take one integer multiply by its 8 scales
+ * (dot_group_k). A [576 x 1536] product on one thread of the 2-core AMD EPYC (Zen 4),
+ * best of alternating runs, super-blocks row by row -> grouped: Q4_K 44.0 -> 30.2 us at
+ * 1 row and 127.5 -> 84.2 us at 8 rows, Q5_K 51.3 -> 36.5 and 139.5 -> 92.6, Q6_K
+ * 44.9 -> 37.8 and 115.5 -> 99.8.
  *
  * Nibble vector c (0..3) holds in lane n bytes 4c..4c+3 of row n's 16 nibble bytes (as the
  * file has them: weight j in the low nibble of byte j, j + 16 in its high nibble), so its
@@ -45,8 +58,7 @@
  * EPYC, best of three alternating runs, rows one by one -> interleaved: Q5_0 78.4 -> 61.9
  * us at 1 row and 262.9 -> 178.0 us at 8 rows; Q8_0 67.4 -> 53.2 and 240.1 -> 164.3; Q4_1
  * 68.9 -> 49.5 and 244.4 -> 161.9. A matrix keeps the file's bytes, moved: rows x blocks x
- * block bytes. The K-quants keep the file's own blocks. Activations are quantised in
- * natural order.
+ * block bytes. Activations are quantised in natural order.
  *
  * Each dot computes, for every row, the same operations in the same order whether it runs
  * with 1 or ROWS rows (the rows only share the weights' decoding; the lanes of a group never
@@ -72,7 +84,7 @@
 
 enum { KIND_Q4_1 = 0, KIND_Q8_0 = 1, KIND_Q5_0 = 2, KIND_Q5_1 = 3, KIND_Q4_K = 4, KIND_Q5_K = 5, KIND_Q6_K = 6 };
 enum { ACT_Q8 = 0, ACT_Q8_K = 2 };
-#define GROUP 8 /* rows interleaved in the Q4_1, Q8_0, Q5_0 and Q5_1 layouts */
+#define GROUP 8 /* rows interleaved in a matrix */
 
 /* The activation format a weight type multiplies against (-1: not a type we take). */
 INLINE int act_format(int64_t kind) {
@@ -407,7 +419,41 @@ INLINE void dot_group(int kind, const uint8_t *w, int t, const acts *a, int64_t 
 #endif
 }
 
-/* ---- K-quants: the file's super-blocks of 256 ------------------------------------------ */
+/* ---- K-quants: super-blocks of 256, rows in groups of 8 ------------------------------ */
+
+/* The K-quants' group layout (gguf_linear._SEGMENTS): these byte ranges of each row's
+ * file super-block, each as [words][t][word] (lane n of a vector is row n's word), one
+ * after another in the order the products read them (the hardware prefetchers follow one
+ * stream). Returns the count; seg[j] = {start, end, word}. */
+#define K_SEGMENTS 14
+INLINE int k_segments(int kind, int seg[K_SEGMENTS][3]) {
+    static const int q4_k[4][3] = {{4, 16, 4}, {0, 2, 2}, {2, 4, 2}, {16, 144, 4}};
+    static const int q5_k[5][3] = {{4, 16, 4}, {0, 2, 2}, {2, 4, 2}, {16, 48, 4}, {48, 176, 4}};
+    /* Q6_K: its scales, its weights 64 at a time as dot_group_k takes them (16 bytes of
+     * ql's low half, 16 of its high half, 16 of qh), then d */
+    static const int q6_k[K_SEGMENTS][3] = {
+        {192, 208, 4}, {0, 16, 4},   {32, 48, 4},   {128, 144, 4}, {16, 32, 4},
+        {48, 64, 4},   {144, 160, 4}, {64, 80, 4},  {96, 112, 4},  {160, 176, 4},
+        {80, 96, 4},   {112, 128, 4}, {176, 192, 4}, {208, 210, 2}};
+    const int(*from)[3] = kind == KIND_Q4_K ? q4_k : kind == KIND_Q5_K ? q5_k : q6_k;
+    const int count = kind == KIND_Q4_K ? 4 : kind == KIND_Q5_K ? 5 : K_SEGMENTS;
+    memcpy(seg, from, (size_t)count * sizeof *seg);
+    return count;
+}
+
+/* Row n's file super-block (`file`, its 144, 176 or 210 bytes) from a group block of t
+ * rows: the layout undone, as the plain-C products read it. */
+INLINE void k_file_block(int kind, const uint8_t *block, int t, int n, uint8_t *file) {
+    int seg[K_SEGMENTS][3];
+    const int count = k_segments(kind, seg);
+    int64_t at = 0; /* where the segment starts in the group block */
+    for (int j = 0; j < count; j++) {
+        const int start = seg[j][0], end = seg[j][1], word = seg[j][2];
+        for (int w = 0; w < (end - start) / word; w++)
+            memcpy(file + start + w * word, block + at + ((int64_t)w * t + n) * word, (size_t)word);
+        at += (int64_t)(end - start) * t;
+    }
+}
 
 /* The 6-bit scales and mins of a Q4_K/Q5_K super-block's 8 sub-blocks, from its 12 bytes
  * (llama.cpp's get_scale_min_k4). */
@@ -419,210 +465,225 @@ INLINE void k_scales(const uint8_t *q, int scale[8], int min[8]) {
     }
 }
 
-/* Σ_j min_j (bsums[2j] + bsums[2j + 1]): the mins' share of a super-block's sum. */
-INLINE int k_min_sum(const int min[8], const int16_t *bsums) {
-    int sum = 0;
-    for (int j = 0; j < 8; j++) sum += min[j] * (bsums[2 * j] + bsums[2 * j + 1]);
-    return sum;
-}
-
-/* Q4_K (`fifth` 0; 144 bytes: fp16 d, fp16 dmin, 12 bytes of scales, 128 of nibbles) and
- * Q5_K (`fifth` 1; 176 bytes: the same with 32 bytes of fifth bits before the nibbles).
- * Sub-blocks 2j and 2j + 1 are the low and high nibbles of bytes 32j .. 32j + 31; Q5_K's
- * fifth bit of weight 64j + e (e < 32) is bit 2j of qh[e], of 64j + 32 + e bit 2j + 1.
- * A super-block's sum is d da Σ_j sc_j Σ u q - dmin da Σ_j m_j bsums_j, its integers
- * exact. */
-#if defined(__AVX2__)
-/* The 8 scales (int16 lanes 0-7) and 8 mins (lanes 8-15) of a Q4_K/Q5_K super-block, from
- * its 12 bytes: k_scales, eight at a time. */
-INLINE __m256i k_scales_vector(const uint8_t *q) {
-    uint32_t u[3], packed[4];
-    memcpy(u, q, sizeof u);
-    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
-    packed[0] = u[0] & low6;                                      /* scales 0-3 */
-    packed[1] = (u[2] & low4) | (((u[0] >> 6) & top2) << 4);      /* scales 4-7 */
-    packed[2] = u[1] & low6;                                      /* mins 0-3 */
-    packed[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & top2) << 4); /* mins 4-7 */
-    return _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)packed));
-}
-
-/* Lane j of `pairs` (8 int16 in each 128-bit half) broadcast over all 16 int16 lanes. */
-INLINE __m256i spread_lane(__m256i pairs, int j) {
-    return _mm256_shuffle_epi8(pairs, _mm256_set1_epi16((short)((2 * j + 1) << 8 | 2 * j)));
-}
-#endif
-
-/* Q4_K (`fifth` 0; 144 bytes: fp16 d, fp16 dmin, 12 bytes of scales, 128 of nibbles) and
- * Q5_K (`fifth` 1; 176 bytes: the same with 32 bytes of fifth bits before the nibbles).
- * Sub-blocks 2j and 2j + 1 are the low and high nibbles of bytes 32j .. 32j + 31; Q5_K's
- * fifth bit of weight 64j + e (e < 32) is bit 2j of qh[e], of 64j + 32 + e bit 2j + 1.
- * A super-block's sum is d da Σ_j sc_j Σ u q - dmin da Σ_j m_j bsums_j, its integers
- * exact. */
-INLINE void dot_k(int fifth, const uint8_t *w, const acts *a, int64_t i, int rows, float *out) {
-    const int64_t nb = a->k / SUPER, size = fifth ? 176 : 144;
-#if defined(__AVX2__)
-    /* Each row's sum stays in the lanes of a float vector across the super-blocks, added
-     * up once at the end: a super-block's integer lanes (each exact in fp32: at most
-     * 8 x 4 x 31 x 127 x 63 < 2^23) and its mins' four are converted and scaled there,
-     * where a horizontal sum and scalar arithmetic per super-block and row cost 10-15% of
-     * the product (a [576 x 1536] Q4_K product on one thread of the 2-core AMD EPYC:
-     * 52.3 -> 44.6 us at 1 row, 144 -> 129 us at 8; Q6_K 51.7 -> 45.5 and 143 -> 117). */
-    __m256 sum[ROWS];
-    for (int r = 0; r < rows; r++) sum[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *block = w + b * size, *qs = block + (fifth ? 48 : 16);
-        const float d = half_at((const uint16_t *)block), dmin = half_at((const uint16_t *)(block + 2));
-        const __m256i both = k_scales_vector(block + 4);
-        const __m128i min16 = _mm256_extracti128_si256(both, 1);
-        const __m256i scales = _mm256_permute2x128_si256(both, both, 0x00); /* scales in each half */
-        __m256i acc[ROWS], mins[ROWS];
-        for (int r = 0; r < rows; r++) {
-            const int16_t *bsums = a->bsums + (i + r) * (a->k / 16) + b * 16;
-            __m256i q8sums = _mm256_loadu_si256((const __m256i *)bsums);
-            __m128i pairs = _mm_hadd_epi16(_mm256_castsi256_si128(q8sums), _mm256_extracti128_si256(q8sums, 1));
-            mins[r] = _mm256_inserti128_si256(_mm256_setzero_si256(), _mm_madd_epi16(min16, pairs), 0);
-            acc[r] = _mm256_setzero_si256();
-        }
-        __m256i high = fifth ? _mm256_loadu_si256((const __m256i *)(block + 16)) : _mm256_setzero_si256();
-        const __m256i low4 = _mm256_set1_epi8(0x0F), bit4 = _mm256_set1_epi8(0x10);
-        for (int j = 0; j < 4; j++) {
-            __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 32 * j));
-            __m256i u0 = _mm256_and_si256(packed, low4);
-            __m256i u1 = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
-            if (fifth) { /* bits 0 and 1 of each byte of `high` are this j's */
-                u0 = _mm256_or_si256(u0, _mm256_and_si256(_mm256_slli_epi16(high, 4), bit4));
-                u1 = _mm256_or_si256(u1, _mm256_and_si256(_mm256_slli_epi16(high, 3), bit4));
-                high = _mm256_srli_epi16(high, 2);
-            }
-            __m256i s0 = spread_lane(scales, 2 * j), s1 = spread_lane(scales, 2 * j + 1);
-            for (int r = 0; r < rows; r++) {
-                const int8_t *v = a->q + (i + r) * a->q_stride + b * SUPER + 64 * j;
-                __m256i p0 = _mm256_maddubs_epi16(u0, _mm256_loadu_si256((const __m256i *)v));
-                __m256i p1 = _mm256_maddubs_epi16(u1, _mm256_loadu_si256((const __m256i *)(v + 32)));
-                acc[r] = madd_add(madd_add(acc[r], s0, p0), s1, p1);
-            }
-        }
-        for (int r = 0; r < rows; r++) {
-            const float da = a->d[(i + r) * a->d_stride + b];
-            sum[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_set1_ps(d * da), sum[r]);
-            sum[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(mins[r]), _mm256_set1_ps(-dmin * da), sum[r]);
-        }
-    }
-    for (int r = 0; r < rows; r++) out[r] = hsum(sum[r]);
-#else
-    float total[ROWS];
-    for (int r = 0; r < rows; r++) total[r] = 0.0f;
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *block = w + b * size, *qs = block + (fifth ? 48 : 16);
-        const float d = half_at((const uint16_t *)block), dmin = half_at((const uint16_t *)(block + 2));
-        int scale[8], min[8];
-        k_scales(block + 4, scale, min);
-        for (int r = 0; r < rows; r++) {
-            const int8_t *v = a->q + (i + r) * a->q_stride + b * SUPER;
-            int sum = 0;
-            for (int j = 0; j < 4; j++)
-                for (int e = 0; e < 32; e++) {
-                    int u0 = qs[32 * j + e] & 0x0F, u1 = qs[32 * j + e] >> 4;
-                    if (fifth) {
-                        u0 |= ((block[16 + e] >> (2 * j)) & 1) << 4;
-                        u1 |= ((block[16 + e] >> (2 * j + 1)) & 1) << 4;
-                    }
-                    sum += scale[2 * j] * u0 * v[64 * j + e] + scale[2 * j + 1] * u1 * v[64 * j + 32 + e];
-                }
-            const float da = a->d[(i + r) * a->d_stride + b];
-            const int mins = k_min_sum(min, a->bsums + (i + r) * (a->k / 16) + b * 16);
-            total[r] += d * da * (float)sum - dmin * da * (float)mins;
-        }
-    }
-    for (int r = 0; r < rows; r++) out[r] = total[r];
-#endif
-}
-
-INLINE void dot_q4_k(const uint8_t *w, const acts *a, int64_t i, int rows, float *out) {
-    dot_k(0, w, a, i, rows, out);
-}
-
-INLINE void dot_q5_k(const uint8_t *w, const acts *a, int64_t i, int rows, float *out) {
-    dot_k(1, w, a, i, rows, out);
-}
-
-/* Q6_K (210 bytes: 128 bytes ql, 64 bytes qh, 16 int8 scales, fp16 d). Each half h of 128
- * weights reads ql[64h ..], qh[32h ..]; for e < 32: weight 128h + e is ql[e] & 15 with qh[e]
+/* One file super-block (of a Q4_K, Q5_K or Q6_K row) times 256 activations v (scale da,
+ * sums of 16 bsums), llama.cpp's arithmetic: the sums are exact integers, scaled once.
+ *
+ * Q4_K (144 bytes: fp16 d, fp16 dmin, 12 bytes of scales, 128 of nibbles) and Q5_K (176:
+ * the same with 32 bytes of fifth bits qh before the nibbles): sub-blocks 2j and 2j + 1
+ * are the low and high nibbles of bytes 32j .. 32j + 31; Q5_K's fifth bit of weight
+ * 64j + e (e < 32) is bit 2j of qh[e], of 64j + 32 + e bit 2j + 1. The sum is
+ * d da Σ_j sc_j Σ u q - dmin da Σ_j m_j (bsums_2j + bsums_2j+1).
+ *
+ * Q6_K (210 bytes: 128 bytes ql, 64 bytes qh, 16 int8 scales, fp16 d): each half h of 128
+ * weights reads ql[64h ..], qh[32h ..]; for e < 32 weight 128h + e is ql[e] & 15 with qh[e]
  * bits 0-1 on top, 128h + 32 + e ql[32 + e] & 15 with bits 2-3, 128h + 64 + e ql[e] >> 4
- * with bits 4-5, 128h + 96 + e ql[32 + e] >> 4 with bits 6-7; weight t has scale t / 16.
- * A super-block's sum is d da (Σ_j sc_j Σ u q - 32 Σ_j sc_j bsums_j). */
-INLINE void dot_q6_k(const uint8_t *w, const acts *a, int64_t i, int rows, float *out) {
-    const int64_t nb = a->k / SUPER;
-#if defined(__AVX2__)
-    /* As dot_k: each row's sum in the lanes of a float vector, its offsets' lanes
-     * subtracted from its products' before the conversion. */
-    __m256 sum[ROWS];
-    for (int r = 0; r < rows; r++) sum[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *block = w + b * 210;
+ * with bits 4-5, 128h + 96 + e ql[32 + e] >> 4 with bits 6-7; weight i has scale i / 16.
+ * The sum is d da (Σ_j sc_j Σ u q - 32 Σ_j sc_j bsums_j). */
+INLINE float k_super_dot(int kind, const uint8_t *block, const int8_t *v, const int16_t *bsums,
+                         float da) {
+    int sum = 0;
+    if (kind == KIND_Q6_K) {
         const int8_t *scale = (const int8_t *)(block + 192);
-        const float d = half_at((const uint16_t *)(block + 208));
-        const __m256i scale16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)scale));
-        __m256i acc[ROWS];
-        for (int r = 0; r < rows; r++) { /* -32 sc_j bsums_j: the weights' offset of 32 */
-            const int16_t *bsums = a->bsums + (i + r) * (a->k / 16) + b * 16;
-            acc[r] = _mm256_slli_epi32(_mm256_madd_epi16(scale16, _mm256_loadu_si256((const __m256i *)bsums)), 5);
-            acc[r] = _mm256_sub_epi32(_mm256_setzero_si256(), acc[r]);
-        }
-        const __m256i low4 = _mm256_set1_epi8(0x0F), bits2 = _mm256_set1_epi8(0x30);
         for (int h = 0; h < 2; h++) {
-            const uint8_t *ql = block + 64 * h;
-            __m256i l0 = _mm256_loadu_si256((const __m256i *)ql), l1 = _mm256_loadu_si256((const __m256i *)(ql + 32));
-            __m256i top = _mm256_loadu_si256((const __m256i *)(block + 128 + 32 * h));
-            __m256i u[4] = {
-                _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(top, 4), bits2)),
-                _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(top, 2), bits2)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(top, bits2)),
-                _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4), _mm256_and_si256(_mm256_srli_epi16(top, 2), bits2)),
-            };
-            __m256i s[4]; /* 32 weights: two sub-blocks of 16, scales 8h + 2g and 8h + 2g + 1 */
-            const __m256i half8 = h ? _mm256_permute2x128_si256(scale16, scale16, 0x11)
-                                    : _mm256_permute2x128_si256(scale16, scale16, 0x00);
-            for (int g = 0; g < 4; g++)
-                s[g] = _mm256_blend_epi32(spread_lane(half8, 2 * g), spread_lane(half8, 2 * g + 1), 0xF0);
-            for (int r = 0; r < rows; r++) {
-                const int8_t *v = a->q + (i + r) * a->q_stride + b * SUPER + 128 * h;
-                for (int g = 0; g < 4; g++)
-                    acc[r] = madd_add(acc[r], s[g], _mm256_maddubs_epi16(u[g], _mm256_loadu_si256((const __m256i *)(v + 32 * g))));
-            }
-        }
-        for (int r = 0; r < rows; r++)
-            sum[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r]), _mm256_set1_ps(d * a->d[(i + r) * a->d_stride + b]), sum[r]);
-    }
-    for (int r = 0; r < rows; r++) out[r] = hsum(sum[r]);
-#else
-    float total[ROWS];
-    for (int r = 0; r < rows; r++) total[r] = 0.0f;
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *block = w + b * 210;
-        const int8_t *scale = (const int8_t *)(block + 192);
-        const float d = half_at((const uint16_t *)(block + 208));
-        for (int r = 0; r < rows; r++) {
-            const int8_t *v = a->q + (i + r) * a->q_stride + b * SUPER;
-            int sum = 0;
-            for (int h = 0; h < 2; h++) {
-                const uint8_t *ql = block + 64 * h, *qh = block + 128 + 32 * h;
-                for (int e = 0; e < 32; e++) {
-                    int u[4] = {(ql[e] & 15) | ((qh[e] & 3) << 4), (ql[32 + e] & 15) | (((qh[e] >> 2) & 3) << 4),
-                                (ql[e] >> 4) | (((qh[e] >> 4) & 3) << 4), (ql[32 + e] >> 4) | (((qh[e] >> 6) & 3) << 4)};
-                    for (int g = 0; g < 4; g++) {
-                        int t = 128 * h + 32 * g + e;
-                        sum += scale[t / 16] * u[g] * v[t];
-                    }
+            const uint8_t *ql = block + 64 * h, *qh = block + 128 + 32 * h;
+            for (int e = 0; e < 32; e++) {
+                int u[4] = {(ql[e] & 15) | ((qh[e] & 3) << 4), (ql[32 + e] & 15) | (((qh[e] >> 2) & 3) << 4),
+                            (ql[e] >> 4) | (((qh[e] >> 4) & 3) << 4), (ql[32 + e] >> 4) | (((qh[e] >> 6) & 3) << 4)};
+                for (int g = 0; g < 4; g++) {
+                    const int at = 128 * h + 32 * g + e;
+                    sum += scale[at / 16] * u[g] * v[at];
                 }
             }
-            const int16_t *bsums = a->bsums + (i + r) * (a->k / 16) + b * 16;
-            int offset = 0;
-            for (int j = 0; j < 16; j++) offset += scale[j] * bsums[j];
-            total[r] += d * a->d[(i + r) * a->d_stride + b] * (float)(sum - 32 * offset);
+        }
+        int offset = 0;
+        for (int j = 0; j < 16; j++) offset += scale[j] * bsums[j];
+        return half_at((const uint16_t *)(block + 208)) * da * (float)(sum - 32 * offset);
+    }
+    const int fifth = kind == KIND_Q5_K;
+    const uint8_t *qs = block + (fifth ? 48 : 16);
+    int scale[8], min[8], mins = 0;
+    k_scales(block + 4, scale, min);
+    for (int j = 0; j < 4; j++)
+        for (int e = 0; e < 32; e++) {
+            int u0 = qs[32 * j + e] & 0x0F, u1 = qs[32 * j + e] >> 4;
+            if (fifth) {
+                u0 |= ((block[16 + e] >> (2 * j)) & 1) << 4;
+                u1 |= ((block[16 + e] >> (2 * j + 1)) & 1) << 4;
+            }
+            sum += scale[2 * j] * u0 * v[64 * j + e] + scale[2 * j + 1] * u1 * v[64 * j + 32 + e];
+        }
+    for (int j = 0; j < 8; j++) mins += min[j] * (bsums[2 * j] + bsums[2 * j + 1]);
+    const float d = half_at((const uint16_t *)block), dmin = half_at((const uint16_t *)(block + 2));
+    return d * da * (float)sum - dmin * da * (float)mins;
+}
+
+#if defined(__AVX2__)
+/* Byte `byte` (0..3) of each 32-bit lane, as int32 lanes: unsigned, or (`sign`) signed. */
+INLINE __m256i lane_byte(__m256i words, int byte, int sign) {
+    if (sign) return _mm256_srai_epi32(_mm256_slli_epi32(words, 24 - 8 * byte), 24);
+    return _mm256_and_si256(_mm256_srli_epi32(words, 8 * byte), _mm256_set1_epi32(0xFF));
+}
+
+/* Bytes 2p and 2p + 1 (p 0..1) of each 32-bit lane as its two int16 (unsigned, 0..255). */
+INLINE __m256i lane_byte_pair(__m256i words, int p) {
+    const __m256i pair = _mm256_srli_epi32(words, 16 * p);
+    return _mm256_or_si256(_mm256_and_si256(pair, _mm256_set1_epi32(0xFF)),
+                           _mm256_slli_epi32(_mm256_and_si256(pair, _mm256_set1_epi32(0xFF00)), 8));
+}
+
+/* The int16 pair (sums[2p], sums[2p + 1]) in every 32-bit lane. */
+INLINE __m256i pair_of(const int16_t *sums, int p) {
+    int32_t pair;
+    memcpy(&pair, sums + 2 * p, sizeof pair);
+    return _mm256_set1_epi32(pair);
+}
+
+/* Fifth bit `bit` (0..7) of each byte of `qh`, moved to bit 4 (0x10 or 0). */
+INLINE __m256i fifth_of(__m256i qh, int bit) {
+    const __m256i moved = bit <= 4 ? _mm256_slli_epi16(qh, 4 - bit) : _mm256_srli_epi16(qh, bit - 4);
+    return _mm256_and_si256(moved, _mm256_set1_epi8(0x10));
+}
+#endif
+
+/* out[r][n] = activation row (i + r) . row n of a group of t rows at `w` (its super-blocks
+ * one after another), r < rows, n < t, for a K-quant `kind` (a constant where this is
+ * inlined). Per super-block each sub-block's integer sums of 8 rows come from one
+ * dot-product instruction per 4 weights, and are scaled by that sub-block's scales (one
+ * integer multiply for 8 rows); the super-block's integer sum, exact in int32 as in
+ * llama.cpp, is converted and scaled once in each lane. */
+INLINE void dot_group_k(int kind, const uint8_t *w, int t, const acts *a, int64_t i, int rows,
+                        float out[][GROUP]) {
+    const int64_t nb = a->k / SUPER, size = weight_row_bytes(kind, SUPER) * t;
+#if defined(__AVX2__)
+    __m256 acc[ROWS];
+    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *block = w + b * size;
+        __m256i sums[ROWS];
+        __m256 d;
+        if (kind == KIND_Q6_K) { /* scales [4][t][4]; per 64 weights ql [4][t][4] twice, qh [4][t][4]; d [t] */
+            const uint8_t *sc = block;
+            __m256i scales[4], pairs[8];
+            for (int c = 0; c < 4; c++) {
+                scales[c] = load_lanes(sc + c * 4 * t, t);
+                for (int p = 0; p < 2; p++) /* scales 4c + 2p, 4c + 2p + 1 as int16 in each lane */
+                    pairs[2 * c + p] = _mm256_blend_epi16(lane_byte(scales[c], 2 * p, 1),
+                                                          _mm256_slli_epi32(lane_byte(scales[c], 2 * p + 1, 1), 16), 0xAA);
+            }
+            for (int r = 0; r < rows; r++) { /* -32 Σ_j sc_j bsums_j: the weights' offset of 32 */
+                const int16_t *bsums = a->bsums + (i + r) * (a->k / 16) + b * 16;
+                __m256i offset = _mm256_setzero_si256();
+                for (int p = 0; p < 8; p++) offset = madd_add(offset, pairs[p], pair_of(bsums, p));
+                sums[r] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(offset, 5));
+            }
+            for (int h = 0; h < 2; h++)
+                for (int q = 0; q < 2; q++) { /* weights 128h + 32g + 16q .. + 15: sub-block 8h + 2g + q */
+                    __m256i u[4][4];
+                    /* bytes 16q .. 16q + 15 of ql[64h ..], ql[64h + 32 ..] and qh[32h ..] */
+                    const uint8_t *weights = block + (16 + 48 * (2 * h + q)) * t;
+                    for (int c = 0; c < 4; c++) {
+                        const __m256i l0 = load_lanes(weights + c * 4 * t, t);
+                        const __m256i l1 = load_lanes(weights + (16 + c * 4) * t, t);
+                        const __m256i top = load_lanes(weights + (32 + c * 4) * t, t), bits2 = _mm256_set1_epi8(0x30);
+                        u[0][c] = _mm256_or_si256(_mm256_and_si256(l0, low4), _mm256_and_si256(_mm256_slli_epi16(top, 4), bits2));
+                        u[1][c] = _mm256_or_si256(_mm256_and_si256(l1, low4), _mm256_and_si256(_mm256_slli_epi16(top, 2), bits2));
+                        u[2][c] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), low4), _mm256_and_si256(top, bits2));
+                        u[3][c] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
+                                                  _mm256_and_si256(_mm256_srli_epi16(top, 2), bits2));
+                    }
+                    for (int g = 0; g < 4; g++) {
+                        const int sub = 8 * h + 2 * g + q;
+                        const __m256i scale = lane_byte(scales[sub / 4], sub % 4, 1);
+                        for (int r = 0; r < rows; r++) {
+                            const int8_t *v = a->q + (i + r) * a->q_stride + b * SUPER + 16 * sub;
+                            __m256i dot = _mm256_setzero_si256();
+                            for (int c = 0; c < 4; c++) {
+                                int32_t four;
+                                memcpy(&four, v + 4 * c, sizeof four);
+                                dot = dot_add(dot, u[g][c], _mm256_set1_epi32(four));
+                            }
+                            sums[r] = _mm256_add_epi32(sums[r], _mm256_mullo_epi32(dot, scale));
+                        }
+                    }
+                }
+            d = load_lane_halves(block + 208 * t, t);
+        } else { /* Q4_K, Q5_K: scales [3][t][4], d [t], dmin [t], (Q5_K: qh [8][t][4]), nibbles [32][t][4] */
+            const int fifth = kind == KIND_Q5_K;
+            const uint8_t *sc = block, *qh = block + 16 * t, *qs = block + (fifth ? 48 : 16) * t;
+            const __m256i u0 = load_lanes(sc, t), u1 = load_lanes(sc + 4 * t, t), u2 = load_lanes(sc + 8 * t, t);
+            const __m256i low6 = _mm256_set1_epi8(0x3F), top2 = _mm256_set1_epi8(0x03);
+            /* k_scales, each lane a row's: scales 0-3, 4-7, mins 0-3, 4-7 as bytes */
+            const __m256i scale03 = _mm256_and_si256(u0, low6), min03 = _mm256_and_si256(u1, low6);
+            const __m256i scale47 = _mm256_or_si256(_mm256_and_si256(u2, low4),
+                                                    _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u0, 6), top2), 4));
+            const __m256i min47 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(u2, 4), low4),
+                                                  _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(u1, 6), top2), 4));
+            const __m256i min_pairs[4] = {lane_byte_pair(min03, 0), lane_byte_pair(min03, 1),
+                                          lane_byte_pair(min47, 0), lane_byte_pair(min47, 1)};
+            __m256i mins[ROWS];
+            for (int r = 0; r < rows; r++) { /* Σ_j m_j (bsums_2j + bsums_2j+1), as int16 pairs */
+                const int16_t *bsums = a->bsums + (i + r) * (a->k / 16) + b * 16;
+                int16_t sub[8];
+                for (int j = 0; j < 8; j++) sub[j] = (int16_t)(bsums[2 * j] + bsums[2 * j + 1]);
+                mins[r] = _mm256_setzero_si256();
+                for (int p = 0; p < 4; p++) mins[r] = madd_add(mins[r], min_pairs[p], pair_of(sub, p));
+                sums[r] = _mm256_setzero_si256();
+            }
+            for (int j = 0; j < 4; j++) { /* sub-blocks 2j (low nibbles) and 2j + 1 (high) */
+                __m256i lo[8], hi[8];
+                for (int c = 0; c < 8; c++) {
+                    const __m256i packed = load_lanes(qs + (8 * j + c) * 4 * t, t);
+                    lo[c] = _mm256_and_si256(packed, low4);
+                    hi[c] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low4);
+                    if (fifth) {
+                        const __m256i bits = load_lanes(qh + c * 4 * t, t);
+                        lo[c] = _mm256_or_si256(lo[c], fifth_of(bits, 2 * j));
+                        hi[c] = _mm256_or_si256(hi[c], fifth_of(bits, 2 * j + 1));
+                    }
+                }
+                const __m256i scale_lo = lane_byte(j < 2 ? scale03 : scale47, (2 * j) % 4, 0);
+                const __m256i scale_hi = lane_byte(j < 2 ? scale03 : scale47, (2 * j + 1) % 4, 0);
+                for (int r = 0; r < rows; r++) {
+                    const int8_t *v = a->q + (i + r) * a->q_stride + b * SUPER + 64 * j;
+                    __m256i dot_lo = _mm256_setzero_si256(), dot_hi = _mm256_setzero_si256();
+                    for (int c = 0; c < 8; c++) {
+                        int32_t four[2];
+                        memcpy(&four[0], v + 4 * c, sizeof four[0]);
+                        memcpy(&four[1], v + 32 + 4 * c, sizeof four[1]);
+                        dot_lo = dot_add(dot_lo, lo[c], _mm256_set1_epi32(four[0]));
+                        dot_hi = dot_add(dot_hi, hi[c], _mm256_set1_epi32(four[1]));
+                    }
+                    sums[r] = _mm256_add_epi32(sums[r], _mm256_add_epi32(_mm256_mullo_epi32(dot_lo, scale_lo),
+                                                                         _mm256_mullo_epi32(dot_hi, scale_hi)));
+                }
+            }
+            d = load_lane_halves(block + 12 * t, t);
+            const __m256 dmin = load_lane_halves(block + 14 * t, t);
+            for (int r = 0; r < rows; r++) {
+                const __m256 da = _mm256_set1_ps(a->d[(i + r) * a->d_stride + b]);
+                acc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, da), _mm256_cvtepi32_ps(mins[r]), acc[r]);
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            const __m256 da = _mm256_set1_ps(a->d[(i + r) * a->d_stride + b]);
+            acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(sums[r]), acc[r]);
         }
     }
-    for (int r = 0; r < rows; r++) out[r] = total[r];
+    for (int r = 0; r < rows; r++) _mm256_storeu_ps(out[r], acc[r]);
+#else
+    uint8_t file[210];
+    for (int r = 0; r < rows; r++)
+        for (int n = 0; n < t; n++) {
+            float total = 0.0f;
+            for (int64_t b = 0; b < nb; b++) {
+                k_file_block(kind, w + b * size, t, n, file);
+                const int8_t *v = a->q + (i + r) * a->q_stride + b * SUPER;
+                const int16_t *bsums = a->bsums + (i + r) * (a->k / 16) + b * 16;
+                total += k_super_dot(kind, file, v, bsums, a->d[(i + r) * a->d_stride + b]);
+            }
+            out[r][n] = total;
+        }
 #endif
 }
 
