@@ -12,10 +12,10 @@
  *   Q8_0    dw * v, v int8                                 Q8 (d)            dw da Σvq
  *   Q5_0    dw * (u - 16), u 0..31                         Q8 (d, s)         dw da Σuq - 16 dw s
  *   Q5_1    dw * u + mw, u 0..31                           Q8 (d, s)         dw da Σuq + mw s
- *   Q4_K    d sc_j u - dmin m_j, u 0..15, 8 sub-blocks     Q8_K (d, bsums)   see dot_q4_k
+ *   Q4_K    d sc_j u - dmin m_j, u 0..15, 8 sub-blocks     Q8_K (d, bsums)   see k_super_dot
  *           of 32 with 6-bit scales sc_j and mins m_j
  *   Q5_K    as Q4_K with u 0..31                           Q8_K
- *   Q6_K    d sc_j (u - 32), u 0..63, 16 sub-blocks of     Q8_K              see dot_q6_k
+ *   Q6_K    d sc_j (u - 32), u 0..63, 16 sub-blocks of     Q8_K              see k_super_dot
  *           16 with int8 scales sc_j
  *
  * Q8 activations: each run of 32 values is 32 int8 q with d = amax / 127 (rounded half to
