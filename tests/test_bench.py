@@ -13,6 +13,7 @@ import pytest
 
 import slotserve as ss
 from slotserve.bench import OWN_SECTION_SCENARIOS, SCENARIOS, BenchOptions, run_bench
+from slotserve.bench.options import scenario_kwargs
 from slotserve.bench.plots import plot
 from slotserve.bench.report import markdown_report
 from slotserve.cli import main
@@ -138,6 +139,22 @@ def test_options_are_checked_before_the_model_loads() -> None:
         BenchOptions(memory_budget="1GiB")
     with pytest.raises(ValueError, match="preset='nope'"):
         BenchOptions(preset="nope")
+    with pytest.raises(ValueError, match=r"streams applies to the scenario\(s\) servers"):
+        run_bench("no-such-model", "mixed", options=BenchOptions(streams=(8,)))
+    with pytest.raises(ValueError, match="each at least 1"):
+        BenchOptions(streams=(0, 8))
+    with pytest.raises(ValueError, match="each count of streams once"):
+        BenchOptions(streams=(8, 8))
+    with pytest.raises(ValueError, match="empty"):
+        BenchOptions(streams=())
+
+
+def test_the_servers_rows_are_the_streams_given(tiny: ss.Model) -> None:
+    """``--streams`` reaches `run_servers` as its levels, in ascending order; other
+    scenarios take nothing from it."""
+    options = BenchOptions(streams=(8, 2))
+    assert scenario_kwargs("servers", options, tiny) == {"levels": (2, 8)}
+    assert scenario_kwargs("executors", options, tiny) == {}
 
 
 def test_command_line_runs_the_scenarios_through_run_bench(
@@ -154,6 +171,8 @@ def test_command_line_runs_the_scenarios_through_run_bench(
     assert "shares: 1.0 is not in [0, 1)" in capsys.readouterr().err
     assert main(["bench", "structured", "--preset", "chat"]) == 2
     assert "preset applies to the scenario(s) mixed, bargein" in capsys.readouterr().err
+    assert main(["bench", "servers", "--streams", "0,8"]) == 2
+    assert "each at least 1" in capsys.readouterr().err
 
 
 def test_prefix_scenario_on_a_tiny_model(tiny: ss.Model) -> None:

@@ -20,6 +20,7 @@ APPLIES_TO: dict[str, tuple[str, ...]] = {
     "shares": ("mixed",),
     "preset": ("mixed", "bargein"),
     "reference": ("executors", "servers"),
+    "streams": ("servers",),
 }
 
 
@@ -32,15 +33,24 @@ class BenchOptions:
     replaces the scenario's own in ``mixed`` and ``bargein``, sized for ``memory_budget``
     (bytes or text such as ``"2GiB"``; None: the preset's default budget). ``reference``:
     the model the torch executor runs beside a bundle in ``executors``, and llama-server's
-    GGUF in ``servers`` (None: the file the bundle was exported from).
+    GGUF in ``servers`` (None: the file the bundle was exported from). ``streams``: the
+    numbers of concurrent streams ``servers`` runs, each a row (None: 1, 2, 4 and 8).
     """
 
     shares: tuple[float, ...] | None = None
     preset: str | None = None
     memory_budget: int | str | None = None
     reference: str | None = None
+    streams: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.streams is not None:
+            if not self.streams:
+                raise ValueError("streams=() is empty; give at least one count of streams")
+            if min(self.streams) < 1 or len(set(self.streams)) < len(self.streams):
+                raise ValueError(
+                    f"streams={self.streams}: give each count of streams once, each at least 1"
+                )
         if self.shares is not None:
             if not self.shares:
                 raise ValueError("shares=() is empty; give at least one share in [0, 1)")
@@ -82,4 +92,6 @@ def scenario_kwargs(scenario: str, options: BenchOptions, model: Model) -> dict[
         from slotserve.artifact import load
 
         kwargs["reference"] = load(options.reference)
+    if options.streams is not None and scenario in APPLIES_TO["streams"]:
+        kwargs["levels"] = tuple(sorted(options.streams))
     return kwargs

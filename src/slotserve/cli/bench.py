@@ -61,6 +61,13 @@ def register(commands: Any) -> None:
         help="executors: the model the torch executor runs beside the bundle --model; "
         "servers: the GGUF llama-server runs (default: the file the bundle was exported from)",
     )
+    parser.add_argument(
+        "--streams",
+        type=_counts,
+        default=None,
+        metavar="N[,N...]",
+        help="servers: the numbers of concurrent streams, a row each (default 1,2,4,8)",
+    )
     add_preset_arg(parser)
     parser.add_argument(
         "--memory-budget", default=None, help="with --preset: the budget it sizes for"
@@ -75,6 +82,14 @@ def _shares(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(f"{text!r}: give shares like 0,0.1,0.2") from None
 
 
+def _counts(text: str) -> tuple[int, ...]:
+    """Comma-separated whole numbers; their range is `BenchOptions`' to check."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: give stream counts like 1,8") from None
+
+
 def run(args: argparse.Namespace) -> int:
     from slotserve.bench import BenchOptions, run_bench
 
@@ -83,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
         preset=args.preset,
         memory_budget=args.memory_budget,
         reference=args.reference,
+        streams=args.streams,
     )
     report = run_bench(
         args.model,
