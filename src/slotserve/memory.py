@@ -161,22 +161,22 @@ def _code_mappings() -> list[tuple[int, int, int]]:
 
 @dataclass(frozen=True)
 class LoadMemory:
-    """What loading one model did to the process, measured: ``runtime_bytes`` its resident
-    set just before the load (the interpreter, torch, the libraries and whatever else the
+    """What loading one model did to the process, measured: ``runtime_bytes`` its resident set
+    just before the load (the interpreter, torch, the libraries and whatever else the
     process already held), ``loaded_bytes`` just after. ``tokenizer_bytes`` is what reading
     the model's metadata and building its tokenizer added before the weights were read
     (`TokenizerMark`; 0 where the loader reads the weights first, which then count it): a
-    GGUF file's vocabulary is its metadata, 32 MiB resident for SmolLM2's 49,152 tokens
-    and merges, which is not weights. The growth is the rest: the weights as they are
-    resident (with whatever the load kept: packed copies, freed pages the allocator did
-    not give back), not their file size. ``peak_bytes`` is the resident
-    set's peak during the load (its transient copies; 0: not measured, where the system
-    cannot reset the peak), which a budget must hold too. ``first_step_bytes`` is what
-    the first step left resident (one token, run by the load): one-time state that belongs
-    to the runtime arena (`runtime_arena_bytes`). ``method_bytes`` is what a bundle's
-    program methods keep resident after the largest step they take (run by the load after
-    the first): the planned arenas that step writes and the delegates' scratch for its
-    rows; 0 for a model whose halves are not a program."""
+    GGUF file's vocabulary is its metadata, 27.5-28.4 MiB resident for SmolLM2's 49,152
+    tokens and merges, which is not weights. The growth is the rest: the weights as they are
+    resident (with whatever the load kept: packed copies, freed pages the allocator did not
+    give back), not their file size. ``peak_bytes`` is the resident set's peak during the
+    load (its transient copies; 0: not measured, where the system cannot reset the peak),
+    which a budget must hold too. ``first_step_bytes`` is what the first step left resident
+    (one token, run by the load): one-time state that belongs to the runtime arena
+    (`runtime_arena_bytes`). ``method_bytes`` is what a bundle's program methods keep
+    resident after the largest step they take (run by the load after the first): the planned
+    arenas that step writes and the delegates' scratch for its rows; 0 for a model whose
+    halves are not a program."""
 
     runtime_bytes: int
     loaded_bytes: int
