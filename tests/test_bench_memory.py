@@ -19,7 +19,7 @@ import slotserve as ss
 from slotserve.bench.memory import GRAMMAR_FLAGS, server_flags
 from slotserve.bench.report import markdown_report, replace_section
 from slotserve.bench.worst_case import PHASES, arena_rows, run_worst_case
-from slotserve.plan import format_bytes
+from slotserve.memory import format_bytes
 from slotserve.testing import TINY_VOCAB
 
 TARGET_FLAGS = (

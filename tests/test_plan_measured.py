@@ -20,8 +20,8 @@ import pytest
 import slotserve as ss
 from slotserve.engine.config import EngineConfig
 from slotserve.kv import KVConfig
-from slotserve.memory import LoadMemory, release_code_pages, release_mapped_range
-from slotserve.plan import CapacityPlan, LoadPeakError, format_bytes
+from slotserve.memory import LoadMemory, format_bytes, release_code_pages, release_mapped_range
+from slotserve.plan import CapacityPlan, LoadPeakError
 from slotserve.sampling import grammar_index
 from slotserve.sampling.grammar import GrammarCompiler, GrammarConfig, GrammarError
 from slotserve.sampling.grammar_index import prepare

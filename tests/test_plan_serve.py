@@ -12,7 +12,7 @@ import pytest
 from slotserve.bench.worst_case import dashboard_snapshot
 from slotserve.cli import main
 from slotserve.cli.serve import DEFAULT_GRAMMAR_CACHE_BYTES
-from slotserve.plan import parse_bytes
+from slotserve.memory import parse_bytes
 from tests.server.conftest import ServerProcess
 
 FLAGS = ("--max-seqs", "2", "--max-context", "256", "--kv-layout", "cell")

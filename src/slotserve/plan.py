@@ -18,7 +18,6 @@ runtime alone or the load's peak is over the budget, that number (`LoadPeakError
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +25,7 @@ from slotserve.errors import PlanError
 from slotserve.info import ModelInfo
 from slotserve.kv.config import KVConfig
 from slotserve.kv.placement import cells_per_layer, cells_per_session, layer_rules
+from slotserve.memory import format_bytes, parse_bytes
 
 
 class LoadPeakError(PlanError):
@@ -35,45 +35,6 @@ class LoadPeakError(PlanError):
     def __init__(self, message: str, peak_bytes: int, budget_bytes: int) -> None:
         super().__init__(message)
         self.peak_bytes, self.budget_bytes = peak_bytes, budget_bytes
-
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-    "k": 2**10,
-    "m": 2**20,
-    "g": 2**30,
-}
-
-
-def parse_bytes(value: int | str) -> int:
-    """``1073741824``, ``"1GiB"``, ``"1.5 GiB"``, ``"512MB"`` → bytes."""
-    if isinstance(value, int):
-        if value < 0:
-            raise ValueError(f"a byte count must be >= 0, got {value}")
-        return value
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
-    unit = match.group(2).lower() if match else ""
-    if not match or unit not in _UNITS:
-        raise ValueError(
-            f"cannot parse {value!r} as a size; write e.g. 1073741824, '1GiB', '1.5GiB' or '512MB'"
-        )
-    return int(float(match.group(1)) * _UNITS[unit])
-
-
-def format_bytes(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
 
 
 @dataclass(frozen=True)

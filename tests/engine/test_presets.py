@@ -15,7 +15,8 @@ import slotserve as ss
 from slotserve.cli import main
 from slotserve.engine.presets import PRESETS, PresetRow, choose_preset
 from slotserve.kv.config import KVConfig
-from slotserve.plan import CapacityPlan, MemoryMap, parse_bytes
+from slotserve.memory import parse_bytes
+from slotserve.plan import CapacityPlan, MemoryMap
 from tests.engine.conftest import RecordingExecutor
 from tests.engine.test_release_checklist import wait_until
 

@@ -23,8 +23,8 @@ from slotserve.bench.stats import (
     side_figures,
 )
 from slotserve.engine import Engine, EngineConfig, Finished
+from slotserve.memory import format_bytes
 from slotserve.model import Model
-from slotserve.plan import format_bytes
 from slotserve.sampling import SamplingParams
 
 PROMPT_TOKENS = 32

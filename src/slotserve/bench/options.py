@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from slotserve.engine.presets import PRESET_NAMES, preset_config
+from slotserve.memory import parse_bytes
 from slotserve.model import Model
-from slotserve.plan import parse_bytes
 
 # Which scenarios each option applies to (``memory_budget`` goes with ``preset``).
 APPLIES_TO: dict[str, tuple[str, ...]] = {

@@ -30,8 +30,8 @@ from typing import Any
 from slotserve.bench.prefix_restart import run_restart_server
 from slotserve.bench.stats import format_summary, markdown_table, percentile, summary
 from slotserve.engine import Engine, EngineConfig, Finished
+from slotserve.memory import format_bytes
 from slotserve.model import Model
-from slotserve.plan import format_bytes
 from slotserve.sampling import SamplingParams
 
 BLOCK_SIZE = 16

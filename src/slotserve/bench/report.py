@@ -14,7 +14,7 @@ from slotserve.bench.servers import servers_section
 from slotserve.bench.stats import format_summary, markdown_table
 from slotserve.bench.structured_hostile import hostile_section
 from slotserve.bench.structured_tools import tool_calls_section
-from slotserve.plan import format_bytes
+from slotserve.memory import format_bytes
 
 
 def machine_description() -> str:

@@ -247,7 +247,7 @@ def servers_section(r: dict[str, Any]) -> list[str]:
     title = "## servers: slotserve's server vs llama.cpp's llama-server, one OpenAI client"
     if "skipped" in r:
         return [title, "", f"Skipped: {r['skipped']}.", ""]
-    from slotserve.plan import format_bytes
+    from slotserve.memory import format_bytes
 
     rss = {k: format_bytes(v) if v else "?" for k, v in r["rss_bytes"].items()}
     lines = [

@@ -15,7 +15,8 @@ from slotserve.engine.config import BUDGET_SCOPES, DEFAULT_PREFIX_STORE_BYTES, E
 from slotserve.engine.presets import PRESET_NAMES, PresetChoice, choose_preset
 from slotserve.engine.pressure import PRESSURE_SPELLINGS, PressureSource, pressure_from
 from slotserve.kv.config import KV_DTYPES
-from slotserve.plan import MemoryMap, parse_bytes
+from slotserve.memory import parse_bytes
+from slotserve.plan import MemoryMap
 
 # Engine flags: argparse dest → (EngineConfig field, type, choices, help).
 ENGINE_FLAGS: dict[str, tuple[str, Any, tuple[str, ...] | None, str]] = {

@@ -30,7 +30,7 @@ from slotserve.cli.serve import (
     prepare_grammars,
     with_server_prefix_cache,
 )
-from slotserve.plan import format_bytes
+from slotserve.memory import format_bytes
 
 
 def register(commands: Any) -> None:

@@ -201,7 +201,7 @@ def add_grammar_args(parser: argparse.ArgumentParser) -> None:
 
 def grammar_config(args: argparse.Namespace) -> Any:
     """The `GrammarConfig` of the --grammar-* flags (ValueError naming a bad one)."""
-    from slotserve.plan import parse_bytes
+    from slotserve.memory import parse_bytes
     from slotserve.sampling.grammar import GrammarConfig
 
     return GrammarConfig(

@@ -8,8 +8,9 @@ from typing import Any, Literal
 
 from slotserve.info import ModelInfo
 from slotserve.kv.config import DEFAULT_KV_DTYPE, KVConfig
+from slotserve.memory import parse_bytes
 from slotserve.native import KERNEL_CHOICES, KernelChoice
-from slotserve.plan import CapacityPlan, MemoryMap, parse_bytes
+from slotserve.plan import CapacityPlan, MemoryMap
 
 POLICIES = ("isolate", "fifo")
 BudgetScope = Literal["model", "process"]

@@ -28,7 +28,8 @@ from slotserve.engine.config import EngineConfig
 from slotserve.engine.prefix_share import with_parked_slots, with_prefix_cache_share
 from slotserve.errors import PlanError
 from slotserve.info import ModelInfo
-from slotserve.plan import CapacityPlan, MemoryMap, format_bytes, parse_bytes
+from slotserve.memory import format_bytes, parse_bytes
+from slotserve.plan import CapacityPlan, MemoryMap
 
 PresetName = Literal["chat", "chat+background", "voice", "document-agent", "shared-prompt"]
 PRESET_NAMES: tuple[str, ...] = get_args(PresetName)
