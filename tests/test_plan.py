@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import re
 import subprocess
@@ -15,7 +14,8 @@ import pytest
 import slotserve as ss
 from slotserve.artifact import model_path
 from slotserve.kv import KVConfig, KVPool
-from slotserve.plan import CapacityPlan, MemoryMap, parse_bytes
+from slotserve.memory import parse_bytes
+from slotserve.plan import CapacityPlan, MemoryMap
 
 INFO = ss.ModelInfo(
     arch="llama",
@@ -217,17 +217,15 @@ def test_the_engine_plans_the_whole_process_as_measured_at_load(bundled: ss.Mode
 
 @pytest.mark.parametrize("spec", ["bundled", "gemma3-270m"])
 def test_the_planned_weights_are_the_files_size_and_the_tokenizer_is_its_own_arena(
-    spec: str,
+    spec: str, request: pytest.FixtureRequest
 ) -> None:
     """In a fresh process, as `slotserve plan --model` runs: the weights arena (the load's
     resident growth past the tokenizer, or the weights' own bytes if more) stays within
     1.05x the GGUF file, each tensor in its file's format. The tokenizer built from the
     file's metadata is an arena of its own: counted in the weights, it made the Q4_K_M
     SmolLM2's 1.30x the file (131 MiB for 100.6; 103.4 MiB apart from its 28.4)."""
-    from slotserve.artifact.gemma3 import GEMMA3_PACKAGE, INSTALL_HINT
-
-    if spec == "gemma3-270m" and importlib.util.find_spec(GEMMA3_PACKAGE) is None:
-        pytest.skip(f"Gemma 3 270M is not installed: {INSTALL_HINT}")
+    if spec == "gemma3-270m":
+        request.getfixturevalue("gemma3_installed")
     file_bytes = model_path(spec).stat().st_size
     argv = [sys.executable, "-m", "slotserve.cli", "plan", "--model", spec, "--json"]
     done = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=600)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from slotserve.cli.flags import add_preset_arg, add_weights_arg
 
@@ -74,20 +75,24 @@ def register(commands: Any) -> None:
     )
 
 
-def _shares(text: str) -> tuple[float, ...]:
-    """Comma-separated numbers; their range is `BenchOptions`' to check."""
-    try:
-        return tuple(float(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give shares like 0,0.1,0.2") from None
+_N = TypeVar("_N", int, float)
 
 
-def _counts(text: str) -> tuple[int, ...]:
-    """Comma-separated whole numbers; their range is `BenchOptions`' to check."""
-    try:
-        return tuple(int(part) for part in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: give stream counts like 1,8") from None
+def _comma_separated(number: Callable[[str], _N], example: str) -> Callable[[str], tuple[_N, ...]]:
+    """An argparse type: comma-separated numbers (their range is `BenchOptions`' to check),
+    refused with ``example`` of what to write."""
+
+    def parse(text: str) -> tuple[_N, ...]:
+        try:
+            return tuple(number(part) for part in text.split(","))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: give {example}") from None
+
+    return parse
+
+
+_shares = _comma_separated(float, "shares like 0,0.1,0.2")
+_counts = _comma_separated(int, "stream counts like 1,8")
 
 
 def run(args: argparse.Namespace) -> int:

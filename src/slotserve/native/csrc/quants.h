@@ -245,13 +245,6 @@ INLINE __m256i madd_add(__m256i acc, __m256i a, __m256i b) {
 #endif
 }
 
-INLINE float hsum(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    x = _mm_add_ss(x, _mm_movehdup_ps(x));
-    return _mm_cvtss_f32(x);
-}
-
 /* Lanes below `count` set: masked loads read no further (nor fault) and give zeros, without
  * the stall of building a short vector in memory first. */
 INLINE __m256i first_lanes(int64_t count) {
@@ -424,28 +417,26 @@ INLINE void dot_group(int kind, const uint8_t *w, int t, const acts *a, int64_t 
 /* The K-quants' group layout (gguf_linear._SEGMENTS): these byte ranges of each row's
  * file super-block, each as [words][t][word] (lane n of a vector is row n's word), one
  * after another in the order the products read them (the hardware prefetchers follow one
- * stream). Returns the count; seg[j] = {start, end, word}. */
-#define K_SEGMENTS 14
-INLINE int k_segments(int kind, int seg[K_SEGMENTS][3]) {
-    static const int q4_k[4][3] = {{4, 16, 4}, {0, 2, 2}, {2, 4, 2}, {16, 144, 4}};
-    static const int q5_k[5][3] = {{4, 16, 4}, {0, 2, 2}, {2, 4, 2}, {16, 48, 4}, {48, 176, 4}};
+ * stream). Returns the table, rows {start, end, word}, and its length in `count`. */
+INLINE const int (*k_segments(int kind, int *count))[3] {
+    static const int q4_k[][3] = {{4, 16, 4}, {0, 2, 2}, {2, 4, 2}, {16, 144, 4}};
+    static const int q5_k[][3] = {{4, 16, 4}, {0, 2, 2}, {2, 4, 2}, {16, 48, 4}, {48, 176, 4}};
     /* Q6_K: its scales, its weights 64 at a time as dot_group_k takes them (16 bytes of
      * ql's low half, 16 of its high half, 16 of qh), then d */
-    static const int q6_k[K_SEGMENTS][3] = {
+    static const int q6_k[][3] = {
         {192, 208, 4}, {0, 16, 4},   {32, 48, 4},   {128, 144, 4}, {16, 32, 4},
         {48, 64, 4},   {144, 160, 4}, {64, 80, 4},  {96, 112, 4},  {160, 176, 4},
         {80, 96, 4},   {112, 128, 4}, {176, 192, 4}, {208, 210, 2}};
-    const int(*from)[3] = kind == KIND_Q4_K ? q4_k : kind == KIND_Q5_K ? q5_k : q6_k;
-    const int count = kind == KIND_Q4_K ? 4 : kind == KIND_Q5_K ? 5 : K_SEGMENTS;
-    memcpy(seg, from, (size_t)count * sizeof *seg);
-    return count;
+    if (kind == KIND_Q4_K) return *count = 4, q4_k;
+    if (kind == KIND_Q5_K) return *count = 5, q5_k;
+    return *count = 14, q6_k;
 }
 
 /* Row n's file super-block (`file`, its 144, 176 or 210 bytes) from a group block of t
  * rows: the layout undone, as the plain-C products read it. */
 INLINE void k_file_block(int kind, const uint8_t *block, int t, int n, uint8_t *file) {
-    int seg[K_SEGMENTS][3];
-    const int count = k_segments(kind, seg);
+    int count;
+    const int(*seg)[3] = k_segments(kind, &count);
     int64_t at = 0; /* where the segment starts in the group block */
     for (int j = 0; j < count; j++) {
         const int start = seg[j][0], end = seg[j][1], word = seg[j][2];
