@@ -165,6 +165,15 @@ def release_code_pages() -> int:
     return sum(resident for start, end, resident in mappings if _dont_need(start, end - start))
 
 
+def code_resident_bytes() -> int:
+    """How much of the libraries' code (the mappings `release_code_pages` drops) is
+    resident now; 0 where /proc cannot say."""
+    try:
+        return sum(resident for _, _, resident in _code_mappings())
+    except OSError:
+        return 0
+
+
 def _dont_need(start: int, length: int) -> bool:
     """``madvise(start, length, MADV_DONTNEED)`` (``start`` page-aligned); False where the
     system has no such call or refused it."""
@@ -203,20 +212,25 @@ def _code_mappings() -> list[tuple[int, int, int]]:
 class LoadMemory:
     """What loading one model did to the process, measured: ``runtime_bytes`` its resident set
     just before the load (the interpreter, torch, the libraries and whatever else the
-    process already held), ``loaded_bytes`` just after. ``tokenizer_bytes`` is what reading
-    the model's metadata and building its tokenizer added before the weights were read
-    (`TokenizerMark`; 0 where the loader reads the weights first, which then count it): a
-    GGUF file's vocabulary is its metadata, 27.5-28.4 MiB resident for SmolLM2's 49,152
-    tokens and merges, which is not weights. The growth is the rest: the weights as they are
-    resident (with whatever the load kept: packed copies, freed pages the allocator did not
-    give back), not their file size. ``peak_bytes`` is the resident set's peak during the
-    load (its transient copies; 0: not measured, where the system cannot reset the peak),
-    which a budget must hold too. ``first_step_bytes`` is what the first step left resident
-    (one token, run by the load): one-time state that belongs to the runtime arena
-    (`runtime_arena_bytes`). ``method_bytes`` is what a bundle's program methods keep
-    resident after the largest step they take (run by the load after the first): the planned
-    arenas that step writes and the delegates' scratch for its rows; 0 for a model whose
-    halves are not a program."""
+    process already held), ``loaded_bytes`` just after. ``load_code_bytes`` is the library
+    code the load ran and left resident (`code_resident_bytes`): runtime, not the model's.
+    How much of it one instruction maps depends on how the library's file entered the page
+    cache: in a fresh install (files just written by pip, their page-cache folios mapped
+    whole) the bundled model's load left 62.2 MiB of code, against 18.4 MiB in an older one.
+    ``tokenizer_bytes`` is what reading the model's metadata and building its tokenizer
+    added before the weights were read, less code (`TokenizerMark`; 0 where the loader reads
+    the weights first, which then count it): a GGUF file's vocabulary is its metadata,
+    22.6-23.5 MiB resident for SmolLM2's 49,152 tokens and merges, which is not weights.
+    The growth is the rest: the weights as they are resident (with whatever the load kept:
+    packed copies, freed pages the allocator did not give back), not their file size.
+    ``peak_bytes`` is the resident set's peak during the load (its transient copies; 0: not
+    measured, where the system cannot reset the peak), which a budget must hold too.
+    ``first_step_bytes`` is what the first step left resident (one token, run by the load):
+    one-time state that belongs to the runtime arena (`runtime_arena_bytes`).
+    ``method_bytes`` is what a bundle's program methods keep resident after the largest
+    step they take (run by the load after the first): the planned arenas that step writes
+    and the delegates' scratch for its rows; 0 for a model whose halves are not a
+    program."""
 
     runtime_bytes: int
     loaded_bytes: int
@@ -224,6 +238,7 @@ class LoadMemory:
     first_step_bytes: int = 0
     method_bytes: int = 0
     tokenizer_bytes: int = 0
+    load_code_bytes: int = 0
 
     def __post_init__(self) -> None:
         counts = (
@@ -233,30 +248,34 @@ class LoadMemory:
             self.first_step_bytes,
             self.method_bytes,
             self.tokenizer_bytes,
+            self.load_code_bytes,
         )
         if min(counts) < 0:
             raise ValueError(f"{self} holds a negative byte count")
 
     @property
     def runtime_arena_bytes(self) -> int:
-        """The runtime arena: the resident set before the weights, and the first step's
-        one-time state."""
-        return self.runtime_bytes + self.first_step_bytes
+        """The runtime arena: the resident set before the model, the library code its load
+        ran, and the first step's one-time state."""
+        return self.runtime_bytes + self.load_code_bytes + self.first_step_bytes
 
     @property
     def growth_bytes(self) -> int:
-        """The resident growth across the load beyond the tokenizer's: the weights as
-        resident (0 if the process shrank)."""
-        return max(self.loaded_bytes - self.runtime_bytes - self.tokenizer_bytes, 0)
+        """The resident growth across the load beyond the tokenizer's and the code's: the
+        weights as resident (0 if the process shrank)."""
+        grown = self.loaded_bytes - self.runtime_bytes - self.tokenizer_bytes
+        return max(grown - self.load_code_bytes, 0)
 
 
 class TokenizerMark:
     """Called by a loader once it has read a model's metadata and built its tokenizer, and
     before it reads the weights: keeps the resident set then (``rss_bytes``; None until
-    called), which `slotserve.load` turns into `LoadMemory.tokenizer_bytes`."""
+    called) and the library code in it (``code_bytes``), which `slotserve.load` turns into
+    `LoadMemory.tokenizer_bytes`."""
 
     def __init__(self) -> None:
         self.rss_bytes: int | None = None
+        self.code_bytes = 0
 
     def __call__(self) -> None:
-        self.rss_bytes = rss_bytes()
+        self.rss_bytes, self.code_bytes = rss_bytes(), code_resident_bytes()

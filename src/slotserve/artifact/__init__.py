@@ -23,6 +23,7 @@ from slotserve.kv import KVConfig, KVPool, StepBatch
 from slotserve.memory import (
     LoadMemory,
     TokenizerMark,
+    code_resident_bytes,
     peak_rss_bytes,
     release_code_pages,
     reset_peak_rss,
@@ -86,6 +87,7 @@ def load(
     # resident set starts again (`reset_peak_rss`).
     peak_measured = reset_peak_rss()
     runtime = rss_bytes()  # the runtime arena: what the process holds before the model
+    runtime_code = code_resident_bytes()
     tokenizer_read = TokenizerMark()
     if weights == "gguf":
         if built.blocks is None:
@@ -111,12 +113,15 @@ def load(
     peak = peak_rss_bytes() if peak_measured else 0
     trim_heap()  # the load's freed temporaries leave the resident set
     loaded = rss_bytes()
+    # The code the load ran is runtime: how much of it is resident is the page cache's doing.
+    load_code = max(code_resident_bytes() - runtime_code, 0)
     if peak_measured:  # VmHWM lags the resident set by the pages of its last faults
         peak = max(peak, loaded)
     first_step = _first_step_bytes(model, loaded)
     methods = _largest_step_bytes(model, loaded + first_step)
-    tokenizer = max((tokenizer_read.rss_bytes or runtime) - runtime, 0)
-    model.load_memory = LoadMemory(runtime, loaded, peak, first_step, methods, tokenizer)
+    tokenizer_code = max(tokenizer_read.code_bytes - runtime_code, 0)
+    tokenizer = max((tokenizer_read.rss_bytes or runtime) - runtime - tokenizer_code, 0)
+    model.load_memory = LoadMemory(runtime, loaded, peak, first_step, methods, tokenizer, load_code)
     return model
 
 
