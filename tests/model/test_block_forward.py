@@ -118,3 +118,59 @@ def test_threads_stepping_one_model_keep_their_own_buffers(block_model: ss.Model
         thread.join()
     assert all(torch.equal(logits, alone) for run in results for logits in run)
     assert sum(len(run) for run in results) == 6
+
+
+class _LayerByLayer:
+    """A pool seen only through ``update_and_attend``: `run_layers` then calls each layer's
+    halves and attention from Python."""
+
+    def __init__(self, pool: KVPool) -> None:
+        self.pool = pool
+
+    def update_and_attend(self, layer: int, qkv: torch.Tensor, batch: StepBatch) -> torch.Tensor:
+        return self.pool.update_and_attend(layer, qkv, batch)
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "int8"])
+@pytest.mark.parametrize("layout", ["flat", "cell"])
+def test_a_steps_layers_in_one_call_equal_them_one_by_one(
+    block_model: ss.Model, layout: str, dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`BlockHalves.stack` (every layer and its attention in one kernel call) gives the
+    loop's logits and K/V bit for bit, through prompt chunks of two sequences, ragged
+    steps and decode steps; a model with ring layers (Gemma 3's sliding windows) runs the
+    loop, which copies the ring's rows after each attention."""
+    kernel = block_model.halves.kernel  # type: ignore[attr-defined]
+    stacks = 0
+    layer_stack = kernel.layer_stack
+
+    def counted(args: object) -> None:
+        nonlocal stacks
+        stacks += 1
+        layer_stack(args)
+
+    monkeypatch.setattr(kernel, "layer_stack", counted)
+    config = KVConfig(layout=layout, max_seqs=2, max_context=64, dtype=dtype)
+    attention = block_model.kernels.attention
+    pools = [KVPool(block_model.info, config, attention) for _ in range(2)]
+    for pool in pools:
+        for session in (0, 1):
+            pool.reserve(session, 64)
+    gen = torch.Generator().manual_seed(1)
+    steps = [([0], [0], [7]), ([0, 1], [7, 0], [1, 12]), ([0, 1], [8, 12], [5, 1])]
+    steps += [([0, 1], [13 + i, 13 + i], [1, 1]) for i in range(6)]
+    for sessions, starts, counts in steps:
+        batch = StepBatch(sessions, starts, counts)
+        tokens = torch.randint(3, block_model.info.vocab_size, (sum(counts),), generator=gen)
+        logits = []
+        for pool, store in zip(pools, (pools[0], _LayerByLayer(pools[1])), strict=True):
+            pool.begin_step(batch)
+            logits.append(block_model.forward(tokens, batch, store, all_logits=True))
+            pool.check_integrity()
+        assert torch.equal(logits[0], logits[1])
+    for one, other in zip(pools[0].groups, pools[1].groups, strict=True):
+        for layer in one.layers:
+            assert torch.equal(one.keys[layer].data, other.keys[layer].data)
+            assert torch.equal(one.values[layer].data, other.values[layer].data)
+    rings = bool(block_model.info.sliding_window)
+    assert stacks == (0 if rings else len(steps))

@@ -23,7 +23,7 @@ from slotserve.kv.attention import attend, pad_rows, prefix_mask, visibility_mas
 from slotserve.kv.batch import StepBatch
 from slotserve.kv.session import SessionKV
 from slotserve.kv.storage import KVStorage
-from slotserve.native.attention import AttentionKernel, StepCells
+from slotserve.native.attention import AttentionKernel, LayerAttends, StepCells, Storage
 
 
 @dataclass(frozen=True)
@@ -115,6 +115,33 @@ class PrefixGroup(LayerGroup):
         super().__init__(layers, n_cells, shape)
         self.window = window
         self.kernel = kernel
+        self._attends: LayerAttends | None = None  # made at the first `set_attends`
+
+    def set_attends(
+        self,
+        batch: StepBatch,
+        sessions: Mapping[int, SessionKV],
+        qkv: torch.Tensor,
+        heads: int,
+        out: torch.Tensor,
+    ) -> LayerAttends | None:
+        """Each layer's kernel arguments for this step, the call `update_and_attend` makes
+        (on the same step plan), writing ``out``; None without the kernel."""
+        if self.kernel is None:
+            return None
+        plan = batch.memo(("kv-plan", id(self)), lambda: self._plan(batch, sessions, heads))
+        step = plan["kernel"]
+        assert isinstance(step, StepCells)
+        if self._attends is None:
+            self._attends = LayerAttends({layer: self._storages(layer) for layer in self.layers})
+        first = self._storages(self.layers[0])
+        args = self.kernel.arguments(qkv, heads, step, *first, self.window, 0, out)
+        self._attends.set(args)
+        return self._attends
+
+    def _storages(self, layer: int) -> tuple[Storage, Storage]:
+        key, value = self.keys[layer], self.values[layer]
+        return (key.data, key.scales), (value.data, value.scales)
 
     def _plan(
         self, batch: StepBatch, sessions: Mapping[int, SessionKV], heads: int
@@ -166,8 +193,7 @@ class PrefixGroup(LayerGroup):
         step = plan.get("kernel")
         if isinstance(step, StepCells):
             assert self.kernel is not None
-            key, value = self.keys[layer], self.values[layer]
-            storages = (key.data, key.scales), (value.data, value.scales)
+            storages = self._storages(layer)
             return self.kernel.update_and_attend(qkv, heads, step, *storages, self.window)
         q, k, v = self.split(qkv)
         write = plan["write"]

@@ -31,6 +31,7 @@ drives the pool neither steps nor releases that session) then `commit_payload`.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -43,11 +44,11 @@ from slotserve.kv.allocator import BlockAllocator
 from slotserve.kv.batch import StepBatch
 from slotserve.kv.config import KVConfig
 from slotserve.kv.holdings import Holding, PoolHoldings, RowGroup, row_cells
-from slotserve.kv.layouts import CellGroup, FlatGroup, LayerGroup, RingGroup
+from slotserve.kv.layouts import CellGroup, FlatGroup, LayerGroup, PrefixGroup, RingGroup
 from slotserve.kv.placement import build_groups
 from slotserve.kv.session import SessionKV
 from slotserve.kv.storage import KVStorage
-from slotserve.native.attention import AttentionKernel
+from slotserve.native.attention import AttentionCalls, AttentionKernel
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,7 @@ class KVPool:
         # parks instead); one (data, int8 scales) pair per storage, in `_row_storages` order.
         self._snapshot_rings: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self._free_slots = list(range(config.max_seqs - 1, -1, -1))
+        self._attention_calls: AttentionCalls | None = None  # made at the first step asking
 
     # -- sizes -----------------------------------------------------------------------
 
@@ -637,6 +639,29 @@ class KVPool:
     def update_and_attend(self, layer: int, qkv: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """Write the step's K/V for ``layer`` and attend; see `slotserve.kv.KVStore`."""
         return self._group_of[layer].update_and_attend(layer, qkv, batch, self.sessions)
+
+    def attention_calls(
+        self, batch: StepBatch, qkv: torch.Tensor, heads: int, out: torch.Tensor
+    ) -> AttentionCalls | None:
+        """Every layer's `update_and_attend` of this step as the compiled kernel's calls, each
+        reading ``qkv`` (the layer's fused rows, there when it runs) and writing ``out``
+        (`slotserve.kv.store.CompiledAttention`); None where a layer's attention is more
+        than that one call: the torch path, or a ring, which copies the rows it keeps
+        after attending."""
+        groups = [g for g in self.groups if isinstance(g, PrefixGroup)]
+        if len(groups) != len(self.groups):
+            return None
+        attends = [g.set_attends(batch, self.sessions, qkv, heads, out) for g in groups]
+        if any(a is None for a in attends):
+            return None
+        if self._attention_calls is None:
+            kernel = groups[0].kernel
+            assert kernel is not None
+            addresses = {k: v for a in attends if a is not None for k, v in a.addresses.items()}
+            layers = [addresses[layer] for layer in range(self.info.n_layers)]
+            array = (ctypes.c_void_p * len(layers))(*layers)
+            self._attention_calls = AttentionCalls(kernel.address, array)
+        return self._attention_calls
 
     # -- internals -------------------------------------------------------------------
 

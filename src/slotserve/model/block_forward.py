@@ -12,17 +12,27 @@ the same blocks).
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from dataclasses import dataclass
 
 import torch
 
 from slotserve.info import ModelInfo
+from slotserve.kv.batch import StepBatch
+from slotserve.kv.store import CompiledAttention
 from slotserve.model.gguf_linear import BlockLinear, StackedBlocks
 from slotserve.model.halves import HalvesKind, StepContext
 from slotserve.model.llama import EagerHalves
 from slotserve.model.weights import LlamaWeights
-from slotserve.native.blocks import BlockKernel, LayerInArgs, LayerOutArgs, Matrix, ScratchSpace
+from slotserve.native.blocks import (
+    BlockKernel,
+    LayerInArgs,
+    LayerOutArgs,
+    Matrix,
+    ScratchSpace,
+    StackArgs,
+)
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,7 @@ class _StepBuffers:
         attn_width = info.n_heads * info.head_dim
         self.qkv = torch.empty(m, (info.n_heads + 2 * info.n_kv_heads) * info.head_dim)
         self.gate_up = torch.empty(m, 2 * info.ffn_dim)
+        self.attn = torch.empty(m, attn_width)  # the attention's rows, in a stack (`stack`)
         self.scratch = ScratchSpace(m, max(info.dim, info.ffn_dim, attn_width))
 
 
@@ -68,6 +79,17 @@ class _LayerCalls:
         self.m, self.buffers = m, _StepBuffers(m, info)
         self.ins = [self._in(info, layer, kernel.threads) for layer in halves.layers]
         self.outs = [self._out(info, layer, kernel.threads) for layer in halves.layers]
+        self.local = [info.local_rope(layer) for layer in range(info.n_layers)]
+        # For `BlockHalves.stack`: the layers' arguments by address (the attention's are the
+        # store's, set each step).
+        self._ins_at, self._outs_at = _addresses(self.ins), _addresses(self.outs)
+        self.stack = StackArgs(
+            len(self.ins),
+            ctypes.addressof(self._ins_at),
+            None,
+            ctypes.addressof(self._outs_at),
+            None,
+        )
 
     def _in(self, info: ModelInfo, layer: _Layer, threads: int) -> LayerInArgs:
         buffers = self.buffers
@@ -156,6 +178,30 @@ class BlockHalves(EagerHalves):
         self.kernel.layer_out(args)  # in place
         return x
 
+    def stack(
+        self, x: torch.Tensor, step: StepContext, batch: StepBatch, kv: CompiledAttention
+    ) -> bool:
+        """Every layer of the step in one kernel call (`BlockKernel.layer_stack`): the calls
+        `qkv`, ``kv.update_and_attend`` and `out` make one by one, on ``x`` in place (fp32,
+        contiguous: `embed`'s rows). False, having run nothing, where ``kv`` has no compiled
+        calls for this step (`CompiledAttention`)."""
+        calls = self._calls(x.shape[0], step)
+        buffers = calls.buffers
+        attention = kv.attention_calls(batch, buffers.qkv, self.info.n_heads, buffers.attn)
+        if attention is None:
+            return False
+        threads, at, attn = self.kernel.threads, x.data_ptr(), buffers.attn.data_ptr()
+        rotations = {
+            local: tuple(t.data_ptr() for t in step.rotation(local)) for local in (False, True)
+        }
+        for ins, outs, local in zip(calls.ins, calls.outs, calls.local, strict=True):
+            ins.x, (ins.cos, ins.sin), ins.threads = at, rotations[local], threads
+            outs.x, outs.attn, outs.threads = at, attn, threads
+        calls.stack.attends = ctypes.addressof(attention.args)
+        calls.stack.attend = attention.function
+        self.kernel.layer_stack(calls.stack)
+        return True
+
     def _calls(self, m: int, step: StepContext) -> _LayerCalls:
         """The layers' calls for a step of ``m`` rows: kept per thread for small steps
         (`REUSED_ROWS`), made once a step otherwise."""
@@ -185,6 +231,10 @@ def _floats(weight: torch.Tensor) -> torch.Tensor:
 
 def _maybe_floats(weight: torch.Tensor | None) -> torch.Tensor | None:
     return _floats(weight) if weight is not None else None
+
+
+def _addresses(structs: list[LayerInArgs] | list[LayerOutArgs]) -> ctypes.Array[ctypes.c_void_p]:
+    return (ctypes.c_void_p * len(structs))(*(ctypes.addressof(s) for s in structs))
 
 
 def _address(weight: torch.Tensor | None) -> int | None:

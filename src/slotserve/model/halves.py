@@ -19,12 +19,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, TypeVar
+from typing import Literal, Protocol, TypeVar, runtime_checkable
 
 import torch
 
 from slotserve.kv.batch import StepBatch
-from slotserve.kv.store import KVStore
+from slotserve.kv.store import CompiledAttention, KVStore
 from slotserve.model.layers import RopeTables
 from slotserve.model.weights import LlamaWeights
 
@@ -98,6 +98,17 @@ class LayerHalves(Protocol):
     def head(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
+@runtime_checkable
+class StackedHalves(Protocol):
+    """Halves that can also run a step's layers in one call, the attention between them
+    a `CompiledAttention` store's: ``stack`` runs them on ``x`` in place and says whether
+    it did (False: the store had no compiled calls for this step; nothing ran)."""
+
+    def stack(
+        self, x: torch.Tensor, step: StepContext, batch: StepBatch, kv: CompiledAttention
+    ) -> bool: ...
+
+
 def run_layers(
     halves: LayerHalves,
     n_layers: int,
@@ -107,9 +118,14 @@ def run_layers(
     kv: KVStore,
     local_rope: RopeTables | None = None,
 ) -> torch.Tensor:
-    """The one loop: hidden states ``[T, dim]`` after the last layer (before the head)."""
+    """The one loop: hidden states ``[T, dim]`` after the last layer (before the head).
+    Halves and a store that can run it in C (`StackedHalves`, `CompiledAttention`) make
+    the same calls there, in the same order."""
     step = StepContext.of(rope, batch.positions, local_rope)
     x = halves.embed(tokens)
+    if isinstance(halves, StackedHalves) and isinstance(kv, CompiledAttention):  # noqa: SIM102
+        if halves.stack(x, step, batch, kv):  # False: the loop below runs the step
+            return x
     for layer in range(n_layers):
         attn = kv.update_and_attend(layer, halves.qkv(layer, x, step), batch)
         x = halves.out(layer, x, attn, step)

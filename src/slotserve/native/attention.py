@@ -88,6 +88,41 @@ class StepCells:
         return cls(write, cells, seq, pos, scratch, threads, pointers, step_rows, split)
 
 
+class LayerAttends:
+    """Each layer's `AttendArgs` of a group of layers, kept from step to step, for a caller
+    that runs the attention from C (`slotserve.native.BlockKernel.layer_stack`): a step
+    sets them all from one call's arguments (`set`), whose storages are then each
+    layer's own. ``addresses`` are theirs, by layer."""
+
+    def __init__(self, storages: dict[int, tuple[Storage, Storage]]) -> None:
+        self._args = (AttendArgs * len(storages))()
+        self._storages = [
+            (keys.data_ptr(), values.data_ptr(), _address(key_scales), _address(value_scales))
+            for (keys, key_scales), (values, value_scales) in storages.values()
+        ]
+        self.addresses = {
+            layer: ctypes.addressof(args) for layer, args in zip(storages, self._args, strict=True)
+        }
+
+    def set(self, step: AttendArgs) -> None:
+        """Every layer's arguments: ``step``'s, with the layer's own storages."""
+        for i, (keys, values, key_scales, value_scales) in enumerate(self._storages):
+            self._args[i] = step
+            args = self._args[i]
+            args.keys, args.values = keys, values
+            args.key_scales, args.value_scales = key_scales, value_scales
+
+
+@dataclass(frozen=True)
+class AttentionCalls:
+    """A step's attention for every layer as C calls: ``function`` the address of
+    ``update_and_attend`` and ``args[layer]`` the address of that layer's `AttendArgs`,
+    set for the step (`LayerAttends`)."""
+
+    function: int
+    args: ctypes.Array[ctypes.c_void_p]
+
+
 class AttentionKernel:
     """``update_and_attend`` of the loaded library, on ``threads`` OpenMP threads."""
 
@@ -97,6 +132,8 @@ class AttentionKernel:
         self._function = library.update_and_attend
         self._function.restype, self._function.argtypes = ctypes.c_int, [ctypes.c_void_p]
         self.threads = threads
+        # For a caller that runs a step's layers in C (`slotserve.native.BlockKernel.layer_stack`).
+        self.address: int = ctypes.cast(self._function, ctypes.c_void_p).value or 0
 
     def update_and_attend(
         self,
@@ -120,14 +157,38 @@ class AttentionKernel:
         heads, then the key heads, then the value heads), read in place."""
         if qkv.dtype != torch.float32 or qkv.stride(1) != 1:
             qkv = qkv.float().contiguous()
+        out = torch.empty(step.write.shape[0], heads * keys[0].shape[2])
+        args = self.arguments(qkv, heads, step, keys, values, window, sinks, out)
+        if self._function(ctypes.byref(args)) != 0:
+            raise ValueError(
+                f"update_and_attend refused its arguments ({args.n_queries} queries of "
+                f"{heads} heads, cells {tuple(step.cells.shape)}, positions "
+                f"{step.pos.tolist()}): a query position is past the cells given, or the head "
+                "counts do not divide"
+            )
+        return out
+
+    @staticmethod
+    def arguments(
+        qkv: torch.Tensor,
+        heads: int,
+        step: StepCells,
+        keys: Storage,
+        values: Storage,
+        window: int | None,
+        sinks: int,
+        out: torch.Tensor,
+    ) -> AttendArgs:
+        """`update_and_attend`'s arguments (``qkv`` fp32 with unit column stride, read in
+        place; ``out[T, heads * dim]`` fp32 contiguous, written), for a call now or by
+        address from C (`slotserve.native.BlockKernel.layer_stack`)."""
         (data, key_scales), (value_data, value_scales) = keys, values
         n_queries, kv_heads, dim = step.write.shape[0], data.shape[1], data.shape[2]
         start, stride = qkv.data_ptr(), qkv.stride(0)
         q_bytes, kv_bytes = heads * dim * 4, kv_heads * dim * 4
-        out = torch.empty(n_queries, heads * dim)
         write, cells, seq, pos, scratch = step.pointers
         (step_k, step_k_scales), (step_v, step_v_scales) = step.step_rows or ((None, None),) * 2
-        args = AttendArgs(
+        return AttendArgs(
             start, stride, start + q_bytes, start + q_bytes + kv_bytes, stride, write,
             out.data_ptr(), data.data_ptr(), value_data.data_ptr(), _address(key_scales),
             _address(value_scales), _address(step_k), _address(step_v), _address(step_k_scales),
@@ -135,13 +196,6 @@ class AttentionKernel:
             DTYPE_CODES[data.dtype], cells, step.cells.shape[1], seq, pos, n_queries, heads,
             kv_heads, dim, window or 0, sinks, dim**-0.5, scratch, step.threads,
         )  # fmt: skip
-        if self._function(ctypes.byref(args)) != 0:
-            raise ValueError(
-                f"update_and_attend refused its arguments ({n_queries} queries of {heads} "
-                f"heads, cells {tuple(step.cells.shape)}, positions {step.pos.tolist()}): a "
-                "query position is past the cells given, or the head counts do not divide"
-            )
-        return out
 
 
 def _address(tensor: torch.Tensor | None) -> int | None:

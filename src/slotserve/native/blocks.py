@@ -2,11 +2,12 @@
 and Q5_1 rows interleaved in groups of 8, the other types as the file has them; see
 ``csrc/quants.h``), and a
 transformer layer's work around its attention in two calls (`BlockKernel.layer_in`,
-`BlockKernel.layer_out`).
+`BlockKernel.layer_out`), or a step's layers, their attention between, in one
+(`BlockKernel.layer_stack`).
 
-Every call takes one struct (`LinearArgs`, `LayerInArgs`, `LayerOutArgs`, built of
-`Matrix` and `Scratch`), mirrored field for field by the C source; a test compares their
-layouts.
+Every call takes one struct (`LinearArgs`, `LayerInArgs`, `LayerOutArgs`, `StackArgs`,
+built of `Matrix` and `Scratch`), mirrored field for field by the C source; a test
+compares their layouts.
 """
 
 from __future__ import annotations
@@ -95,6 +96,16 @@ class LayerOutArgs(ctypes.Structure):
     ]  # fmt: skip
 
 
+class StackArgs(ctypes.Structure):
+    """A step's layers in one call: per layer, the addresses of its `LayerInArgs`, its
+    attention's arguments (the attention library's, opaque here) and its `LayerOutArgs`,
+    and the attention function's address."""
+
+    _fields_ = [
+        ("layers", _I64), ("ins", _P), ("attends", _P), ("outs", _P), ("attend", _P),
+    ]  # fmt: skip
+
+
 class NormArgs(ctypes.Structure):
     _fields_ = [
         ("x", _P), ("m", _I64), ("dim", _I64), ("weight", _P), ("eps", _F32), ("out", _P),
@@ -108,6 +119,7 @@ STRUCTS: dict[str, type[ctypes.Structure]] = {
     "linear_args": LinearArgs,
     "layer_in_args": LayerInArgs,
     "layer_out_args": LayerOutArgs,
+    "stack_args": StackArgs,
 }
 
 
@@ -138,13 +150,14 @@ class BlockKernel:
         for name, mirror in STRUCTS.items():
             if mismatch := layout_mismatch(library, name, mirror):
                 raise OSError(f"block kernel ABI differs from its binding: {mismatch}")
-        self._linear, self._layer_in, self._layer_out, self._norm = (
+        self._linear, self._layer_in, self._layer_out, self._norm, self._stack = (
             library.linear,
             library.layer_in,
             library.layer_out,
             library.norm,
+            library.layer_stack,
         )
-        for function in (self._linear, self._layer_in, self._layer_out, self._norm):
+        for function in (self._linear, self._layer_in, self._layer_out, self._norm, self._stack):
             function.restype, function.argtypes = ctypes.c_int, [ctypes.c_void_p]
         self.threads = threads
 
@@ -200,3 +213,11 @@ class BlockKernel:
         ``layer_out_args`` in the C source."""
         if self._layer_out(ctypes.byref(args)) != 0:
             raise ValueError(f"layer_out refused its arguments ({args.m} rows of {args.dim})")
+
+    def layer_stack(self, args: StackArgs) -> None:
+        """Every layer of a step: ``layer_in``, the attention, ``layer_out``, in turn, each
+        on its own arguments (see ``layer_stack`` in the C source)."""
+        if (code := self._stack(ctypes.byref(args))) != 0:
+            layer, call = divmod(-code - 1, 3)
+            name = ("layer_in", "the attention", "layer_out")[call]
+            raise ValueError(f"{name} of layer {layer} refused its arguments in a step's stack")

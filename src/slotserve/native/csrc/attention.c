@@ -213,8 +213,9 @@ INLINE void attend_group(const float *qg, float *og, const rows_at *keys,
  * [n_cells, kv_heads] for KV_INT8, else unused). With step_split >= 0, cells from it on
  * name rows of keys_step / values_step (and their scales), the step's own rows in the same
  * dtype (`rows_at`). cells: [n_seqs, key_len]. scratch:
- * heads / kv_heads * key_len floats for each of `threads`. */
-typedef struct {
+ * heads / kv_heads * key_len floats for each of `threads`. (Tagged: blocks.c's layer_stack
+ * calls update_and_attend by address, with a pointer to this struct it never opens.) */
+typedef struct attend_args {
     const float *q;
     int64_t q_stride;
     const float *k_new, *v_new;
