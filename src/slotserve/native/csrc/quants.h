@@ -185,6 +185,18 @@ INLINE float block_amax(const float *src, int n) {
  * elsewhere, are row after row (q at i k + 32 b, d and s at i nb + b). */
 INLINE int64_t act_pairs(int64_t i, int64_t b, int64_t nb) { return (i / 8 * nb + b) * 8 + i % 8; }
 
+/* Byte of word `word` (4 bytes) of row i's block b of `values` values, in rows stored as
+ * act_pairs has them (Q8 blocks of 32, or Q8_K super-blocks of 256): rows r and r + 1 of a
+ * group of 8 side by side, each word of a block 32 bytes after the one before. */
+INLINE int64_t paired_word(int64_t i, int64_t b, int64_t nb, int values, int64_t word) {
+    return ((i / 8 * nb + b) * (values / 4) + word) * 32 + i % 8 * 4;
+}
+
+/* A quantised block of row i (values bytes at `block`) stored as paired_word has it. */
+INLINE void store_paired(int8_t *q, int64_t i, int64_t b, int64_t nb, int values, const int8_t *block) {
+    for (int c = 0; c < values / 4; c++) memcpy(q + paired_word(i, b, nb, values, c), block + 4 * c, 4);
+}
+
 /* Q8 blocks of x[m, k] (row stride ldx): q[m, k], d and s [m, k / 32] (see act_pairs). */
 static void quantize_q8(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *d,
                         float *s, acts *out) {
@@ -199,8 +211,8 @@ static void quantize_q8(const float *x, int64_t m, int64_t k, int64_t ldx, int8_
             if (i < paired) {
                 int8_t block[BLOCK];
                 quantize_block(src, inverse, block, block + 16, sums);
+                store_paired(q, i, b, nb, BLOCK, block);
                 at = act_pairs(i, b, nb);
-                for (int c = 0; c < BLOCK / 4; c++) memcpy(q + (at - i % 8) * 32 + c * 32 + i % 8 * 4, block + 4 * c, 4);
             } else {
                 quantize_block(src, inverse, row + b * BLOCK, row + b * BLOCK + 16, sums);
             }
@@ -211,14 +223,16 @@ static void quantize_q8(const float *x, int64_t m, int64_t k, int64_t ldx, int8_
     *out = (acts){q, d, s, NULL, k, k, nb};
 }
 
-/* Q8_K super-blocks of x[m, k] (k a multiple of 256): q[m, k], d[m, k / 256], bsums[m, k / 16]. */
+/* Q8_K super-blocks of x[m, k] (k a multiple of 256): q[m, k] (rows in whole groups of 8
+ * as paired_word has them, with PAIRED), d[m, k / 256], bsums[m, k / 16]. */
 static void quantize_q8_k(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *d,
                           int16_t *bsums, acts *out) {
-    int64_t nb = k / SUPER;
+    const int64_t nb = k / SUPER, paired = PAIRED ? m / 8 * 8 : 0;
+    int8_t super[SUPER];
     for (int64_t i = 0; i < m; i++) {
         for (int64_t b = 0; b < nb; b++) {
             const float *src = x + i * ldx + b * SUPER;
-            int8_t *dst = q + i * k + b * SUPER;
+            int8_t *dst = i < paired ? super : q + i * k + b * SUPER;
             int16_t *sums = bsums + i * (k / 16) + b * 16;
             float amax = block_amax(src, SUPER), max = 0.0f;
             for (int j = 0; j < SUPER; j++) /* the first value of that magnitude, with its sign */
@@ -226,15 +240,16 @@ static void quantize_q8_k(const float *x, int64_t m, int64_t k, int64_t ldx, int
             if (amax == 0.0f) {
                 memset(dst, 0, SUPER), memset(sums, 0, 16 * sizeof *sums);
                 d[i * nb + b] = 0.0f;
-                continue;
+            } else {
+                float by = -127.0f / max;
+                for (int j = 0; j < SUPER / BLOCK; j++) {
+                    int half[2];
+                    quantize_block(src + j * BLOCK, by, dst + j * BLOCK, dst + j * BLOCK + 16, half);
+                    sums[2 * j] = (int16_t)half[0], sums[2 * j + 1] = (int16_t)half[1];
+                }
+                d[i * nb + b] = 1.0f / by;
             }
-            float by = -127.0f / max;
-            for (int j = 0; j < SUPER / BLOCK; j++) {
-                int half[2];
-                quantize_block(src + j * BLOCK, by, dst + j * BLOCK, dst + j * BLOCK + 16, half);
-                sums[2 * j] = (int16_t)half[0], sums[2 * j + 1] = (int16_t)half[1];
-            }
-            d[i * nb + b] = 1.0f / by;
+            if (i < paired) store_paired(q, i, b, nb, SUPER, super);
         }
     }
     *out = (acts){q, d, NULL, bsums, k, k, nb};
@@ -396,7 +411,7 @@ INLINE void dot_group_pairs(int kind, const uint8_t *w, int t, const acts *a, in
                               ? _mm512_permutexvar_ps(doubled, _mm512_castps256_ps512(load_lane_halves(block + at + 2 * t, t)))
                               : dw;
         const int64_t first = act_pairs(i, b, nb);
-        const int8_t *words = a->q + first * 32;
+        const int8_t *words = a->q + paired_word(i, b, nb, BLOCK, 0);
         for (int p = 0; p < 4; p++) {
             __m512i sums = _mm512_setzero_si512();
             for (int c = 0; c < 8; c++) {
@@ -642,6 +657,38 @@ INLINE __m256i fifth_of(__m256i qh, int bit) {
  * dot-product instruction per 4 weights, and are scaled by that sub-block's scales (one
  * integer multiply for 8 rows); the super-block's integer sum, exact in int32 as in
  * llama.cpp, is converted and scaled once in each lane. */
+#if PAIRED
+/* Lane n of x in lanes 2n and 2n + 1. */
+INLINE __m512i doubled_lanes(__m256i x) {
+    const __m512i doubled = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    return _mm512_permutexvar_epi32(doubled, _mm512_castsi256_si512(x));
+}
+
+/* Σ_c u[c] . word c of two activation rows (paired_word's: the pair's 8 bytes at `words`,
+ * each word 32 bytes after the one before), lane 2n + j row n's against row j's. */
+INLINE __m512i pair_dot(const __m512i *u, int n, const int8_t *words) {
+    __m512i dot = _mm512_setzero_si512();
+    for (int c = 0; c < n; c++) {
+        int64_t two;
+        memcpy(&two, words + 32 * c, sizeof two);
+        dot = _mm512_dpbusd_epi32(dot, u[c], _mm512_set1_epi64(two));
+    }
+    return dot;
+}
+
+/* A pair's lanes 2n (its first row's) added to `first`, 2n + 1 to `second`. */
+INLINE void add_pair_apart(__m512i pair, __m256i *first, __m256i *second) {
+    const __m512i apart = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    const __m512i rows = _mm512_permutexvar_epi32(apart, pair);
+    *first = _mm256_add_epi32(*first, _mm512_castsi512_si256(rows));
+    *second = _mm256_add_epi32(*second, _mm512_extracti64x4_epi64(rows, 1));
+}
+#endif
+
+/* With PAIRED, a whole group of 8 activation rows takes the sub-blocks' dot products two rows
+ * to a 512-bit vector (its weights' lanes doubled, as dot_group_pairs), and each row's
+ * integer sums of a super-block are the same as one by one (integers: exact in any order);
+ * the floating-point steps after them are the rows' own, as below. */
 INLINE void dot_group_k(int kind, const uint8_t *w, int t, const acts *a, int64_t i, int rows,
                         float out[][GROUP]) {
     const int64_t nb = a->k / SUPER, size = weight_row_bytes(kind, SUPER) * t;
@@ -653,6 +700,10 @@ INLINE void dot_group_k(int kind, const uint8_t *w, int t, const acts *a, int64_
         const uint8_t *block = w + b * size;
         __m256i sums[ROWS];
         __m256 d;
+#if PAIRED
+        __m512i paired[4]; /* rows 2p and 2p + 1 (rows == 8) */
+        for (int p = 0; p < 4; p++) paired[p] = _mm512_setzero_si512();
+#endif
         if (kind == KIND_Q6_K) { /* scales [4][t][4]; per 64 weights ql [4][t][4] twice, qh [4][t][4]; d [t] */
             const uint8_t *sc = block;
             __m256i scales[4], pairs[8];
@@ -683,6 +734,21 @@ INLINE void dot_group_k(int kind, const uint8_t *w, int t, const acts *a, int64_
                         u[3][c] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), low4),
                                                   _mm256_and_si256(_mm256_srli_epi16(top, 2), bits2));
                     }
+#if PAIRED
+                    if (rows == 8) {
+                        for (int g = 0; g < 4; g++) {
+                            const int sub = 8 * h + 2 * g + q;
+                            const __m512i scale = doubled_lanes(lane_byte(scales[sub / 4], sub % 4, 1));
+                            __m512i doubled[4];
+                            for (int c = 0; c < 4; c++) doubled[c] = doubled_lanes(u[g][c]);
+                            for (int p = 0; p < 4; p++) {
+                                const int8_t *words = a->q + paired_word(i + 2 * p, b, nb, SUPER, 4 * sub);
+                                paired[p] = _mm512_add_epi32(paired[p], _mm512_mullo_epi32(pair_dot(doubled, 4, words), scale));
+                            }
+                        }
+                        continue;
+                    }
+#endif
                     for (int g = 0; g < 4; g++) {
                         const int sub = 8 * h + 2 * g + q;
                         const __m256i scale = lane_byte(scales[sub / 4], sub % 4, 1);
@@ -735,6 +801,20 @@ INLINE void dot_group_k(int kind, const uint8_t *w, int t, const acts *a, int64_
                 }
                 const __m256i scale_lo = lane_byte(j < 2 ? scale03 : scale47, (2 * j) % 4, 0);
                 const __m256i scale_hi = lane_byte(j < 2 ? scale03 : scale47, (2 * j + 1) % 4, 0);
+#if PAIRED
+                if (rows == 8) {
+                    __m512i lo2[8], hi2[8];
+                    for (int c = 0; c < 8; c++) lo2[c] = doubled_lanes(lo[c]), hi2[c] = doubled_lanes(hi[c]);
+                    const __m512i scale2_lo = doubled_lanes(scale_lo), scale2_hi = doubled_lanes(scale_hi);
+                    for (int p = 0; p < 4; p++) {
+                        const int8_t *words = a->q + paired_word(i + 2 * p, b, nb, SUPER, 16 * j);
+                        const __m512i dot_lo = _mm512_mullo_epi32(pair_dot(lo2, 8, words), scale2_lo);
+                        const __m512i dot_hi = _mm512_mullo_epi32(pair_dot(hi2, 8, words + 8 * 32), scale2_hi);
+                        paired[p] = _mm512_add_epi32(paired[p], _mm512_add_epi32(dot_lo, dot_hi));
+                    }
+                    continue;
+                }
+#endif
                 for (int r = 0; r < rows; r++) {
                     const int8_t *v = a->q + (i + r) * a->q_stride + b * SUPER + 64 * j;
                     __m256i dot_lo = _mm256_setzero_si256(), dot_hi = _mm256_setzero_si256();
@@ -756,6 +836,10 @@ INLINE void dot_group_k(int kind, const uint8_t *w, int t, const acts *a, int64_
                 acc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, da), _mm256_cvtepi32_ps(mins[r]), acc[r]);
             }
         }
+#if PAIRED
+        if (rows == 8)
+            for (int p = 0; p < 4; p++) add_pair_apart(paired[p], &sums[2 * p], &sums[2 * p + 1]);
+#endif
         for (int r = 0; r < rows; r++) {
             const __m256 da = _mm256_set1_ps(a->d[(i + r) * a->d_stride + b]);
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(sums[r]), acc[r]);
