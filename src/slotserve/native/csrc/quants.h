@@ -59,10 +59,11 @@
  * us at 1 row and 262.9 -> 178.0 us at 8 rows; Q8_0 67.4 -> 53.2 and 240.1 -> 164.3; Q4_1
  * 68.9 -> 49.5 and 244.4 -> 161.9. A matrix keeps the file's bytes, moved: rows x blocks x
  * block bytes. Activations are quantised in natural order, except that with AVX-512 VNNI
- * whole groups of 8 rows of Q8 activations are stored for two rows to a 512-bit vector
- * (act_pairs, dot_group_pairs): a [576 x 1536] product of 8 rows on one thread of the AMD
- * EPYC, Q4_1 90.5 -> 73.5 us, Q5_0 94 -> 76.7, Q8_0 94 -> 71 (a 256-bit dot-product
- * instruction there takes 0.48 ns, a 512-bit one 0.60).
+ * they are stored in the products' groups of rows, a pair's words side by side, so that the
+ * products run two rows to a 512-bit vector (act_word, dot_group_pairs): a [576 x 1536]
+ * product of 8 rows on one thread of the AMD EPYC, Q4_1 90.5 -> 73.5 us, Q5_0 94 -> 76.7,
+ * Q8_0 94 -> 71, Q4_K 80 -> 75.5, Q6_K 92 -> 86.5 (a 256-bit dot-product instruction there
+ * takes 0.48 ns, a 512-bit one 0.60).
  *
  * Each dot computes, for every row, the same operations in the same order whether it runs
  * with 1 or ROWS rows (the rows only share the weights' decoding; the lanes of a group never
@@ -86,9 +87,8 @@
 #define ROWS 4
 #endif
 
-/* With AVX-512 (F, VL, BW and VNNI), whole groups of 8 activation rows of the Q8 types run
- * two rows to a 512-bit vector (dot_group_pairs), and quantize_q8 stores them for it
- * (act_pairs). */
+/* With AVX-512 (F, VL, BW and VNNI), the products take activation rows two to a 512-bit
+ * vector (dot_group_pairs, dot_group_k), and the quantisers store them for it (act_word). */
 #if defined(__AVX512F__) && defined(__AVX512VL__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define PAIRED 1
 #else
@@ -123,13 +123,14 @@ INLINE int64_t weight_row_bytes(int64_t kind, int64_t k) {
 
 /* ---- activations -------------------------------------------------------------------- */
 
-/* Quantised activation rows: q[row * q_stride ...] int8; d[row * d_stride + block] the
- * scales; s the Q8 blocks' d Σq; bsums[row * (k / 16) + j] the Q8_K sums of 16. */
+/* Quantised activation rows, m of k values (nb blocks each): q int8 (act_word), d the
+ * scales (act_scale for Q8; d[row * nb + super-block] for Q8_K), s the Q8 blocks' d Σq
+ * (act_scale), bsums[row * (k / 16) + j] the Q8_K sums of 16. */
 typedef struct {
     const int8_t *q;
     const float *d, *s;
     const int16_t *bsums;
-    int64_t k, q_stride, d_stride;
+    int64_t k, m, nb;
 } acts;
 
 /* 32 values times `by` as int8 (rounded to nearest even, at most 127) at `low` (values
@@ -178,61 +179,84 @@ INLINE float block_amax(const float *src, int n) {
     return amax;
 }
 
-/* Where row i's block b of Q8 activations lives, with PAIRED: rows in whole groups of 8
- * (i < paired) keep each block's 4-byte word c of row r at byte ((g nb + b) 8 + c) 32 + 4 r
- * of q (g = i / 8, r = i % 8: rows r and r + 1 side by side, for one 8-byte broadcast) and
- * their scales at (g nb + b) 8 + r of d and s; the rows after them, and every row
- * elsewhere, are row after row (q at i k + 32 b, d and s at i nb + b). */
-INLINE int64_t act_pairs(int64_t i, int64_t b, int64_t nb) { return (i / 8 * nb + b) * 8 + i % 8; }
-
-/* Byte of word `word` (4 bytes) of row i's block b of `values` values, in rows stored as
- * act_pairs has them (Q8 blocks of 32, or Q8_K super-blocks of 256): rows r and r + 1 of a
- * group of 8 side by side, each word of a block 32 bytes after the one before. */
-INLINE int64_t paired_word(int64_t i, int64_t b, int64_t nb, int values, int64_t word) {
-    return ((i / 8 * nb + b) * (values / 4) + word) * 32 + i % 8 * 4;
+/* Where activation rows keep their blocks. With PAIRED they are stored in the groups the
+ * products take them in (rows 8g .. 8g + 7, then the m % 8 left): in a group of G rows from
+ * row i, word c (4 bytes) of block b of its row r sits ((b W + c) G + r) 4 bytes after byte
+ * i k (W = values / 4 words a block), so rows r and r + 1 are side by side (one 8-byte
+ * broadcast for the pair) and a group of one row is the row as it came; the products know
+ * G (their row count), so the offsets are constants there. Without PAIRED, rows one after
+ * another. act_word: that byte, for blocks of `values` (Q8: 32, Q8_K: 256). */
+INLINE int64_t act_word(int64_t i, int rows, int r, int64_t b, int64_t nb, int values, int64_t word) {
+#if PAIRED
+    return i * nb * values + ((b * (values / 4) + word) * rows + r) * 4;
+#else
+    (void)rows;
+    return ((i + r) * nb + b) * values + word * 4;
+#endif
 }
 
-/* A quantised block of row i (values bytes at `block`) stored as paired_word has it. */
-INLINE void store_paired(int8_t *q, int64_t i, int64_t b, int64_t nb, int values, const int8_t *block) {
-    for (int c = 0; c < values / 4; c++) memcpy(q + paired_word(i, b, nb, values, c), block + 4 * c, 4);
+/* Bytes from one word of a row's block to the next, in a group of `rows` (act_word). */
+#define ACT_STEP(rows) (PAIRED ? 4 * (rows) : 4)
+
+/* Where row r of a group of `rows` from row i keeps its Q8 block b's d and s: i nb + b G + r
+ * with PAIRED (a pair's two side by side), else (i + r) nb + b. */
+INLINE int64_t act_scale(int64_t i, int rows, int r, int64_t b, int64_t nb) {
+#if PAIRED
+    return i * nb + b * rows + r;
+#else
+    (void)rows;
+    return (i + r) * nb + b;
+#endif
 }
 
-/* Q8 blocks of x[m, k] (row stride ldx): q[m, k], d and s [m, k / 32] (see act_pairs). */
+/* Row i of m as the products group it: the group's first row, its row count and i's place. */
+INLINE void act_group(int64_t i, int64_t m, int64_t *first, int *rows, int *r) {
+    *first = PAIRED ? i / 8 * 8 : i;
+    *rows = PAIRED ? (int)(m - *first < 8 ? m - *first : 8) : 1;
+    *r = (int)(i - *first);
+}
+
+/* A quantised block of row i of m (`values` bytes at `block`) stored where act_word says. */
+INLINE void store_block(int8_t *q, int64_t i, int64_t m, int64_t b, int64_t nb, int values, const int8_t *block) {
+    int64_t first;
+    int rows, r;
+    act_group(i, m, &first, &rows, &r);
+    for (int c = 0; c < values / 4; c++) memcpy(q + act_word(first, rows, r, b, nb, values, c), block + 4 * c, 4);
+}
+
+/* Q8 blocks of x[m, k] (row stride ldx): q[m, k], d and s [m, k / 32], where act_word and
+ * act_scale say. */
 static void quantize_q8(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *d,
                         float *s, acts *out) {
-    const int64_t nb = k / BLOCK, paired = PAIRED ? m / 8 * 8 : 0;
+    const int64_t nb = k / BLOCK;
     for (int64_t i = 0; i < m; i++) {
-        int8_t *row = q + i * k;
+        int64_t first;
+        int rows, r;
+        act_group(i, m, &first, &rows, &r);
         for (int64_t b = 0; b < nb; b++) {
             const float *src = x + i * ldx + b * BLOCK;
             float scale = block_amax(src, BLOCK) / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
             int sums[2];
-            int64_t at = i * nb + b;
-            if (i < paired) {
-                int8_t block[BLOCK];
-                quantize_block(src, inverse, block, block + 16, sums);
-                store_paired(q, i, b, nb, BLOCK, block);
-                at = act_pairs(i, b, nb);
-            } else {
-                quantize_block(src, inverse, row + b * BLOCK, row + b * BLOCK + 16, sums);
-            }
+            int8_t block[BLOCK];
+            quantize_block(src, inverse, block, block + 16, sums);
+            store_block(q, i, m, b, nb, BLOCK, block);
+            const int64_t at = act_scale(first, rows, r, b, nb);
             d[at] = scale;
             s[at] = scale * (float)(sums[0] + sums[1]);
         }
     }
-    *out = (acts){q, d, s, NULL, k, k, nb};
+    *out = (acts){q, d, s, NULL, k, m, nb};
 }
 
-/* Q8_K super-blocks of x[m, k] (k a multiple of 256): q[m, k] (rows in whole groups of 8
- * as paired_word has them, with PAIRED), d[m, k / 256], bsums[m, k / 16]. */
+/* Q8_K super-blocks of x[m, k] (k a multiple of 256): q[m, k] where act_word says,
+ * d[m, k / 256], bsums[m, k / 16]. */
 static void quantize_q8_k(const float *x, int64_t m, int64_t k, int64_t ldx, int8_t *q, float *d,
                           int16_t *bsums, acts *out) {
-    const int64_t nb = k / SUPER, paired = PAIRED ? m / 8 * 8 : 0;
-    int8_t super[SUPER];
+    const int64_t nb = k / SUPER;
+    int8_t dst[SUPER];
     for (int64_t i = 0; i < m; i++) {
         for (int64_t b = 0; b < nb; b++) {
             const float *src = x + i * ldx + b * SUPER;
-            int8_t *dst = i < paired ? super : q + i * k + b * SUPER;
             int16_t *sums = bsums + i * (k / 16) + b * 16;
             float amax = block_amax(src, SUPER), max = 0.0f;
             for (int j = 0; j < SUPER; j++) /* the first value of that magnitude, with its sign */
@@ -249,10 +273,10 @@ static void quantize_q8_k(const float *x, int64_t m, int64_t k, int64_t ldx, int
                 }
                 d[i * nb + b] = 1.0f / by;
             }
-            if (i < paired) store_paired(q, i, b, nb, SUPER, super);
+            store_block(q, i, m, b, nb, SUPER, dst);
         }
     }
-    *out = (acts){q, d, NULL, bsums, k, k, nb};
+    *out = (acts){q, d, NULL, bsums, k, m, nb};
 }
 
 /* ---- vector helpers ------------------------------------------------------------------- */
@@ -380,18 +404,20 @@ INLINE __m256 load_lane_halves(const uint8_t *p, int t) {
  * 128 s), u = v + 128) and Q5_0 (dw (da Σuq - 16 s)) take one fma for the offset and one
  * for the scale, Q4_1 and Q5_1 (dw da Σuq + mw s) a product and two fmas. */
 #if PAIRED
-/* dot_group for a whole group of 8 activation rows (i a multiple of 8, stored as act_pairs
- * has them) on 512-bit vectors: lane 2n + j of pair p is weight row n against activation
- * row 2p + j, so one dot-product instruction serves two rows (the weights' lanes doubled
- * once a block, each pair's activations one 8-byte broadcast). Lane by lane the same
- * operations in the same order as dot_group's, so a row's result is the same in either. */
-INLINE void dot_group_pairs(int kind, const uint8_t *w, int t, const acts *a, int64_t i,
+/* dot_group for the pairs of a group of `rows` activation rows from row i (stored as
+ * act_word has them) on 512-bit vectors: lane 2n + j of pair p is weight row n against
+ * activation row i + 2p + j, so one dot-product instruction serves two rows (the weights'
+ * lanes doubled once a block, each pair's activations one 8-byte broadcast). Lane by lane
+ * the same operations in the same order as dot_group_rows', so a row's result is the same
+ * in either. */
+INLINE void dot_group_pairs(int kind, const uint8_t *w, int t, const acts *a, int64_t i, int rows,
                             float out[][GROUP]) {
     const int64_t nb = a->k / BLOCK, size = block_bytes(kind) * t, at = scales_at(kind, t);
+    const int pairs = rows / 2;
     const __m512i doubled = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
     const __m256i low = _mm256_set1_epi8(0x0F);
     __m512 acc[4];
-    for (int p = 0; p < 4; p++) acc[p] = _mm512_setzero_ps();
+    for (int p = 0; p < pairs; p++) acc[p] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *block = w + b * size;
         __m512i u[8];
@@ -410,20 +436,20 @@ INLINE void dot_group_pairs(int kind, const uint8_t *w, int t, const acts *a, in
         const __m512 mw = kind == KIND_Q4_1 || kind == KIND_Q5_1
                               ? _mm512_permutexvar_ps(doubled, _mm512_castps256_ps512(load_lane_halves(block + at + 2 * t, t)))
                               : dw;
-        const int64_t first = act_pairs(i, b, nb);
-        const int8_t *words = a->q + paired_word(i, b, nb, BLOCK, 0);
-        for (int p = 0; p < 4; p++) {
+        for (int p = 0; p < pairs; p++) {
+            const int64_t first = act_scale(i, rows, 2 * p, b, nb);
+            const int8_t *words = a->q + act_word(i, rows, 2 * p, b, nb, BLOCK, 0);
             __m512i sums = _mm512_setzero_si512();
             for (int c = 0; c < 8; c++) {
                 /* the four activations vector c's weights meet, of rows 2p and 2p + 1 */
                 const int word = kind == KIND_Q8_0 ? c : (c % 2) * 4 + c / 2;
                 int64_t two;
-                memcpy(&two, words + word * 32 + p * 8, sizeof two);
+                memcpy(&two, words + word * ACT_STEP(rows), sizeof two);
                 sums = _mm512_dpbusd_epi32(sums, u[c], _mm512_set1_epi64(two));
             }
             double pair_d, pair_s;
-            memcpy(&pair_d, a->d + first + 2 * p, sizeof pair_d);
-            memcpy(&pair_s, a->s + first + 2 * p, sizeof pair_s);
+            memcpy(&pair_d, a->d + first, sizeof pair_d);
+            memcpy(&pair_s, a->s + first, sizeof pair_s);
             const __m512 da = _mm512_castpd_ps(_mm512_set1_pd(pair_d));
             const __m512 sa = _mm512_castpd_ps(_mm512_set1_pd(pair_s));
             const __m512 total = _mm512_cvtepi32_ps(sums);
@@ -437,26 +463,22 @@ INLINE void dot_group_pairs(int kind, const uint8_t *w, int t, const acts *a, in
         }
     }
     const __m512i apart = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
-    for (int p = 0; p < 4; p++) {
-        const __m512 rows = _mm512_permutexvar_ps(apart, acc[p]);
-        _mm256_storeu_ps(out[2 * p], _mm512_castps512_ps256(rows));
-        _mm256_storeu_ps(out[2 * p + 1], _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(rows), 1)));
+    for (int p = 0; p < pairs; p++) {
+        const __m512 two = _mm512_permutexvar_ps(apart, acc[p]);
+        _mm256_storeu_ps(out[2 * p], _mm512_castps512_ps256(two));
+        _mm256_storeu_ps(out[2 * p + 1], _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(two), 1)));
     }
 }
 #endif
 
-INLINE void dot_group(int kind, const uint8_t *w, int t, const acts *a, int64_t i, int rows,
-                      float out[][GROUP]) {
+/* dot_group's rows `from` .. rows - 1 of a group of `rows` from row i, one by one (a row's
+ * lanes one 256-bit vector). */
+INLINE void dot_group_rows(int kind, const uint8_t *w, int t, const acts *a, int64_t i, int rows,
+                           int from, float out[][GROUP]) {
     const int64_t nb = a->k / BLOCK, size = block_bytes(kind) * t, at = scales_at(kind, t);
-#if PAIRED
-    if (rows == 8) {
-        dot_group_pairs(kind, w, t, a, i, out);
-        return;
-    }
-#endif
 #if defined(__AVX2__)
     __m256 acc[ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
+    for (int r = from; r < rows; r++) acc[r] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi8(0x0F);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *block = w + b * size;
@@ -480,50 +502,64 @@ INLINE void dot_group(int kind, const uint8_t *w, int t, const acts *a, int64_t 
         }
         const __m256 dw = load_lane_halves(block + at, t);
         const __m256 mw = kind == KIND_Q4_1 || kind == KIND_Q5_1 ? load_lane_halves(block + at + 2 * t, t) : dw;
-        for (int r = 0; r < rows; r++) {
-            const int8_t *v = a->q + (i + r) * a->q_stride + b * BLOCK;
+        for (int r = from; r < rows; r++) {
+            const int8_t *v = a->q + act_word(i, rows, r, b, nb, BLOCK, 0);
             __m256i sums = _mm256_setzero_si256();
             for (int c = 0; c < 8; c++) {
                 /* the four activations vector c's weights meet, in every lane */
-                const int from = kind == KIND_Q8_0 ? 4 * c : (c % 2) * 16 + (c / 2) * 4;
+                const int word = kind == KIND_Q8_0 ? c : (c % 2) * 4 + c / 2;
                 int32_t four;
-                memcpy(&four, v + from, sizeof four);
+                memcpy(&four, v + word * ACT_STEP(rows), sizeof four);
                 __m256i q = _mm256_set1_epi32(four);
                 if (kind == KIND_Q8_0 && !Q8_0_OFFSET) q = _mm256_sign_epi8(q, signs[c]);
                 sums = dot_add(sums, u[c], q);
             }
-            const float da = a->d[(i + r) * a->d_stride + b];
+            const int64_t scale = act_scale(i, rows, r, b, nb);
+            const float da = a->d[scale];
             const __m256 total = _mm256_cvtepi32_ps(sums);
             if (kind == KIND_Q5_0 || (kind == KIND_Q8_0 && Q8_0_OFFSET)) {
                 const float offset = kind == KIND_Q5_0 ? -16.0f : -128.0f;
                 const __m256 scaled = _mm256_fmadd_ps(total, _mm256_set1_ps(da),
-                                                      _mm256_set1_ps(offset * a->s[(i + r) * a->d_stride + b]));
+                                                      _mm256_set1_ps(offset * a->s[scale]));
                 acc[r] = _mm256_fmadd_ps(dw, scaled, acc[r]);
             } else { /* Q8_0 without VNNI; Q4_1 and Q5_1 then add their mins' share */
                 acc[r] = _mm256_fmadd_ps(dw, _mm256_mul_ps(total, _mm256_set1_ps(da)), acc[r]);
                 if (kind != KIND_Q8_0)
-                    acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->s[(i + r) * a->d_stride + b]), acc[r]);
+                    acc[r] = _mm256_fmadd_ps(mw, _mm256_set1_ps(a->s[scale]), acc[r]);
             }
         }
     }
-    for (int r = 0; r < rows; r++) _mm256_storeu_ps(out[r], acc[r]);
+    for (int r = from; r < rows; r++) _mm256_storeu_ps(out[r], acc[r]);
 #else
-    for (int r = 0; r < rows; r++)
+    for (int r = from; r < rows; r++)
         for (int n = 0; n < t; n++) {
-            const int8_t *v = a->q + (i + r) * a->q_stride;
             float total = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
                 const uint8_t *block = w + b * size;
+                const int8_t *v = a->q + act_word(i, rows, r, b, nb, BLOCK, 0); /* row after row */
                 int sum = 0;
-                for (int e = 0; e < BLOCK; e++) sum += group_weight(kind, block, t, n, e) * v[b * BLOCK + e];
+                for (int e = 0; e < BLOCK; e++) sum += group_weight(kind, block, t, n, e) * v[e];
                 const float dw = half_at((const uint16_t *)(block + at) + n);
-                const float da = a->d[(i + r) * a->d_stride + b], sa = a->s[(i + r) * a->d_stride + b];
+                const int64_t scale = act_scale(i, rows, r, b, nb);
+                const float da = a->d[scale], sa = a->s[scale];
                 if (kind == KIND_Q5_0) total += dw * (da * (float)sum - 16.0f * sa);
                 else if (kind == KIND_Q8_0) total += dw * (da * (float)sum);
                 else total += dw * (da * (float)sum) + half_at((const uint16_t *)(block + at + 2 * t) + n) * sa;
             }
             out[r][n] = total;
         }
+#endif
+}
+
+/* out[r][n] for the group of `rows` activation rows from row i: with PAIRED its pairs two
+ * to a 512-bit vector (dot_group_pairs) and an odd last row alone, else row by row. */
+INLINE void dot_group(int kind, const uint8_t *w, int t, const acts *a, int64_t i, int rows,
+                      float out[][GROUP]) {
+#if PAIRED
+    if (rows >= 2) dot_group_pairs(kind, w, t, a, i, rows, out);
+    if (rows % 2) dot_group_rows(kind, w, t, a, i, rows, rows - 1, out);
+#else
+    dot_group_rows(kind, w, t, a, i, rows, 0, out);
 #endif
 }
 
@@ -664,13 +700,13 @@ INLINE __m512i doubled_lanes(__m256i x) {
     return _mm512_permutexvar_epi32(doubled, _mm512_castsi256_si512(x));
 }
 
-/* Σ_c u[c] . word c of two activation rows (paired_word's: the pair's 8 bytes at `words`,
- * each word 32 bytes after the one before), lane 2n + j row n's against row j's. */
-INLINE __m512i pair_dot(const __m512i *u, int n, const int8_t *words) {
+/* Σ_c u[c] . word c of two activation rows (act_word's: the pair's 8 bytes at `words`,
+ * each word `step` bytes after the one before), lane 2n + j row n's against row j's. */
+INLINE __m512i pair_dot(const __m512i *u, int n, const int8_t *words, int64_t step) {
     __m512i dot = _mm512_setzero_si512();
     for (int c = 0; c < n; c++) {
         int64_t two;
-        memcpy(&two, words + 32 * c, sizeof two);
+        memcpy(&two, words + step * c, sizeof two);
         dot = _mm512_dpbusd_epi32(dot, u[c], _mm512_set1_epi64(two));
     }
     return dot;
@@ -685,14 +721,15 @@ INLINE void add_pair_apart(__m512i pair, __m256i *first, __m256i *second) {
 }
 #endif
 
-/* With PAIRED, a whole group of 8 activation rows takes the sub-blocks' dot products two rows
- * to a 512-bit vector (its weights' lanes doubled, as dot_group_pairs), and each row's
- * integer sums of a super-block are the same as one by one (integers: exact in any order);
- * the floating-point steps after them are the rows' own, as below. */
+/* With PAIRED, a group's pairs of activation rows take the sub-blocks' dot products two rows
+ * to a 512-bit vector (its weights' lanes doubled, as dot_group_pairs), an odd last row
+ * alone; each row's integer sums of a super-block are the same as one by one (integers:
+ * exact in any order), and the floating-point steps after them are the rows' own. */
 INLINE void dot_group_k(int kind, const uint8_t *w, int t, const acts *a, int64_t i, int rows,
                         float out[][GROUP]) {
     const int64_t nb = a->k / SUPER, size = weight_row_bytes(kind, SUPER) * t;
 #if defined(__AVX2__)
+    const int twos = PAIRED ? rows / 2 : 0; /* pairs of rows */
     __m256 acc[ROWS];
     for (int r = 0; r < rows; r++) acc[r] = _mm256_setzero_ps();
     const __m256i low4 = _mm256_set1_epi8(0x0F);
@@ -701,8 +738,8 @@ INLINE void dot_group_k(int kind, const uint8_t *w, int t, const acts *a, int64_
         __m256i sums[ROWS];
         __m256 d;
 #if PAIRED
-        __m512i paired[4]; /* rows 2p and 2p + 1 (rows == 8) */
-        for (int p = 0; p < 4; p++) paired[p] = _mm512_setzero_si512();
+        __m512i paired[4]; /* rows i + 2p and i + 2p + 1 */
+        for (int p = 0; p < twos; p++) paired[p] = _mm512_setzero_si512();
 #endif
         if (kind == KIND_Q6_K) { /* scales [4][t][4]; per 64 weights ql [4][t][4] twice, qh [4][t][4]; d [t] */
             const uint8_t *sc = block;
@@ -735,29 +772,28 @@ INLINE void dot_group_k(int kind, const uint8_t *w, int t, const acts *a, int64_
                                                   _mm256_and_si256(_mm256_srli_epi16(top, 2), bits2));
                     }
 #if PAIRED
-                    if (rows == 8) {
+                    if (twos > 0)
                         for (int g = 0; g < 4; g++) {
                             const int sub = 8 * h + 2 * g + q;
                             const __m512i scale = doubled_lanes(lane_byte(scales[sub / 4], sub % 4, 1));
                             __m512i doubled[4];
                             for (int c = 0; c < 4; c++) doubled[c] = doubled_lanes(u[g][c]);
-                            for (int p = 0; p < 4; p++) {
-                                const int8_t *words = a->q + paired_word(i + 2 * p, b, nb, SUPER, 4 * sub);
-                                paired[p] = _mm512_add_epi32(paired[p], _mm512_mullo_epi32(pair_dot(doubled, 4, words), scale));
+                            for (int p = 0; p < twos; p++) {
+                                const int8_t *words = a->q + act_word(i, rows, 2 * p, b, nb, SUPER, 4 * sub);
+                                const __m512i dot = pair_dot(doubled, 4, words, ACT_STEP(rows));
+                                paired[p] = _mm512_add_epi32(paired[p], _mm512_mullo_epi32(dot, scale));
                             }
                         }
-                        continue;
-                    }
 #endif
                     for (int g = 0; g < 4; g++) {
                         const int sub = 8 * h + 2 * g + q;
                         const __m256i scale = lane_byte(scales[sub / 4], sub % 4, 1);
-                        for (int r = 0; r < rows; r++) {
-                            const int8_t *v = a->q + (i + r) * a->q_stride + b * SUPER + 16 * sub;
+                        for (int r = 2 * twos; r < rows; r++) {
+                            const int8_t *v = a->q + act_word(i, rows, r, b, nb, SUPER, 4 * sub);
                             __m256i dot = _mm256_setzero_si256();
                             for (int c = 0; c < 4; c++) {
                                 int32_t four;
-                                memcpy(&four, v + 4 * c, sizeof four);
+                                memcpy(&four, v + ACT_STEP(rows) * c, sizeof four);
                                 dot = dot_add(dot, u[g][c], _mm256_set1_epi32(four));
                             }
                             sums[r] = _mm256_add_epi32(sums[r], _mm256_mullo_epi32(dot, scale));
@@ -802,26 +838,26 @@ INLINE void dot_group_k(int kind, const uint8_t *w, int t, const acts *a, int64_
                 const __m256i scale_lo = lane_byte(j < 2 ? scale03 : scale47, (2 * j) % 4, 0);
                 const __m256i scale_hi = lane_byte(j < 2 ? scale03 : scale47, (2 * j + 1) % 4, 0);
 #if PAIRED
-                if (rows == 8) {
+                if (twos > 0) {
                     __m512i lo2[8], hi2[8];
                     for (int c = 0; c < 8; c++) lo2[c] = doubled_lanes(lo[c]), hi2[c] = doubled_lanes(hi[c]);
                     const __m512i scale2_lo = doubled_lanes(scale_lo), scale2_hi = doubled_lanes(scale_hi);
-                    for (int p = 0; p < 4; p++) {
-                        const int8_t *words = a->q + paired_word(i + 2 * p, b, nb, SUPER, 16 * j);
-                        const __m512i dot_lo = _mm512_mullo_epi32(pair_dot(lo2, 8, words), scale2_lo);
-                        const __m512i dot_hi = _mm512_mullo_epi32(pair_dot(hi2, 8, words + 8 * 32), scale2_hi);
+                    for (int p = 0; p < twos; p++) {
+                        const int8_t *words = a->q + act_word(i, rows, 2 * p, b, nb, SUPER, 16 * j);
+                        const int64_t step = ACT_STEP(rows);
+                        const __m512i dot_lo = _mm512_mullo_epi32(pair_dot(lo2, 8, words, step), scale2_lo);
+                        const __m512i dot_hi = _mm512_mullo_epi32(pair_dot(hi2, 8, words + 8 * step, step), scale2_hi);
                         paired[p] = _mm512_add_epi32(paired[p], _mm512_add_epi32(dot_lo, dot_hi));
                     }
-                    continue;
                 }
 #endif
-                for (int r = 0; r < rows; r++) {
-                    const int8_t *v = a->q + (i + r) * a->q_stride + b * SUPER + 64 * j;
+                for (int r = 2 * twos; r < rows; r++) {
+                    const int8_t *v = a->q + act_word(i, rows, r, b, nb, SUPER, 16 * j);
                     __m256i dot_lo = _mm256_setzero_si256(), dot_hi = _mm256_setzero_si256();
                     for (int c = 0; c < 8; c++) {
                         int32_t four[2];
-                        memcpy(&four[0], v + 4 * c, sizeof four[0]);
-                        memcpy(&four[1], v + 32 + 4 * c, sizeof four[1]);
+                        memcpy(&four[0], v + ACT_STEP(rows) * c, sizeof four[0]);
+                        memcpy(&four[1], v + ACT_STEP(rows) * (8 + c), sizeof four[1]);
                         dot_lo = dot_add(dot_lo, lo[c], _mm256_set1_epi32(four[0]));
                         dot_hi = dot_add(dot_hi, hi[c], _mm256_set1_epi32(four[1]));
                     }
@@ -832,16 +868,15 @@ INLINE void dot_group_k(int kind, const uint8_t *w, int t, const acts *a, int64_
             d = load_lane_halves(block + 12 * t, t);
             const __m256 dmin = load_lane_halves(block + 14 * t, t);
             for (int r = 0; r < rows; r++) {
-                const __m256 da = _mm256_set1_ps(a->d[(i + r) * a->d_stride + b]);
+                const __m256 da = _mm256_set1_ps(a->d[(i + r) * nb + b]);
                 acc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, da), _mm256_cvtepi32_ps(mins[r]), acc[r]);
             }
         }
 #if PAIRED
-        if (rows == 8)
-            for (int p = 0; p < 4; p++) add_pair_apart(paired[p], &sums[2 * p], &sums[2 * p + 1]);
+        for (int p = 0; p < twos; p++) add_pair_apart(paired[p], &sums[2 * p], &sums[2 * p + 1]);
 #endif
         for (int r = 0; r < rows; r++) {
-            const __m256 da = _mm256_set1_ps(a->d[(i + r) * a->d_stride + b]);
+            const __m256 da = _mm256_set1_ps(a->d[(i + r) * nb + b]);
             acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, da), _mm256_cvtepi32_ps(sums[r]), acc[r]);
         }
     }
@@ -853,9 +888,9 @@ INLINE void dot_group_k(int kind, const uint8_t *w, int t, const acts *a, int64_
             float total = 0.0f;
             for (int64_t b = 0; b < nb; b++) {
                 k_file_block(kind, w + b * size, t, n, file);
-                const int8_t *v = a->q + (i + r) * a->q_stride + b * SUPER;
+                const int8_t *v = a->q + act_word(i, rows, r, b, nb, SUPER, 0); /* row after row */
                 const int16_t *bsums = a->bsums + (i + r) * (a->k / 16) + b * 16;
-                total += k_super_dot(kind, file, v, bsums, a->d[(i + r) * a->d_stride + b]);
+                total += k_super_dot(kind, file, v, bsums, a->d[(i + r) * nb + b]);
             }
             out[r][n] = total;
         }
