@@ -94,6 +94,8 @@
 #else
 #define PAIRED 0
 #endif
+/* act_group's groups are the products' (blocks.c's group_rows: ROWS rows at a time). */
+_Static_assert(!PAIRED || ROWS == 8, "paired activation groups are 8 rows");
 
 enum { KIND_Q4_1 = 0, KIND_Q8_0 = 1, KIND_Q5_0 = 2, KIND_Q5_1 = 3, KIND_Q4_K = 4, KIND_Q5_K = 5, KIND_Q6_K = 6 };
 enum { ACT_Q8 = 0, ACT_Q8_K = 2 };
