@@ -399,6 +399,39 @@ INLINE __m256 load_lane_halves(const uint8_t *p, int t) {
 }
 #endif
 
+#if defined(__AVX2__)
+/* The weights of a group block of t rows as 8 vectors of unsigned bytes (lane n row n's):
+ * u[c] meets activation word group_word(kind, c); for Q8_0, `signs` are the int8 weights
+ * and u is w + 128 (with VNNI) or |w| (its sign then moves to the activations). */
+INLINE void group_weights(int kind, const uint8_t *block, int t, __m256i u[8], __m256i signs[8]) {
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 8; c++) {
+        if (kind == KIND_Q8_0) {
+            signs[c] = load_lanes(block + c * 4 * t, t);
+            u[c] = Q8_0_OFFSET ? _mm256_xor_si256(signs[c], _mm256_set1_epi8((char)0x80)) /* w + 128 */
+                               : _mm256_sign_epi8(signs[c], signs[c]); /* |w| */
+        } else { /* u[2c']: weights 4c'.. (low nibbles of word c'), u[2c' + 1]: 16 + 4c'.. */
+            const __m256i packed = load_lanes(block + c / 2 * 4 * t, t);
+            u[c] = _mm256_and_si256(c % 2 ? _mm256_srli_epi16(packed, 4) : packed, low);
+            if (has_fifth(kind)) u[c] = add_fifth(u[c], fifth_mask(block + 16 * t, t, c));
+        }
+    }
+}
+#endif
+
+/* The activation word (4 values) weight vector c of group_weights meets. */
+INLINE int group_word(int kind, int c) { return kind == KIND_Q8_0 ? c : (c % 2) * 4 + c / 2; }
+
+#if PAIRED
+/* Lane n of x in lanes 2n and 2n + 1. */
+INLINE __m512i doubled_lanes(__m256i x) {
+    const __m512i doubled = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+    return _mm512_permutexvar_epi32(doubled, _mm512_castsi256_si512(x));
+}
+
+INLINE __m512 doubled_floats(__m256 x) { return _mm512_castsi512_ps(doubled_lanes(_mm256_castps_si256(x))); }
+#endif
+
 /* out[r][n] = activation row (i + r) . row n of a group of t rows at `w` (its blocks one
  * after another), r < rows, n < t, for a group type `kind`. `rows` and `kind` are
  * constants where this is inlined, so the loops over r unroll. Per block, the integer sums
@@ -416,37 +449,24 @@ INLINE void dot_group_pairs(int kind, const uint8_t *w, int t, const acts *a, in
                             float out[][GROUP]) {
     const int64_t nb = a->k / BLOCK, size = block_bytes(kind) * t, at = scales_at(kind, t);
     const int pairs = rows / 2;
-    const __m512i doubled = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    const __m256i low = _mm256_set1_epi8(0x0F);
     __m512 acc[4];
     for (int p = 0; p < pairs; p++) acc[p] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *block = w + b * size;
+        __m256i lanes[8], signs[8];
+        group_weights(kind, block, t, lanes, signs); /* VNNI: Q8_0 as w + 128 */
         __m512i u[8];
-        for (int c = 0; c < 8; c++) {
-            __m256i lanes;
-            if (kind == KIND_Q8_0) { /* w + 128 */
-                lanes = _mm256_xor_si256(load_lanes(block + c * 4 * t, t), _mm256_set1_epi8((char)0x80));
-            } else { /* u[2c]: weights 4c.., u[2c + 1]: 16 + 4c.. */
-                __m256i packed = load_lanes(block + c / 2 * 4 * t, t);
-                lanes = _mm256_and_si256(c % 2 ? _mm256_srli_epi16(packed, 4) : packed, low);
-                if (has_fifth(kind)) lanes = add_fifth(lanes, fifth_mask(block + 16 * t, t, c));
-            }
-            u[c] = _mm512_permutexvar_epi32(doubled, _mm512_castsi256_si512(lanes));
-        }
-        const __m512 dw = _mm512_permutexvar_ps(doubled, _mm512_castps256_ps512(load_lane_halves(block + at, t)));
-        const __m512 mw = kind == KIND_Q4_1 || kind == KIND_Q5_1
-                              ? _mm512_permutexvar_ps(doubled, _mm512_castps256_ps512(load_lane_halves(block + at + 2 * t, t)))
-                              : dw;
+        for (int c = 0; c < 8; c++) u[c] = doubled_lanes(lanes[c]);
+        const __m512 dw = doubled_floats(load_lane_halves(block + at, t));
+        const __m512 mw = kind == KIND_Q4_1 || kind == KIND_Q5_1 ? doubled_floats(load_lane_halves(block + at + 2 * t, t)) : dw;
         for (int p = 0; p < pairs; p++) {
             const int64_t first = act_scale(i, rows, 2 * p, b, nb);
             const int8_t *words = a->q + act_word(i, rows, 2 * p, b, nb, BLOCK, 0);
             __m512i sums = _mm512_setzero_si512();
             for (int c = 0; c < 8; c++) {
                 /* the four activations vector c's weights meet, of rows 2p and 2p + 1 */
-                const int word = kind == KIND_Q8_0 ? c : (c % 2) * 4 + c / 2;
                 int64_t two;
-                memcpy(&two, words + word * ACT_STEP(rows), sizeof two);
+                memcpy(&two, words + group_word(kind, c) * ACT_STEP(rows), sizeof two);
                 sums = _mm512_dpbusd_epi32(sums, u[c], _mm512_set1_epi64(two));
             }
             double pair_d, pair_s;
@@ -481,27 +501,10 @@ INLINE void dot_group_rows(int kind, const uint8_t *w, int t, const acts *a, int
 #if defined(__AVX2__)
     __m256 acc[ROWS];
     for (int r = from; r < rows; r++) acc[r] = _mm256_setzero_ps();
-    const __m256i low = _mm256_set1_epi8(0x0F);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *block = w + b * size;
         __m256i u[8], signs[8];
-        if (kind == KIND_Q8_0) {
-            for (int c = 0; c < 8; c++) {
-                signs[c] = load_lanes(block + c * 4 * t, t);
-                u[c] = Q8_0_OFFSET ? _mm256_xor_si256(signs[c], _mm256_set1_epi8((char)0x80)) /* w + 128 */
-                                   : _mm256_sign_epi8(signs[c], signs[c]); /* |w|; its sign moves to q */
-            }
-        } else {
-            for (int c = 0; c < 4; c++) { /* u[2c]: weights 4c.., u[2c + 1]: 16 + 4c.. */
-                __m256i packed = load_lanes(block + c * 4 * t, t);
-                u[2 * c] = _mm256_and_si256(packed, low);
-                u[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
-                if (has_fifth(kind)) {
-                    u[2 * c] = add_fifth(u[2 * c], fifth_mask(block + 16 * t, t, 2 * c));
-                    u[2 * c + 1] = add_fifth(u[2 * c + 1], fifth_mask(block + 16 * t, t, 2 * c + 1));
-                }
-            }
-        }
+        group_weights(kind, block, t, u, signs);
         const __m256 dw = load_lane_halves(block + at, t);
         const __m256 mw = kind == KIND_Q4_1 || kind == KIND_Q5_1 ? load_lane_halves(block + at + 2 * t, t) : dw;
         for (int r = from; r < rows; r++) {
@@ -509,9 +512,8 @@ INLINE void dot_group_rows(int kind, const uint8_t *w, int t, const acts *a, int
             __m256i sums = _mm256_setzero_si256();
             for (int c = 0; c < 8; c++) {
                 /* the four activations vector c's weights meet, in every lane */
-                const int word = kind == KIND_Q8_0 ? c : (c % 2) * 4 + c / 2;
                 int32_t four;
-                memcpy(&four, v + word * ACT_STEP(rows), sizeof four);
+                memcpy(&four, v + group_word(kind, c) * ACT_STEP(rows), sizeof four);
                 __m256i q = _mm256_set1_epi32(four);
                 if (kind == KIND_Q8_0 && !Q8_0_OFFSET) q = _mm256_sign_epi8(q, signs[c]);
                 sums = dot_add(sums, u[c], q);
@@ -696,12 +698,6 @@ INLINE __m256i fifth_of(__m256i qh, int bit) {
  * integer multiply for 8 rows); the super-block's integer sum, exact in int32 as in
  * llama.cpp, is converted and scaled once in each lane. */
 #if PAIRED
-/* Lane n of x in lanes 2n and 2n + 1. */
-INLINE __m512i doubled_lanes(__m256i x) {
-    const __m512i doubled = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    return _mm512_permutexvar_epi32(doubled, _mm512_castsi256_si512(x));
-}
-
 /* Σ_c u[c] . word c of two activation rows (act_word's: the pair's 8 bytes at `words`,
  * each word `step` bytes after the one before), lane 2n + j row n's against row j's. */
 INLINE __m512i pair_dot(const __m512i *u, int n, const int8_t *words, int64_t step) {
