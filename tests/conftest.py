@@ -14,11 +14,25 @@ from typing import Any
 import pytest
 
 import slotserve as ss
+from slotserve.locks import check_lock_order, clear_lock_order_violations, lock_order_violations
 from slotserve.native import Kernels, build_kernels
 from slotserve.testing import write_tiny_gguf, write_tiny_hf_dir
 from tests.exports import BUNDLED_FP32, Export, ExportFarm, write_tied_llama
 
 DATA = Path(__file__).parent / "data"
+
+# Every test checks the lock order (`slotserve.locks`), servers it starts too (the variable).
+os.environ["SLOTSERVE_LOCK_CHECK"] = "1"
+check_lock_order(True)
+
+
+@pytest.fixture(autouse=True)
+def lock_order() -> Iterator[None]:
+    """A test fails if any thread took locks against the order while it ran, even where
+    the `LockOrderError` was caught and logged (a writer thread, a step)."""
+    clear_lock_order_violations()
+    yield
+    assert not lock_order_violations(), lock_order_violations()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -19,6 +19,7 @@ LAYERS: dict[str, int] = {
     "tokenizer": 0,
     "memory": 0,
     "paths": 0,
+    "locks": 0,
     "native": 1,
     "kv": 2,
     "sampling": 2,

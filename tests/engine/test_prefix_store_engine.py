@@ -29,7 +29,11 @@ from slotserve.testing import write_tiny_gguf
 from tests.engine.test_exactness import trace
 
 GREEDY = ss.SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True, logprobs=5)
-CELL: dict[str, Any] = {"kv_layout": "cell", "block_size": 8, "max_seqs": 2, "max_context": 256}
+# (The tiny conversations here are shorter than the store's default minimum to write.)
+CELL: dict[str, Any] = {
+    "kv_layout": "cell", "block_size": 8, "max_seqs": 2, "max_context": 256,
+    "prefix_store_min_tokens": 1,
+}  # fmt: skip
 USER_TURNS = [[40 + i, 90 + 3 * i, 7, 11 + i] for i in range(5)]
 
 
@@ -183,7 +187,8 @@ def test_the_disk_budget_holds_under_a_storm_of_distinct_prefixes(
     assert engine.prefix is not None and engine.prefix.store is not None
     for i in range(24):
         prompt = [1 + (i * 31 + j * 7) % 250 for j in range(40)]
-        engine.submit(prompt, ss.SamplingParams(temperature=0, max_new_tokens=2)).result()
+        params = ss.SamplingParams(temperature=0, max_new_tokens=2)
+        engine.submit(prompt, params, publish_completion=True).result()  # each a turn, written
         assert store_stats(engine).bytes <= 200_000
         if i % 2:
             # Every other prompt waits for the writer, so enough files land that the budget

@@ -60,8 +60,13 @@ def make_cache(
     layout: str = "cell",
     **options: Any,
 ) -> PrefixCache:
+    """A cache over a new pool with a store in ``directory`` that writes every published
+    prompt at once (``write_prompts``: these tests are about the files; the engine's
+    policy, prompts written once hit, has tests of its own)."""
     pool = make_pool(info, dtype, layout=layout)
-    return PrefixCache(pool, 1 << 20, make_store(directory, pool, budget, **options))
+    write_prompts = options.pop("write_prompts", True)
+    store = make_store(directory, pool, budget, **options)
+    return PrefixCache(pool, 1 << 20, store, write_prompts=write_prompts)
 
 
 def rows(info: ModelInfo, tokens: list[int], start: int, layer: int) -> torch.Tensor:

@@ -11,7 +11,13 @@ import argparse
 import dataclasses
 from typing import Any
 
-from slotserve.engine.config import BUDGET_SCOPES, DEFAULT_PREFIX_STORE_BYTES, EngineConfig
+from slotserve.engine.config import (
+    BUDGET_SCOPES,
+    DEFAULT_PREFIX_STORE_BYTES,
+    DEFAULT_PREFIX_STORE_MIN_TOKENS,
+    DEFAULT_PREFIX_STORE_WRITE_RATE,
+    EngineConfig,
+)
 from slotserve.engine.presets import PRESET_NAMES, PresetChoice, choose_preset
 from slotserve.engine.pressure import PRESSURE_SPELLINGS, PressureSource, pressure_from
 from slotserve.kv.config import KV_DTYPES
@@ -124,7 +130,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_prefix_store_args(parser: argparse.ArgumentParser) -> None:
-    """``--prefix-store DIR`` and ``--prefix-store-bytes`` (read by `with_prefix_store`)."""
+    """``--prefix-store DIR``, ``--prefix-store-bytes``, ``--prefix-store-write-rate`` and
+    ``--prefix-store-min-tokens`` (read by `with_prefix_store`)."""
     parser.add_argument(
         "--prefix-store",
         default=None,
@@ -141,6 +148,22 @@ def add_prefix_store_args(parser: argparse.ArgumentParser) -> None:
         help=f"disk the prefix store may use, least recently used files evicted first "
         f"(default {DEFAULT_PREFIX_STORE_BYTES})",
     )
+    parser.add_argument(
+        "--prefix-store-write-rate",
+        type=parse_bytes,
+        default=None,
+        metavar="BYTES",
+        help="bytes a second the prefix store may write on average (flash wears); a "
+        f"snapshot past it is skipped and counted (default {DEFAULT_PREFIX_STORE_WRITE_RATE})",
+    )
+    parser.add_argument(
+        "--prefix-store-min-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="write only snapshots of at least N tokens: shorter ones are cheaper to compute "
+        f"again (default {DEFAULT_PREFIX_STORE_MIN_TOKENS})",
+    )
 
 
 def with_prefix_store(config: EngineConfig, args: argparse.Namespace) -> EngineConfig:
@@ -156,7 +179,14 @@ def with_prefix_store(config: EngineConfig, args: argparse.Namespace) -> EngineC
             "restore is not bit-exact: see the log); pass --prefix-cache BYTES to turn it on"
         )
     store_bytes = args.prefix_store_bytes or DEFAULT_PREFIX_STORE_BYTES
-    return dataclasses.replace(config, prefix_store=directory, prefix_store_bytes=store_bytes)
+    rate = getattr(args, "prefix_store_write_rate", None) or DEFAULT_PREFIX_STORE_WRITE_RATE
+    min_tokens = getattr(args, "prefix_store_min_tokens", None)
+    if min_tokens is None:
+        min_tokens = DEFAULT_PREFIX_STORE_MIN_TOKENS
+    return dataclasses.replace(
+        config, prefix_store=directory, prefix_store_bytes=store_bytes,
+        prefix_store_write_rate=rate, prefix_store_min_tokens=min_tokens,
+    )  # fmt: skip
 
 
 def add_pressure_arg(parser: argparse.ArgumentParser) -> None:

@@ -126,19 +126,25 @@ class Admission:
         self.counters.refusals[reason] += 1
         return AdmissionRefused(reason, self._message(reason))
 
-    def readmit(self) -> None:
+    def readmit(self) -> list[tuple[Request, PendingRestore]]:
         """Bind queued requests in class order, then arrival order; stop at the first that
-        cannot be bound, so a large request is not starved by smaller ones behind it."""
+        cannot be bound, so a large request is not starved by smaller ones behind it. Those
+        bound to be restored from the prefix store come back with their `PendingRestore`
+        (read without the lock, as at submit: a disk read never holds the step loop)."""
+        pending: list[tuple[Request, PendingRestore]] = []
         for request in sorted(self.queue, key=lambda r: PRIORITIES.index(r.priority)):
             if self._blocker(request) is not None:
                 if request.priority == "background":
                     continue  # paused by pressure: others may still go
                 break
             try:
-                self._bind(request)
+                restore = self._bind(request, defer_store=True)
             except KVExhausted:
                 break
             self.queue.remove(request)
+            if restore is not None:
+                pending.append((request, restore))
+        return pending
 
     def take_leaving(self, now: float) -> list[tuple[Request, str]]:
         """Remove and return the queued requests that leave without running: cancelled

@@ -23,6 +23,11 @@ BUDGET_SCOPES: tuple[BudgetScope, ...] = ("model", "process")
 DEFAULT_BACKGROUND_SHARE = 0.1
 # The disk the prefix store may take when prefix_store is set and its bytes are not.
 DEFAULT_PREFIX_STORE_BYTES = "4GiB"
+# A device's flash is a budget too: the store writes at most this many bytes a second on
+# average (a burst of `slotserve.prefix.store.WRITE_BURST_S` seconds' worth at once), and
+# only snapshots of at least this many tokens (shorter ones are cheaper to compute again).
+DEFAULT_PREFIX_STORE_WRITE_RATE = "4MiB"
+DEFAULT_PREFIX_STORE_MIN_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -47,7 +52,10 @@ class EngineConfig:
     wrapped ring no longer holds).
     ``prefix_store`` (a directory; None: off) gives the prefix cache a disk tier of at most
     ``prefix_store_bytes``: snapshots are written there in the background and restored
-    after a restart (`slotserve.prefix.store`); it needs the prefix cache on.
+    after a restart (`slotserve.prefix.store`); it needs the prefix cache on. Only
+    snapshots likely to be used again are written (a conversation's latest turn, a prompt
+    that was hit), of at least ``prefix_store_min_tokens`` tokens, at most
+    ``prefix_store_write_rate`` bytes a second on average.
     ``kernels="auto"`` attends decode-sized steps with the compiled kernel the model was
     loaded with (`slotserve.native`); ``"off"`` keeps torch SDPA for every step (the
     model's own kernels are chosen at load: ``slotserve.load(..., kernels="off")``).
@@ -80,6 +88,8 @@ class EngineConfig:
     prefix_cache_bytes: int | str = 0
     prefix_store: str | Path | None = None
     prefix_store_bytes: int | str = DEFAULT_PREFIX_STORE_BYTES
+    prefix_store_write_rate: int | str = DEFAULT_PREFIX_STORE_WRITE_RATE
+    prefix_store_min_tokens: int = DEFAULT_PREFIX_STORE_MIN_TOKENS
     kernels: KernelChoice = "auto"
     budget_scope: BudgetScope = "model"
 
@@ -112,6 +122,15 @@ class EngineConfig:
                 raise ValueError("prefix_store='' is not a directory; pass one, or None (off)")
             if self.prefix_store_budget <= 0:
                 raise ValueError(f"prefix_store_bytes={self.prefix_store_bytes!r} must be > 0")
+            if parse_bytes(self.prefix_store_write_rate) <= 0:
+                raise ValueError(
+                    f"prefix_store_write_rate={self.prefix_store_write_rate!r} must be > 0 "
+                    "bytes a second (serve: --prefix-store-write-rate, e.g. 4MiB)"
+                )
+            if self.prefix_store_min_tokens < 1:
+                raise ValueError(
+                    f"prefix_store_min_tokens={self.prefix_store_min_tokens} must be >= 1"
+                )
             if not self.prefix_cache_budget:
                 raise ValueError(
                     f"prefix_store={str(self.prefix_store)!r} is the prefix cache's disk tier "

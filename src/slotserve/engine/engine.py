@@ -17,11 +17,18 @@ flat layout every generation does, its slot parked (`KVPool.parks_slots`). Closi
 empties the cache, so the pool is back at its baseline. With ``prefix_store`` the cache has
 a disk tier (`slotserve.prefix.store`), opened and indexed here: snapshots are written by
 its own thread and a restart restores them; closing waits for its queued writes. A
-request that `submit` binds to be restored from the store is read into its own fresh
-reservation by the engine's restore thread, without the engine lock (`PrefixCache.read`):
-`submit` returns at once and the steps of the others go on meanwhile; the request is
-neither stepped nor reaped until the read is committed (`_restore`), so a cancel of it
-waits for the read. One re-admitted from the queue is read under the lock.
+request bound to be restored from the store (by `submit`, or re-admitted from the queue) is
+read into its own fresh reservation by the engine's restore thread, never under the engine
+lock (`PrefixCache.read`): `submit` returns at once and the steps of the others go on
+meanwhile; the request is neither stepped nor reaped until the read is committed
+(`_restore`), and a cancel stops the read at its next part, so it is released at the step
+boundary after that.
+
+Locks: the engine lock ranks first (`slotserve.locks`): under it the engine may take the
+store's lock (inside the cache) and a write ticket's, never the other way round. A handle
+dropped without cancel (a weakref finalizer, run by whatever thread a garbage-collection
+pass lands on) takes no lock: it records its id (`_drop`) and the engine thread cancels it
+at its next batch boundary.
 
 An engine still open when the interpreter exits is closed first (its thread stopped
 between steps), so a script may end while requests run.
@@ -36,9 +43,10 @@ import logging
 import threading
 import time
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from slotserve.engine.admission import Admission, build_request
 from slotserve.engine.cancel_bound import CancelBound, declare_cancel_bound, largest_step_tokens
@@ -62,7 +70,8 @@ from slotserve.errors import AdmissionRefused, KVExhausted
 from slotserve.executor import Executor, HiddenStates, executor_for
 from slotserve.kv.batch import StepBatch
 from slotserve.kv.pool import KVPool
-from slotserve.memory import rss_bytes, trim_heap
+from slotserve.locks import ENGINE, OrderedLock
+from slotserve.memory import parse_bytes, rss_bytes, trim_heap
 from slotserve.model import Model
 from slotserve.native.threads import on_own_thread
 from slotserve.prefix import PendingRestore, PrefixCache, PrefixStore, open_store
@@ -120,7 +129,9 @@ class Engine:
         self.on_finished = on_finished
         self.clock = clock
         self.counters = EngineCounters()
-        self._lock = threading.Condition(threading.RLock())
+        # (A Condition takes any lock with the RLock's methods; typeshed names only its own.)
+        lock: Any = OrderedLock("engine", ENGINE, reentrant=True)
+        self._lock = threading.Condition(lock)
         self._admission = Admission(
             self.config, self.pool, self.counters, clock, self._under_pressure, self.prefix
         )
@@ -128,9 +139,13 @@ class Engine:
         self._stepper = Stepper(executor, self.pool, clock)
         self._known: weakref.WeakValueDictionary[int, Request] = weakref.WeakValueDictionary()
         self._restoring: set[int] = set()  # bound, their stored prefix being read (_restore)
+        # (An empty store is falsy: its length is its files.)
         self._restorer = (
-            ThreadPoolExecutor(1, thread_name_prefix="slotserve-restore") if store else None
+            ThreadPoolExecutor(1, thread_name_prefix="slotserve-restore")
+            if store is not None
+            else None
         )
+        self._dropped: deque[int] = deque()  # handles collected without cancel (`_drop`)
         self._ids = itertools.count()
         self._steps_taken = 0
         self._idle_since: float | None = None  # engine thread only: `_trim_when_idle`
@@ -149,6 +164,8 @@ class Engine:
         return open_store(
             config.prefix_store, config.prefix_store_budget, self.model, self.pool,
             attention_kernel=attention_kernel,
+            write_rate=parse_bytes(config.prefix_store_write_rate),
+            min_tokens=config.prefix_store_min_tokens,
         )  # fmt: skip
 
     # -- caller API (any thread) -----------------------------------------------------
@@ -194,22 +211,26 @@ class Engine:
             pending = self._admission.admit(request, queue, defer_store=True)
             self._known[request.request_id] = request
             if pending is not None:
-                self._restoring.add(request.request_id)
+                self._start_restore(request, pending)
             self._lock.notify_all()
-        if pending is not None:
-            assert self._restorer is not None  # a pending restore needs the store
-            self._restorer.submit(self._restore, request, pending)
-        return RequestHandle(request.request_id, request.sink, self._cancel)
+        return RequestHandle(request.request_id, request.sink, self._cancel, self._drop)
+
+    def _start_restore(self, request: Request, pending: PendingRestore) -> None:
+        """Under the lock: hand ``request``'s stored prefix to the restore thread."""
+        assert self._restorer is not None  # a pending restore comes only from the store
+        self._restoring.add(request.request_id)
+        self._restorer.submit(self._restore, request, pending)
 
     def _restore(self, request: Request, pending: PendingRestore) -> None:
         """On the restore thread: read ``request``'s stored prefix into its own cells
         without the lock (the engine thread steps the others meanwhile; this one it neither
         steps nor reaps), then commit it under the lock: all of it, or, if the file fails a
-        check, none (it is bound as without the file). A request the engine ended meanwhile
-        (its loop failed) stays ended."""
+        check or the request was cancelled meanwhile (the read stops at its next part),
+        none (it is bound as without the file). A request the engine ended meanwhile (its
+        loop failed) stays ended."""
         assert self.prefix is not None
         try:
-            read = self.prefix.read(pending)
+            read = self.prefix.read(pending, stop=request.cancelled.is_set)
         except Exception:  # a read that fails commits nothing: computed instead
             log.exception("reading a stored prefix failed; computed instead")
             read = False
@@ -240,6 +261,12 @@ class Engine:
                 "this model cannot embed: its executor gives no final hidden states (a "
                 "bundle's final norm lives in its program)"
             )
+
+    def _drop(self, request_id: int) -> None:
+        """A handle collected without cancel: note its id for the engine thread, which
+        cancels it at its next batch boundary (`_reap`). Takes no lock and touches nothing
+        else: a finalizer may run it on any thread, in the middle of anything."""
+        self._dropped.append(request_id)
 
     def _cancel(self, request_id: int, wait: bool, timeout: float | None) -> CancelAck | None:
         with self._lock:
@@ -467,7 +494,8 @@ class Engine:
         with self._lock:
             while True:
                 self._reap()
-                self._admission.readmit()
+                for request, pending in self._admission.readmit():
+                    self._start_restore(request, pending)
                 if self._admission.closing and self._admission.idle:
                     self._clear_prefix()
                     return None
@@ -572,8 +600,15 @@ class Engine:
                 log.exception("on_finished observer failed")
 
     def _reap(self) -> None:
-        """At the batch boundary: end cancelled requests; queued ones that leave (cancelled,
-        expired, closed out) end or are refused."""
+        """At the batch boundary: cancel the requests whose handles were dropped; end
+        cancelled requests; queued ones that leave (cancelled, expired, closed out) end or
+        are refused."""
+        while self._dropped:
+            request = self._known.get(self._dropped.popleft())
+            if request is not None and request.state != "done":
+                if request.timings.cancel_requested is None:
+                    request.timings.cancel_requested = self.clock()
+                request.cancelled.set()
         for request in list(self._admission.running.values()):
             if request.cancelled.is_set() and request.request_id not in self._restoring:
                 self._end(request, "cancelled")  # (one being restored: once it is)

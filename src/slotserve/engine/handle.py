@@ -3,7 +3,10 @@
 Iterate it (blocking, or ``async for``) for `TokenEvent`s and then exactly one `Finished`.
 ``cancel()`` returns at once; ``cancel(wait=True)`` waits for the engine to release the
 slot and KV and returns a `CancelAck`. A handle dropped without cancel is reclaimed by the
-engine the same way (a weakref finalizer; the engine holds no reference to the handle).
+engine the same way: its weakref finalizer calls ``drop``, which only records the id for the
+engine thread (the engine holds no reference to the handle). A finalizer runs on whatever
+thread a garbage-collection pass happens on, maybe one that holds another lock (the prefix
+store's writer, in its index), so it must take no lock and run no engine code.
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ class RequestHandle:
         request_id: int,
         sink: EventSink,
         cancel: Callable[[int, bool, float | None], CancelAck | None],
+        drop: Callable[[int], None],
     ) -> None:
         self.request_id = request_id
         self._sink = sink
         self._cancel = cancel
         self.finished: Finished | None = None
         self.refused: AdmissionRefused | None = None
-        self._finalizer = weakref.finalize(self, cancel, request_id, False, None)
+        self._finalizer = weakref.finalize(self, drop, request_id)
 
     def _take(self, item: Any) -> Event:
         if isinstance(item, AdmissionRefused):

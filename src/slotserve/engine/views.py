@@ -26,7 +26,7 @@ PoolUnit = Literal["blocks", "rows"]
 class PrefixStoreStats:
     """The prefix cache's disk tier: its directory, the bytes it may keep and keeps, the
     files it indexes, how long indexing took at start, snapshots queued and written,
-    restores from disk and their tokens, files evicted (LRU by bytes) and deleted as
+    bytes written, restores from disk and their tokens, files evicted (LRU by bytes) and deleted as
     covered by a longer one, torn temporary files removed at start; files refused by
     reason (`slotserve.prefix.REFUSAL_REASONS`: never served) and writes skipped by reason
     (`slotserve.prefix.SKIP_REASONS`)."""
@@ -38,6 +38,7 @@ class PrefixStoreStats:
     index_seconds: float
     queued: int
     written: int
+    bytes_written: int
     hits: int
     tokens_restored: int
     evictions: int
@@ -58,6 +59,7 @@ def store_stats(report: StoreReport) -> PrefixStoreStats:
         index_seconds=report.index_seconds,
         queued=report.queued,
         written=counters.written,
+        bytes_written=counters.bytes_written,
         hits=counters.hits,
         tokens_restored=counters.tokens_restored,
         evictions=counters.evictions,

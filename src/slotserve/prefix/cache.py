@@ -26,8 +26,13 @@ of one pool and one engine, and a cache lives and dies with its engine's pool: s
 in memory never cross a change of those (the disk tier's files carry them in a
 fingerprint, checked before a file is served).
 
-Disk tier. With a `PrefixStore`, every snapshot the cache enters is offered to the store
-(written by its thread; the offer's ticket is cancelled when the snapshot is dropped), and
+Disk tier. With a `PrefixStore`, the snapshots likely to be used again are offered to the
+store (written by its thread; the offer's ticket is cancelled when the snapshot is
+dropped): a finished request's prompt and completion (`release_into`: a conversation's
+latest turn, which its next turn extends) at once, and a prompt snapshot (`publish`) once
+it is hit (at once with ``write_prompts``); one that is never used again is never written,
+and a turn that a next turn extends before the writer reached it is superseded, not
+written. And
 `bind` also asks the store: a stored snapshot that restores more of the prompt than memory
 does is read into the request's own fresh reservation (`KVPool.load_payload`), its
 checksum checked as it is read: a file that fails commits nothing, and the memory match,
@@ -45,7 +50,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter, OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -95,18 +100,26 @@ class Snapshot:
     key: int
     tokens: tuple[int, ...]
     pins: int = 0
+    offered: bool = False  # to the disk tier (`PrefixCache._offer`)
 
 
 class PrefixCache:
     """Snapshots of prompts in one pool, under a byte budget. See the module docstring."""
 
-    def __init__(self, pool: KVPool, budget_bytes: int, store: PrefixStore | None = None) -> None:
+    def __init__(
+        self,
+        pool: KVPool,
+        budget_bytes: int,
+        store: PrefixStore | None = None,
+        *,
+        write_prompts: bool = False,
+    ) -> None:
         if budget_bytes <= 0:
             raise ValueError(f"prefix cache budget_bytes={budget_bytes} must be > 0")
         if not pool.supports_snapshots:
             raise ValueError("the prefix cache needs a pool with layers")
         self.pool, self.budget_bytes = pool, budget_bytes
-        self.store = store
+        self.store, self.write_prompts = store, write_prompts
         self.stats = PrefixCounters()
         self._tickets: dict[int, WriteTicket] = {}  # snapshot → its write to the store
         self._entries: OrderedDict[int, Snapshot] = OrderedDict()  # least recently used first
@@ -160,10 +173,11 @@ class PrefixCache:
         restored so far; otherwise ``(restored, None)`` as `bind`."""
         return self._bind(session, tokens, n_tokens, defer=True)
 
-    def read(self, pending: PendingRestore) -> bool:
+    def read(self, pending: PendingRestore, stop: Callable[[], bool] | None = None) -> bool:
         """Read ``pending``'s stored snapshot into its session's own cells
         (`KVPool.write_payload`), checking the file's SHA-256 as it goes; True when every
-        part was read and checked. Commits nothing: `finish` does. Safe without the engine
+        part was read and checked, False when one failed or ``stop`` (asked before each
+        part: a cancel) said so. Commits nothing: `finish` does. Safe without the engine
         lock (see the module's locking rule)."""
         assert self.store is not None
         upto = pending.match.usable
@@ -171,7 +185,7 @@ class PrefixCache:
         def write(parts: Iterable[torch.Tensor]) -> None:
             self.pool.write_payload(pending.session, upto, parts)
 
-        return self.store.restore(pending.match, write)
+        return self.store.restore(pending.match, write, stop)
 
     def finish(self, pending: PendingRestore, read: bool) -> int:
         """Under the engine lock, after `read` (``read``: its result): commit the stored
@@ -233,6 +247,7 @@ class PrefixCache:
         for key in [k for k in reversed(self._entries) if k in keys]:
             if self.pool.retains(key, usable):
                 self._entries.move_to_end(key)
+                self._offer(self._entries[key])  # hit: likely to be used again
                 return (self._entries[key], usable), False
         return None, True
 
@@ -342,7 +357,7 @@ class PrefixCache:
             self.pool.publish(session, len(frozen), key)
         except KVExhausted:
             return False
-        self._enter(key, frozen)
+        self._enter(key, frozen, offer=self.write_prompts)  # else offered once it is hit
         return True
 
     def release_into(self, session: int, tokens: Sequence[int]) -> bool:
@@ -363,12 +378,13 @@ class PrefixCache:
             return False
         key = next(self._keys)
         self.pool.release_into(session, len(frozen), key)
-        self._enter(key, frozen)
+        self._enter(key, frozen, offer=True)  # a conversation's latest turn
         return True
 
-    def _enter(self, key: int, tokens: tuple[int, ...]) -> None:
+    def _enter(self, key: int, tokens: tuple[int, ...], *, offer: bool) -> None:
         """List the pool's new snapshot ``key``; drop the snapshots it covers (their tokens
-        are a prefix of its own, so any match they give it gives too); keep the budget."""
+        are a prefix of its own, so any match they give it gives too); with ``offer``,
+        offer it to the store; keep the budget."""
         covered = [
             k
             for k, e in self._entries.items()
@@ -378,23 +394,28 @@ class PrefixCache:
             if (ticket := self._tickets.pop(old, None)) is not None:
                 ticket.cancel("superseded")  # the new one is offered in its place
             self._drop(old)
-        self._entries[key] = Snapshot(key, tokens)
+        snapshot = self._entries[key] = Snapshot(key, tokens)
         self._trie.insert(key, tokens)
         self._block_holders.update(self.pool.snapshot_blocks(key))
         self.stats.published += 1
-        self._offer(key, tokens)
+        if offer:
+            self._offer(snapshot)
         while self.bytes_pinned > self.budget_bytes and self.evict_one():
             pass
 
-    def _offer(self, key: int, tokens: tuple[int, ...]) -> None:
-        """Queue snapshot ``key`` for the store (unless a file of its tokens is there)."""
-        if self.store is None or self.store.holds(tokens):
+    def _offer(self, snapshot: Snapshot) -> None:
+        """Queue ``snapshot`` for the store, once (unless a file of its tokens is there)."""
+        if self.store is None or snapshot.offered:
             return
-        payload = self.pool.payload_of(key)
-        pool = self.pool
-        ticket = self.store.offer(tokens, payload.high_water, lambda: pool.read_payload(payload))
+        snapshot.offered = True
+        if self.store.holds(snapshot.tokens):
+            return
+        payload, pool = self.pool.payload_of(snapshot.key), self.pool
+        ticket = self.store.offer(
+            snapshot.tokens, payload.high_water, lambda: pool.read_payload(payload)
+        )
         if ticket is not None:
-            self._tickets[key] = ticket
+            self._tickets[snapshot.key] = ticket
 
     def evict_one(self) -> bool:
         """Drop the least recently used snapshot that no restore pins; False if none."""

@@ -1,17 +1,21 @@
 """`PrefixStore`: the prefix cache's disk tier, so conversations survive a restart.
 
-Each snapshot the memory tier publishes is offered to the store (`offer`), which a writer
-thread writes as one file; a step never waits for it: the queue is bounded and an offer
-that finds it full is skipped and counted (``queue_full``). The writer copies the
+The memory tier offers the store the snapshots likely to be used again (`offer`: a
+conversation's latest turn, a prompt that was hit; `slotserve.prefix.cache`), and a writer
+thread writes each as one file; a step never waits for it: the queue is bounded and an
+offer that finds it full is skipped and counted (``queue_full``). A device's flash is a
+budget too: a snapshot under ``min_tokens`` tokens is not written (``too_short``: cheaper
+to compute again), and the writer spends at most ``write_rate`` bytes a second on average
+(a token bucket holding `WRITE_BURST_S` seconds' worth; a file the bucket cannot pay for
+is skipped, ``rate_limited``); ``bytes_written`` counts what it wrote. The writer copies the
 snapshot's cells out of the pool a part at a time, checksumming and writing each before
 it copies the next (it never holds the whole snapshot, which the memory plan does not
 count), while the snapshot lives (a `WriteTicket` the cache cancels when it drops the
 snapshot; a file whose copy raced the drop is thrown away and counted: ``superseded`` when
 a snapshot that extends it took its place and is offered in turn, ``dropped`` when it was
-evicted first). Every published snapshot is offered, so one the memory tier evicts later
-is on disk already, or in the queue. A lookup that misses in memory but hits on disk
+evicted first). A lookup that misses in memory but hits on disk
 (`lookup`, then `restore`) reads the file's cells back into the request's own fresh
-reservation, on the admission's path (inside its prefill span), and checks the payload's
+reservation (inside its prefill span, never under the engine lock), and checks the payload's
 checksum as it reads: a restore that fails any check commits nothing. Files are evicted
 least recently used first (a hit touches its file's mtime, so the order survives a
 restart) to keep the bytes on disk within the budget; a file whose tokens a newer one
@@ -36,10 +40,11 @@ A directory that cannot be created or written is a `PrefixStoreError` at start (
 exits with it), not a store that silently keeps nothing. Writes that fail later (a full
 disk: ``disk_full``; any other ``io_error``) are skipped and counted; nothing crashes.
 
-Threads: the engine calls `offer` and `lookup` under its lock, and `restore` with or without
-it (a request admitted at submit is read by the submitting thread without the engine lock,
-into cells of its own); the writer thread takes only the store's own lock, and never while
-it copies, hashes or writes.
+Threads: the engine calls `offer` and `lookup` under its lock, and `restore` without it
+(on its restore thread, into the request's own cells); the writer thread takes only the
+store's own lock, and never while it copies, hashes or writes. The store's lock ranks after
+the engine's (`slotserve.locks`): nothing is taken while it is held, and nothing that could
+run engine code (a finalizer takes no lock) can block on it.
 """
 
 from __future__ import annotations
@@ -62,6 +67,7 @@ import torch
 
 from slotserve.errors import SlotserveError
 from slotserve.kv.pool import KVPool
+from slotserve.locks import PREFIX_STORE, WRITE_TICKET, OrderedLock
 from slotserve.model import Model
 from slotserve.prefix.fingerprint import fingerprint
 from slotserve.prefix.store_file import (
@@ -77,6 +83,7 @@ from slotserve.prefix.store_file import (
     bytes_of,
     encode_header,
     fsync_directory,
+    open_regular,
     part_nbytes,
     payload_parts,
     read_header,
@@ -105,9 +112,13 @@ __all__ = [
 ]
 log = logging.getLogger("slotserve")
 
-SKIP_REASONS = ("queue_full", "too_big", "superseded", "dropped", "disk_full", "io_error")
+SKIP_REASONS = (
+    "queue_full", "too_big", "too_short", "rate_limited", "superseded", "dropped",
+    "disk_full", "io_error",
+)  # fmt: skip
 DEFAULT_QUEUE = 8
 DEFAULT_FLUSH_S = 30.0
+WRITE_BURST_S = 8.0  # the write budget's bucket: this many seconds of ``write_rate``
 
 Retains = Callable[[int, int], bool]  # (high_water, upto) -> whether every ring holds it
 Loader = Callable[[Iterable[torch.Tensor]], None]
@@ -168,7 +179,7 @@ class WriteTicket:
         self.tokens, self.high_water, self.read = tokens, high_water, read
         self.state: TicketState = "queued"
         self.why = ""
-        self.lock = threading.Lock()
+        self.lock = OrderedLock("write ticket", WRITE_TICKET)
 
     def cancel(self, why: str = "dropped") -> None:
         assert why in SKIP_REASONS, why
@@ -194,7 +205,9 @@ class WriteTicket:
 class PrefixStore:
     """Snapshots on disk in ``directory``, at most ``budget_bytes``. See the module doc.
     ``retains`` is the pool's retention rule for a snapshot it does not hold
-    (`KVPool.retains_from`); ``writer=False`` starts no thread (tests drive `drain`)."""
+    (`KVPool.retains_from`); ``writer=False`` starts no thread (tests drive `drain`).
+    ``min_tokens`` and ``write_rate`` (bytes a second; None: unlimited) bound the writes;
+    ``clock`` times the write budget."""
 
     def __init__(
         self,
@@ -205,6 +218,9 @@ class PrefixStore:
         *,
         queue_size: int = DEFAULT_QUEUE,
         writer: bool = True,
+        min_tokens: int = 1,
+        write_rate: int | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if budget_bytes <= 0:
             raise ValueError(f"prefix store budget_bytes={budget_bytes} must be > 0")
@@ -213,7 +229,9 @@ class PrefixStore:
         self.directory = Path(directory)
         self.budget_bytes, self.identity, self.retains = budget_bytes, identity, retains
         self.stats = StoreCounters()
-        self._lock = threading.Lock()
+        self.min_tokens = min_tokens
+        self._budget = None if write_rate is None else WriteBudget(write_rate, clock)
+        self._lock = OrderedLock("prefix store", PREFIX_STORE)
         self._entries: OrderedDict[int, StoreEntry] = OrderedDict()  # least recent first
         self._by_name: dict[str, int] = {}
         self._trie = TokenTrie()
@@ -322,22 +340,28 @@ class PrefixStore:
                 self.stats.refused["retention"] += 1
             return found
 
-    def restore(self, match: StoreMatch, load: Loader) -> bool:
+    def restore(
+        self, match: StoreMatch, load: Loader, stop: Callable[[], bool] | None = None
+    ) -> bool:
         """Read ``match``'s payload, checking its SHA-256 as it goes, into ``load``
         (`KVPool.load_payload`, which commits only once every part was read and checked).
-        True when restored; False when the file is gone (evicted meanwhile), fails its
-        checksum (counted, deleted) or cannot be read, ``load`` having committed nothing."""
+        True when restored; False when the file is gone (evicted meanwhile) or is no longer
+        a regular file, fails its checksum (counted, deleted) or cannot be read, or when
+        ``stop`` (asked before each part is read: a cancel) says so, ``load`` having
+        committed nothing."""
         entry = match.entry
         path = self.directory / entry.name
         try:
-            handle = path.open("rb")
-        except OSError:
+            handle = open_regular(path)
+        except (OSError, Refused):
             self._forget(entry)
             return False
         try:
             with handle:
                 handle.seek(entry.payload_at)
-                load(payload_parts(handle, entry))
+                load(_until(stop, payload_parts(handle, entry)))
+        except _Stopped:
+            return False
         except Refused as refusal:
             log.warning("prefix store: %s refused (%s); computed instead", entry.name, refusal)
             with self._lock:
@@ -372,8 +396,12 @@ class PrefixStore:
         self, tokens: Sequence[int], high_water: int, read: Callable[[], Iterable[torch.Tensor]]
     ) -> WriteTicket | None:
         """Queue ``tokens``' snapshot (written up to ``high_water``; ``read`` copies its
-        payload) for the writer; None, counted ``queue_full``, when the queue is full.
-        Never waits."""
+        payload) for the writer; None, counted, when it is shorter than ``min_tokens``
+        (``too_short``) or the queue is full (``queue_full``). Never waits."""
+        if len(tokens) < self.min_tokens:
+            with self._lock:
+                self.stats.skipped["too_short"] += 1
+            return None
         ticket = WriteTicket(tuple(tokens), high_water, read)
         try:
             self._queue.put_nowait(ticket)
@@ -470,6 +498,10 @@ class PrefixStore:
         if size > self.budget_bytes:
             ticket._end()
             self._skip("too_big")
+            return
+        if self._budget is not None and not self._budget.spend(size):
+            ticket._end()
+            self._skip("rate_limited")
             return
         for victim in self._make_room(size, name):
             _unlink(self.directory / victim)
@@ -584,7 +616,7 @@ class PrefixStore:
             self._trie.check_integrity({k: e.tokens for k, e in entries.items()})
             if self.closed:
                 return  # the directory is no longer this store's to check
-            on_disk = {p.name: p.stat().st_size for p in self.directory.glob(f"*{SUFFIX}")}
+            on_disk = {p.name: p.lstat().st_size for p in self.directory.glob(f"*{SUFFIX}")}
             for entry in entries.values():
                 assert on_disk.get(entry.name) == entry.nbytes, f"{entry.name} missing or resized"
         if idle:
@@ -648,6 +680,46 @@ def _lower_priority() -> None:
         os.setpriority(os.PRIO_PROCESS, tid, max(WRITER_NICE, os.getpriority(os.PRIO_PROCESS, tid)))
 
 
+class WriteBudget:
+    """A token bucket of bytes: ``rate`` a second, holding at most `WRITE_BURST_S`
+    seconds' worth (full at start). A write is paid for while the bucket holds anything,
+    so a file larger than the bucket is written when it is full, the debt paid off before
+    the next one."""
+
+    def __init__(self, rate: int, clock: Callable[[], float]) -> None:
+        if rate <= 0:
+            raise ValueError(f"prefix store write_rate={rate} must be > 0 bytes a second")
+        self.rate, self.clock = rate, clock
+        self.capacity = rate * WRITE_BURST_S
+        self.level, self._at = self.capacity, clock()
+
+    def spend(self, nbytes: int) -> bool:
+        """Pay for a write of ``nbytes`` if the bucket holds anything now; False if empty."""
+        now = self.clock()
+        self.level = min(self.capacity, self.level + (now - self._at) * self.rate)
+        self._at = now
+        if self.level <= 0:
+            return False
+        self.level -= nbytes
+        return True
+
+
+class _Stopped(Exception):
+    """A restore stopped by its caller between two parts (`PrefixStore.restore`)."""
+
+
+def _until(
+    stop: Callable[[], bool] | None, parts: Iterator[torch.Tensor]
+) -> Iterator[torch.Tensor]:
+    """``parts``, asking ``stop`` before each is read; `_Stopped` once it says so."""
+    while stop is None or not stop():
+        part = next(parts, None)
+        if part is None:
+            return
+        yield part
+    raise _Stopped
+
+
 def _unlink(path: Path) -> None:
     with contextlib.suppress(OSError):
         path.unlink()
@@ -698,7 +770,7 @@ def read_index(
             entry = read_header(path, identity, next(keys))
         except Refused as refusal:
             refused.append((path, refusal))
-            if refusal.reason != "checksum":
+            if refusal.reason not in ("checksum", "not_a_file"):
                 foreign[0] += 1
                 foreign[1] += _size(path)
             continue
@@ -756,12 +828,17 @@ def open_store(
     *,
     attention_kernel: bool,
     writer: bool = True,
+    min_tokens: int = 1,
+    write_rate: int | None = None,
 ) -> PrefixStore:
     """The store in ``directory`` for ``model`` served over ``pool`` (with the attention
     kernel on or off), indexed, its figures logged; `PrefixStoreError` if the directory
     cannot be written."""
     identity = store_identity(model, pool, attention_kernel=attention_kernel)
-    store = PrefixStore(directory, budget_bytes, identity, pool.retains_from, writer=writer)
+    store = PrefixStore(
+        directory, budget_bytes, identity, pool.retains_from, writer=writer,
+        min_tokens=min_tokens, write_rate=write_rate,
+    )  # fmt: skip
     report = store.report()
     refused = dict(report.counters.refused)
     log.info(

@@ -8,7 +8,9 @@ version), the KV layout (`KVPool.kv_identity`: layout, dtype, block size, every 
 group), the token ids, the retention state (the high-water mark of every ring), the
 payload's parts, size and SHA-256, and the SHA-256 of the header itself (`encode_header`).
 `read_header` checks a file's header against this store's `StoreIdentity` and raises
-`Refused` with the reason of the first check it fails (`REFUSAL_REASONS`); `payload_parts`
+`Refused` with the reason of the first check it fails (`REFUSAL_REASONS`; ``not_a_file``:
+a symbolic link, a FIFO, a device or a directory with the store's suffix, which is never
+opened for reading: a FIFO would block its reader forever); `payload_parts`
 reads a payload back, checking its SHA-256 once the last part is read; `write_file` writes
 a file a part at a time and fsyncs it (the store writes it under a temporary name and
 renames it).
@@ -18,14 +20,16 @@ Owns the format. Must not touch the index, the writer's queue or the pool.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import stat
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -40,7 +44,9 @@ PREAMBLE = len(MAGIC) + 8
 MAX_HEADER_BYTES = 64 << 20
 # The payload digest a header is first written with (`write_file`): any 64 hex digits.
 PLACEHOLDER_SHA256 = "0" * 64
-REFUSAL_REASONS = ("schema", "model", "numerics", "layout", "checksum", "retention")
+REFUSAL_REASONS = (
+    "schema", "model", "numerics", "layout", "checksum", "retention", "not_a_file",
+)  # fmt: skip
 DTYPES = {
     str(d): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8)
 }
@@ -94,8 +100,8 @@ def read_header(path: Path, identity: StoreIdentity, key: int) -> StoreEntry:
     """The header of the file at ``path``, checked against ``identity`` (this model, numerics,
     pool and schema), as an index entry numbered ``key``; `Refused` with the reason of the
     first check it fails."""
-    size = path.stat().st_size
-    with path.open("rb") as handle:
+    with open_regular(path) as handle:
+        size = os.fstat(handle.fileno()).st_size
         head = handle.read(PREAMBLE)
         if len(head) < PREAMBLE or head[: len(MAGIC)] != MAGIC:
             if len(head) < PREAMBLE and MAGIC.startswith(head[: len(MAGIC)]):
@@ -116,6 +122,28 @@ def read_header(path: Path, identity: StoreIdentity, key: int) -> StoreEntry:
         return _check_header(header, identity, path.name, size, PREAMBLE + length, key)
     except (AttributeError, TypeError, KeyError, ValueError) as exc:  # signed, yet malformed
         raise Refused("checksum", f"a malformed header ({exc!r})") from None
+
+
+def open_regular(path: Path) -> BinaryIO:
+    """``path`` opened for reading if it is a regular file, not a symbolic link; `Refused`
+    (``not_a_file``) otherwise. Opened without following a link and without blocking (a
+    FIFO opens at once, then is refused), so nothing swapped in after a listing can block
+    or redirect the reader."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # a symbolic link
+            raise Refused("not_a_file", "a symbolic link") from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise Refused("not_a_file", f"not a regular file (mode {stat.filemode(mode)})")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _check_header(

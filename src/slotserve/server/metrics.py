@@ -244,6 +244,11 @@ def _store_metrics(store: PrefixStoreStats) -> Iterator[Any]:
             store.tokens_restored,
         ),
         ("slotserve_prefix_store_written", "Snapshot files written", store.written),
+        (
+            "slotserve_prefix_store_bytes_written",
+            "Bytes of snapshot files written (the flash the store wears)",
+            store.bytes_written,
+        ),
         ("slotserve_prefix_store_evictions", "Files evicted (LRU by bytes)", store.evictions),
         ("slotserve_prefix_store_covered", "Files deleted, covered by longer ones", store.covered),
         ("slotserve_prefix_store_torn_removed", "Torn temporary files removed", store.torn_removed),
