@@ -147,3 +147,92 @@ def test_continuations_are_served_from_the_prefix_cache() -> None:
             assert first.usage.input_tokens < cached < turn.usage.input_tokens
     finally:
         assert server.stop() == 0
+
+
+def post(server: ServerProcess, **body: Any) -> httpx.Response:
+    payload = {"model": server.model_name, "input": "hi", "max_output_tokens": 1, **body}
+    return httpx.post(server.url + "/v1/responses", json=payload, timeout=60)
+
+
+def refusal(server: ServerProcess, **body: Any) -> dict[str, Any]:
+    """The error of a request that must be a 400 in OpenAI's shape."""
+    response = post(server, **body)
+    assert response.status_code == 400, response.text
+    error: dict[str, Any] = response.json()["error"]
+    assert error["type"] == "invalid_request_error"
+    assert error["message"].startswith(f"{error['param']}: "), error
+    return error
+
+
+def test_unsupported_fields_are_refused_unless_they_ask_for_the_default(
+    tiny: ServerProcess,
+) -> None:
+    refused = {
+        "background": True,
+        "truncation": "auto",
+        "include": ["message.output_text.logprobs"],
+        "conversation": "conv_123",
+    }
+    for name, value in refused.items():
+        error = refusal(tiny, **{name: value})
+        assert error["param"] == name and error["code"] == "unsupported_parameter", error
+        assert json.dumps(value) in error["message"] and "supports only" in error["message"]
+    defaults = {"background": False, "truncation": "disabled", "include": [], "conversation": None}
+    assert post(tiny, **defaults).status_code == 200
+    assert create(tiny, input="a", max_output_tokens=1, truncation="disabled").status
+
+
+def test_metadata_is_bounded_as_openai_bounds_it(tiny: ServerProcess) -> None:
+    most = {f"k{i:02d}" + "x" * 61: "v" * 512 for i in range(16)}  # 16 pairs, 64/512 chars
+    assert create(tiny, input="a", max_output_tokens=1, metadata=most).metadata == most
+    error = refusal(tiny, metadata={**most, "one": "more"})
+    assert error["param"] == "metadata" and "at most 16" in error["message"]
+    error = refusal(tiny, metadata={"k" * 65: "v"})
+    assert error["param"] == "metadata" and "at most 64 characters" in error["message"]
+    error = refusal(tiny, metadata={"big": "v" * 513})
+    assert error["param"] == "metadata.big" and "at most 512 characters" in error["message"]
+
+
+def call(call_id: str, name: str | None, arguments: str) -> dict[str, Any]:
+    item = {"type": "function_call", "call_id": call_id, "arguments": arguments}
+    return item if name is None else {**item, "name": name}
+
+
+def test_refusals_name_the_responses_fields_not_chats(tiny: ServerProcess) -> None:
+    """Chat's fields (``messages``, ``tool_calls``, ``tool_call_id``, ``function``,
+    ``response_format``) never appear: each error names the item the client sent, counted
+    in ``input`` as sent (a reasoning item dropped, function calls merged, after the
+    instructions and a stored conversation)."""
+    reasoning = {"type": "reasoning", "summary": []}
+    user = {"role": "user", "content": "hi"}
+    first = create(tiny, input="a", max_output_tokens=1)
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"input": [reasoning, {"role": "user", "content": 5}]}, "input.1.content"),
+        ({"input": [reasoning, {"role": "tool", "content": "x"}]}, "input.1.role"),
+        ({"input": [user, call("a", "f", "{}"), call("b", "g", "not json")]}, "input.2.arguments"),
+        ({"input": [call("a", None, "{}")]}, "input.0.name"),
+        (
+            {"input": [user, {"type": "function_call_output", "call_id": "c", "output": "1"}]},
+            "input.1.call_id",
+        ),
+        ({"input": []}, "input"),
+        (
+            {
+                "input": [reasoning, call("a", "f", "[1]")],
+                "instructions": "be brief",
+                "previous_response_id": first.id,
+            },
+            "input.1.arguments",
+        ),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
+        ({"tools": [{"type": "function", "name": 5}]}, "tools.0.name"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": 5}}},
+            "text.format.schema",
+        ),
+    ]
+    for body, param in cases:
+        error = refusal(tiny, **body)
+        assert error["param"] == param, (body, error)
+        for chat_name in ("messages", "tool_calls", "tool_call_id", "function.", "response_format"):
+            assert chat_name not in error["message"], (body, error)

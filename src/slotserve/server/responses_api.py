@@ -18,6 +18,7 @@ sharing its blocks. ``store: false`` keeps nothing here.
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -42,31 +43,38 @@ from slotserve.server.responses_events import (
     reasoning_item,
 )
 from slotserve.server.responses_input import (
+    FieldNames,
     ResponsesRequest,
     chat_request,
-    input_error,
     input_messages,
     refuse,
 )
 from slotserve.server.state import ServerState
 
+log = logging.getLogger("slotserve")
+
 
 async def create_response(
     state: ServerState, engine: Engine, body: ResponsesRequest, request: Request
 ) -> Response:
-    conversation: list[dict[str, Any]] = []
+    history: list[dict[str, Any]] = []
     if body.previous_response_id is not None:
         stored = state.responses.get(body.previous_response_id)
         if stored is None:
-            message = f"no stored response has id {body.previous_response_id!r}"
+            message = (
+                f"no stored response has id {body.previous_response_id!r} "
+                f"({state.responses.describe()})"
+            )
             raise refuse("previous_response_id", message)
-        conversation = [dict(m) for m in stored.conversation]
-    conversation += input_messages(body.input)
-    chat = chat_request(body, conversation)
+        history = [dict(m) for m in stored.conversation]
+    given = input_messages(body.input)
+    names = FieldNames(body, len(history), given)
+    conversation = history + given.messages
+    chat = chat_request(body, conversation, names)
     try:
         run = await start_chat(state, engine, chat, request, "input")
     except APIError as exc:  # chat's names for the fields: say the client's
-        raise input_error(exc, len(chat.messages) - len(input_messages(body.input))) from None
+        raise names.renamed(exc) from None
     turn = _Turn(state, body, conversation, run.shape)
     if body.stream:
         return StreamingResponse(turn.stream(run), media_type="text/event-stream")
@@ -157,7 +165,12 @@ class _Turn:
         if self.body.store:
             reply = assistant_messages(output)
             stored = StoredResponse(self.conversation + reply, self.response)
-            self.state.responses.put(self.response_id, stored)
+            if not self.state.responses.put(self.response_id, stored):
+                log.warning(
+                    "response %s is not stored: it alone is larger than the budget (%s)",
+                    self.response_id,
+                    self.state.responses.describe(),
+                )
 
     async def stream(self, run: ChatRun) -> AsyncIterator[str]:
         events = EventWriter()

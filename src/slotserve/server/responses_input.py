@@ -6,25 +6,56 @@ items) becomes chat messages after its ``instructions`` and, with ``previous_res
 after the stored conversation of that response; its flat function tools become chat's
 function tools, ``text.format`` chat's ``response_format``; slotserve's ``reasoning_format``
 and ``chat_template_kwargs`` (`reasoning`) are chat's. A reasoning item sent back is
-dropped (templates render no past reasoning). Every refusal is a 400 whose
-``param`` names the field as the client sent it (``input.2.content.0.text``), never chat's
-name for it.
+dropped (templates render no past reasoning).
+
+Every refusal is a 400 whose ``param`` names the field as the client sent it, never chat's
+name for it: each chat message remembers the item it came from (`Source`), so chat's
+``messages.3.tool_calls.1.function.arguments`` is the request's ``input.5.arguments``
+(`FieldNames`). ``metadata`` is bounded as OpenAI bounds it (the store keeps it). Fields
+this server does not implement (``background``, ``conversation``, ``include``,
+``truncation``) are refused (400 ``unsupported_parameter`` naming the field) unless their
+value asks for the default behaviour.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from slotserve.engine.events import Priority
 from slotserve.server.errors import APIError
 from slotserve.server.reasoning import ReasoningFormat
-from slotserve.server.schemas import Body, ChatCompletionRequest
+from slotserve.server.schemas import UNSUPPORTED_PARAMETER, Body, ChatCompletionRequest
 from slotserve.server.validation import describe, json_kind
 
 INVALID = "invalid_request_error"
+# OpenAI's bounds on ``metadata``: pairs, and characters in a key and in a value.
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+# The roles an input message may have (chat's ``tool`` is a function_call_output item).
+ROLES = ("user", "assistant", "system", "developer")
+# The Responses API's fields this server does not implement: the test for values that ask
+# only for what it does anyway, and those values in words. Any other value is refused.
+UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "background": (
+        lambda value: value is None or value is False,
+        "false (a response is made within its request)",
+    ),
+    "conversation": (
+        lambda value: value is None,
+        "null (continue a response with previous_response_id)",
+    ),
+    "include": (lambda value: value is None or value == [], "[] or null (no extra output)"),
+    "truncation": (
+        lambda value: value is None or value == "disabled",
+        '"disabled" (an input longer than the context is refused, never cut)',
+    ),
+}
 
 
 class ResponsesRequest(Body):
@@ -48,6 +79,49 @@ class ResponsesRequest(Body):
     reasoning_format: ReasoningFormat | None = None  # slotserve's, as in chat
     chat_template_kwargs: dict[str, Any] | None = None  # slotserve's, as in chat
 
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        for name, (harmless, supported) in UNSUPPORTED.items():
+            if isinstance(data, dict) and name in data and not harmless(data[name]):
+                raise PydanticCustomError(
+                    UNSUPPORTED_PARAMETER,
+                    "{param}: this server supports only {supported}, got {value}; remove it",
+                    {"param": name, "supported": supported, "value": _shown(data[name])},
+                )
+        return data
+
+    @field_validator("metadata")
+    @classmethod
+    def _bounded_metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        pairs = value or {}
+        if len(pairs) > METADATA_PAIRS:
+            raise ValueError(f"at most {METADATA_PAIRS} key-value pairs, got {len(pairs)}")
+        for key, text in pairs.items():
+            if len(key) > METADATA_KEY_CHARS:
+                raise ValueError(
+                    f"a key has at most {METADATA_KEY_CHARS} characters, got {len(key)} "
+                    f"({_shown(key)})"
+                )
+            if len(text) > METADATA_VALUE_CHARS:
+                reason = f"a value has at most {METADATA_VALUE_CHARS} characters, got {len(text)}"
+                raise _Inside(reason, (key,))
+        return value
+
+
+class _Inside(ValueError):
+    """A refusal of one place inside a field's value: ``path`` (keys and indices) is added
+    to the field's name in ``param`` (`validation.describe`, as for `schemas.InvalidText`)."""
+
+    def __init__(self, message: str, path: tuple[str | int, ...]) -> None:
+        super().__init__(message)
+        self.path = path
+
+
+def _shown(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 60 else text[:57] + "..."
+
 
 def refuse(param: str, reason: str) -> APIError:
     return APIError(400, f"{param}: {reason}", INVALID, param)
@@ -61,41 +135,102 @@ def _string(item: dict[str, Any], key: str, param: str) -> Any:
     return value
 
 
-def input_messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+SourceKind = Literal["instructions", "stored", "message", "function_call", "function_call_output"]
+# A function_call item's fields by chat's names for them (under ``tool_calls.N``).
+_CALL_FIELDS = {
+    "id": "call_id",
+    "type": "type",
+    "function.name": "name",
+    "function.arguments": "arguments",
+}
+# A function_call_output item's fields by chat's names for them (of a tool message).
+_OUTPUT_FIELDS = {"tool_call_id": "call_id", "content": "output"}
+
+
+@dataclass
+class Source:
+    """Where one chat message came from: ``param``, the request's field or ``input`` item
+    (``instructions``, ``previous_response_id``, ``input`` for a string, ``input.2``), of
+    ``kind``; for a message of ``function_call`` items, ``calls`` holds each call's item."""
+
+    kind: SourceKind
+    param: str
+    calls: list[str] = field(default_factory=list)
+
+    def name(self, rest: str) -> str:
+        """The request's name for chat's ``messages.N`` + ``rest`` of this message."""
+        if self.kind == "function_call":
+            place, _, inner = rest.removeprefix("tool_calls.").partition(".")
+            if rest.startswith("tool_calls.") and place.isdigit() and int(place) < len(self.calls):
+                return _joined(self.calls[int(place)], _CALL_FIELDS.get(inner, ""))
+            return self.calls[0]
+        if self.kind == "function_call_output":
+            return _joined(self.param, _OUTPUT_FIELDS.get(rest.partition(".")[0], ""))
+        if self.kind == "message" and self.param != "input":
+            return _joined(self.param, rest)
+        return self.param  # the instructions, a stored message, a string input
+
+
+def _joined(param: str, rest: str) -> str:
+    return f"{param}.{rest}" if rest else param
+
+
+@dataclass
+class InputMessages:
+    """``input`` as chat messages, each with its `Source`."""
+
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    sources: list[Source] = field(default_factory=list)
+
+    def add(self, message: dict[str, Any], source: Source) -> None:
+        self.messages.append(message)
+        self.sources.append(source)
+
+
+def input_messages(items: str | list[dict[str, Any]]) -> InputMessages:
     """``input`` as chat messages: consecutive ``function_call`` items become one assistant
     message's tool calls, ``function_call_output`` items tool messages."""
+    turn = InputMessages()
     if isinstance(items, str):
-        return [{"role": "user", "content": items}]
-    messages: list[dict[str, Any]] = []
+        turn.add({"role": "user", "content": items}, Source("message", "input"))
+        return turn
     for index, item in enumerate(items):
         param = f"input.{index}"
         kind = _string(item, "type", param) or "message"
         if kind == "message":
-            messages.append(_message_of(item, param))
+            turn.add(_message_of(item, param), Source("message", param))
         elif kind == "function_call":
             function = {
                 "name": _string(item, "name", param),
                 "arguments": _string(item, "arguments", param),
             }
             call = {"id": _string(item, "call_id", param), "type": "function", "function": function}
-            last = messages[-1] if messages else None
-            if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                last["tool_calls"].append(call)
+            last = turn.sources[-1] if turn.sources else None
+            if last is not None and last.kind == "function_call":
+                turn.messages[-1]["tool_calls"].append(call)
+                last.calls.append(param)
             else:
-                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                message = {"role": "assistant", "content": None, "tool_calls": [call]}
+                turn.add(message, Source("function_call", param, [param]))
         elif kind == "function_call_output":
             output = item.get("output")
             text = output if isinstance(output, str) else json.dumps(output)
             call_id = _string(item, "call_id", param)
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": text})
+            message = {"role": "tool", "tool_call_id": call_id, "content": text}
+            turn.add(message, Source("function_call_output", param))
         elif kind == "reasoning":
             continue  # a reasoning item sent back: the template renders no past reasoning
         else:
             raise refuse(f"{param}.type", f"items of type {kind!r} are not supported")
-    return messages
+    return turn
 
 
 def _message_of(item: dict[str, Any], param: str) -> dict[str, Any]:
+    role = item.get("role")
+    if role not in ROLES:
+        expected = ", ".join(repr(r) for r in ROLES[:-1]) + f" or {ROLES[-1]!r}"
+        given = "this field is required" if "role" not in item else f"got {_shown(role)}"
+        raise refuse(f"{param}.role", f"expected {expected}; {given}")
     content = item.get("content")
     if isinstance(content, list):
         texts = []
@@ -104,7 +239,7 @@ def _message_of(item: dict[str, Any], param: str) -> dict[str, Any]:
                 raise refuse(f"{param}.content.{index}", "only text parts are supported")
             texts.append(_string(part, "text", f"{param}.content.{index}") or "")
         content = "\n".join(texts)
-    return {"role": item.get("role"), "content": content}
+    return {"role": role, "content": content}
 
 
 def chat_tools(body: ResponsesRequest) -> dict[str, Any]:
@@ -140,18 +275,54 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     return {"type": form.get("type")}
 
 
-# Chat's fields that the Responses API names otherwise.
-_RESPONSES_NAME = {"max_tokens": "max_output_tokens", "response_format": "text.format"}
+class FieldNames:
+    """Chat's names for the fields of one Responses request mapped back to the request's:
+    ``messages.N…`` to the item message N came from (`Source`), a flat tool's and a named
+    tool choice's fields without chat's ``function``, ``text.format`` for
+    ``response_format`` (without its ``json_schema``), ``max_output_tokens`` for
+    ``max_tokens``."""
+
+    def __init__(self, body: ResponsesRequest, stored: int, turn: InputMessages) -> None:
+        """``stored``: the messages of the stored conversation before ``turn``'s."""
+        system = [Source("instructions", "instructions")] if body.instructions else []
+        history = [Source("stored", "previous_response_id") for _ in range(stored)]
+        self.sources = system + history + turn.sources
+
+    def name(self, param: str) -> str:
+        """The request's name for chat's field ``param``."""
+        head, _, rest = param.partition(".")
+        if head == "messages":
+            place, _, rest = rest.partition(".")
+            if place.isdigit() and int(place) < len(self.sources):
+                return self.sources[int(place)].name(rest)
+            return "input"
+        if head == "tools":
+            return re.sub(r"^(tools\.\d+)\.function(?=\.|$)", r"\1", param)
+        if head == "tool_choice":
+            return re.sub(r"^tool_choice\.function(?=\.|$)", "tool_choice", param)
+        if head == "response_format":
+            return _joined("text.format", re.sub(r"^json_schema(\.|$)", "", rest))
+        return _joined("max_output_tokens" if head == "max_tokens" else head, rest)
+
+    def renamed(self, exc: APIError) -> APIError:
+        """``exc`` naming the request's field where it names chat's."""
+        param = exc.param
+        if param is None or self.name(param) == param:
+            return exc
+        renamed = self.name(param)
+        message = exc.message.replace(param, renamed, 1)
+        return APIError(exc.status, message, exc.kind, renamed, exc.code, exc.headers)
 
 
 def chat_request(
-    body: ResponsesRequest, conversation: list[dict[str, Any]]
+    body: ResponsesRequest, messages: list[dict[str, Any]], names: FieldNames
 ) -> ChatCompletionRequest:
-    """The chat completion ``body`` asks for; a field chat refuses is a 400 naming it."""
+    """The chat completion ``body`` asks for (``messages``: the stored conversation, then
+    the input's, without the instructions); a field chat refuses is a 400 naming it."""
     system = [{"role": "system", "content": body.instructions}] if body.instructions else []
     fields = {
         "model": body.model,
-        "messages": system + conversation,
+        "messages": system + messages,
         "max_tokens": body.max_output_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,
@@ -167,26 +338,4 @@ def chat_request(
     except ValidationError as exc:
         failure = describe(exc.errors())
         error = APIError(400, failure.message, INVALID, failure.param or "input")
-        offset = len(fields["messages"]) - len(input_messages(body.input))
-        raise input_error(error, offset) from None
-
-
-def input_error(exc: APIError, offset: int) -> APIError:
-    """``exc`` naming the request's fields where it names chat's: ``input`` for
-    ``messages`` (message ``offset`` is this request's first input message),
-    ``max_output_tokens`` for ``max_tokens``, a flat tool's field for chat's
-    ``tools.N.function.…``."""
-    param = exc.param or ""
-    if param.startswith("messages."):
-        head, _, rest = param[len("messages.") :].partition(".")
-        index = int(head) - offset if head.isdigit() else head
-        renamed = f"input.{index}" + (f".{rest}" if rest else "")
-    elif param.startswith("tools.") and ".function." in param:  # its tools are flat
-        renamed = param.replace(".function.", ".", 1)
-    else:
-        head, dot, rest = param.partition(".")
-        renamed = _RESPONSES_NAME.get(head, head) + dot + rest
-    if renamed == param:
-        return exc
-    message = exc.message.replace(param, renamed, 1)
-    return APIError(exc.status, message, exc.kind, renamed, exc.code, exc.headers)
+        raise names.renamed(error) from None
