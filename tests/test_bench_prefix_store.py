@@ -58,8 +58,18 @@ def test_the_store_variant_restores_after_a_restart_and_keeps_its_budget(
     for side in ("off", "on"):
         assert storm[side]["step_p99_s"]["median"] >= storm[side]["step_p50_s"]["median"] > 0
 
+    # A chat workload: at most one file a turn with the defaults, fewer than every
+    # published snapshot, and what was written restores the conversations after a restart.
+    writes = result["writes"]
+    before, after = writes["before"], writes["after"]
+    assert after["written"] <= after["turns"] and after["files_per_turn"] <= 1
+    assert after["bytes_written"] < before["bytes_written"]
+    assert after["restored_after_restart"] > 0
+    assert after["bytes_per_restored_token"] > 0
+
     text = "\n".join(store_section(result))
     assert "### prefix: the disk tier" in text
     assert "| restarted, store on |" in text and "| on |" in text and "| off |" in text
     assert "| killed, restarted, store on |" in text
     assert f"{store['written']} files written" in text
+    assert "| before |" in text and "| after |" in text

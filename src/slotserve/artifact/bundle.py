@@ -152,7 +152,10 @@ def read_bundle(directory: str | Path) -> Bundle:
     manifest = read_manifest(directory)
     check_files(directory, manifest)
     check_tied_embedding(directory, manifest)
-    tokenizer = Tokenizer.from_json((directory / TOKENIZER).read_text())
+    tokenizer = Tokenizer.from_json(
+        (directory / TOKENIZER).read_text(),
+        chat_template_source=f"{directory / TOKENIZER} [chat_template]",
+    )
     return Bundle(directory, manifest, tokenizer)
 
 

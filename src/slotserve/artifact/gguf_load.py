@@ -26,7 +26,7 @@ from slotserve.artifact.gguf_file import (
     tensor_shapes,
 )
 from slotserve.artifact.gguf_reader import GGUFFile
-from slotserve.artifact.gguf_tokenizer import tokenizer_from_gguf
+from slotserve.artifact.gguf_tokenizer import TEMPLATE_KEY, tokenizer_from_gguf
 from slotserve.errors import ArtifactError
 from slotserve.info import ModelInfo
 from slotserve.memory import release_mapped_range, trim_heap
@@ -80,7 +80,7 @@ def _load_cached(path: Path, digest: str, kernels: Kernels) -> Model | None:
             return None
         tensors, meta = cached
         entry = weight_cache.entry_path(digest)
-        info, tokenizer = _decode_entry_meta(meta, entry)
+        info, tokenizer = _decode_entry_meta(meta, entry, path)
         weights = build_weights(info, tensors, str(entry))
     except ArtifactError as exc:
         log.warning("weight cache entry is unusable, rebuilding it from %s: %s", path, exc)
@@ -88,12 +88,18 @@ def _load_cached(path: Path, digest: str, kernels: Kernels) -> Model | None:
     return Model.from_weights(info, tokenizer, weights, str(path), kernels)
 
 
-def _decode_entry_meta(meta: Mapping[str, str], entry: Path) -> tuple[ModelInfo, Tokenizer]:
+def _decode_entry_meta(
+    meta: Mapping[str, str], entry: Path, path: Path
+) -> tuple[ModelInfo, Tokenizer]:
+    """The model info and tokenizer the cache entry of the GGUF at ``path`` holds."""
     for key in ("model_info", "tokenizer"):
         if key not in meta:
             raise ArtifactError(entry, "cache entry lacks this metadata key", key)
+    source = f"{path} [{TEMPLATE_KEY}]"  # the entry holds the GGUF's own template
     try:
-        return ModelInfo.from_json(meta["model_info"]), Tokenizer.from_json(meta["tokenizer"])
+        return ModelInfo.from_json(meta["model_info"]), Tokenizer.from_json(
+            meta["tokenizer"], chat_template_source=source
+        )
     except Exception as exc:  # json, dataclass checks and tokenizers (a bare Exception)
         raise ArtifactError(entry, f"cache entry metadata unreadable ({exc})", "metadata") from exc
 

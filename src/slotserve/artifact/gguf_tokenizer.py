@@ -34,6 +34,7 @@ from slotserve.errors import ArtifactError
 from slotserve.tokenizer import Tokenizer, spm
 
 TOKENS_KEY = "tokenizer.ggml.tokens"
+TEMPLATE_KEY = "tokenizer.chat_template"
 # GGUF token types (llama.cpp's llama_token_type).
 _CONTROL, _USER_DEFINED = 3, 4
 
@@ -106,7 +107,8 @@ def tokenizer_from_gguf(meta: Mapping[str, Any], path: str) -> Tokenizer:
         backend,
         bos_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_ids=[int(i) for i in dict.fromkeys((eos, eot)) if i is not None],
-        chat_template=meta.get("tokenizer.chat_template"),
+        chat_template=meta.get(TEMPLATE_KEY),
+        chat_template_source=f"{path} [{TEMPLATE_KEY}]",
         add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
     )
 
@@ -176,7 +178,8 @@ def _sentencepiece(meta: Mapping[str, Any], path: str) -> Tokenizer:
         vocab,
         bos_id=meta.get("tokenizer.ggml.bos_token_id"),
         eos_ids=[int(i) for i in dict.fromkeys((eos, eot)) if i is not None],
-        chat_template=meta.get("tokenizer.chat_template"),
+        chat_template=meta.get(TEMPLATE_KEY),
+        chat_template_source=f"{path} [{TEMPLATE_KEY}]",
         add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", True)),
     )
 

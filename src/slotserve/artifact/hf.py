@@ -80,12 +80,14 @@ def _read_tokenizer(path: Path, info: ModelInfo) -> Tokenizer:
         eos_ids = list(dict.fromkeys([*eos_ids, eos_id]))
     bos_token = _token_text(config.get("bos_token"))
     bos_id = backend.token_to_id(bos_token) if bos_token is not None else info.bos_id
+    template, source = _chat_template(path, config)
     return Tokenizer(
         backend,
         bos_id=bos_id,
         eos_ids=eos_ids,
-        chat_template=_chat_template(path, config),
+        chat_template=template,
         add_bos=bool(config.get("add_bos_token", False)),
+        chat_template_source=source,
     )
 
 
@@ -95,11 +97,17 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _chat_template(path: Path, config: dict[str, Any]) -> str | None:
+def _chat_template(path: Path, config: dict[str, Any]) -> tuple[str | None, str]:
+    """The directory's chat template and where it was read (for `ChatTemplateInvalid`)."""
     template = config.get("chat_template")
+    source = f"{path / 'tokenizer_config.json'} [chat_template]"
     if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
         named = {entry.get("name"): entry.get("template") for entry in template}
         template = named.get("default")
     if template is None and (path / "chat_template.jinja").is_file():
-        template = (path / "chat_template.jinja").read_text(encoding="utf-8")
-    return template if isinstance(template, str) else None
+        file = path / "chat_template.jinja"
+        try:
+            template, source = file.read_text(encoding="utf-8"), str(file)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ArtifactError(file, f"cannot read the chat template ({exc})") from exc
+    return (template if isinstance(template, str) else None), source

@@ -11,12 +11,22 @@ ratio per repeat, the tokens each restored, and the disk read's own time (inside
 prefill span, ``restore_time``). The same at the server (`slotserve.bench.prefix_restart`):
 a real ``serve`` killed with SIGKILL and started again on its store, against a cold one.
 
-Writes under load. A storm of distinct prompts, one after another beside a long decode
-stream, on a two-slot engine with the cache on and the store on (a disk budget of a few
-snapshots, so files are evicted) and off, taking turns across repeats. Every prompt's
-prefill publishes a snapshot, which the store writes on its own thread. Reported: step time
+Writes under load. A storm of distinct one-turn conversations, one after another beside a
+long decode stream, on a two-slot engine with the cache on and the store on (a disk budget
+of a few snapshots, so files are evicted) and off, taking turns across repeats. Every turn
+is kept for a next one, so the store writes each on its own thread. Reported: step time
 p50/p99 over every step, the stream's ITL p50/p99, and the store's files, bytes against the
 budget, writes and skips: what the writer costs a step.
+
+What a chat workload writes. `CHAT_CONVERSATIONS` conversations of `CHAT_TURNS` turns after
+one system prompt, interleaved, on a two-slot engine whose memory tier holds about one
+conversation, with the store writing every published snapshot (``prefix_store_writes=
+"all"``, no minimum, no rate limit: the policy before the disk tier learnt to spend its
+writes) and with the defaults (turns and hit prompts, at least
+`DEFAULT_PREFIX_STORE_MIN_TOKENS` tokens, at most `DEFAULT_PREFIX_STORE_WRITE_RATE` a
+second). Then a restart: a fresh engine on the files answers each conversation's next turn.
+Reported, each side: files and bytes written, per turn and per second of the workload,
+and bytes written per token the restart restored from them: what the writes bought.
 """
 
 from __future__ import annotations
@@ -24,12 +34,17 @@ from __future__ import annotations
 import dataclasses
 import shutil
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 from slotserve.bench.prefix_restart import run_restart_server
 from slotserve.bench.stats import format_summary, markdown_table, percentile, summary
 from slotserve.engine import Engine, EngineConfig, Finished
+from slotserve.engine.config import (
+    DEFAULT_PREFIX_STORE_MIN_TOKENS,
+    DEFAULT_PREFIX_STORE_WRITE_RATE,
+)
 from slotserve.memory import format_bytes
 from slotserve.model import Model
 from slotserve.sampling import SamplingParams
@@ -42,6 +57,13 @@ STORM_PROMPTS = 12
 STORM_FILES = 4  # the storm's disk budget, in snapshots
 STREAM_PROMPT = 16
 SERVER_MIN_CONTEXT = 512
+CHAT_CONVERSATIONS = 6
+CHAT_TURNS = 4
+# The policy before: every published snapshot written, whatever its length, at any rate.
+WRITE_EVERYTHING = {
+    "prefix_store_writes": "all", "prefix_store_min_tokens": 1,
+    "prefix_store_write_rate": 1 << 40,
+}  # fmt: skip
 
 
 def _config(
@@ -159,7 +181,9 @@ def _storm_side(
 ) -> dict[str, Any]:
     snapshot = _config(model, 1, context, None).plan(model.info, model.weight_bytes).kv_bytes
     budget = STORM_FILES * snapshot * prompt_tokens // context
-    extra = {"prefix_store_bytes": max(budget, 1)} if store is not None else {}
+    extra: dict[str, Any] = {}
+    if store is not None:  # every turn written: what the writer costs a step
+        extra = {"prefix_store_bytes": max(budget, 1), "prefix_store_min_tokens": 1}
     engine = Engine(model, _config(model, 2, context, store, **extra))
     try:
         decode = SamplingParams(
@@ -168,7 +192,8 @@ def _storm_side(
         stream = engine.submit(_tokens(model, STREAM_PROMPT, 1), decode)
         one = SamplingParams(temperature=0, max_new_tokens=1, ignore_eos=True)
         for i in range(STORM_PROMPTS):
-            engine.submit(_tokens(model, prompt_tokens, 10 + i), one, queue=True).result()
+            prompt = _tokens(model, prompt_tokens, 10 + i)
+            engine.submit(prompt, one, queue=True, publish_completion=True).result()
         stream.cancel(wait=True)
         itl = stream.result().timings.itl
         steps = list(engine.counters.step_seconds)
@@ -218,10 +243,79 @@ def run_storm(model: Model, prompt_tokens: int, repeats: int) -> dict[str, Any]:
     return result
 
 
+# -- what a chat workload writes -----------------------------------------------------
+
+
+def _chat_writes_side(
+    model: Model, system: list[int], where: Path, policy: dict[str, Any]
+) -> dict[str, Any]:
+    """`CHAT_CONVERSATIONS` conversations interleaved turn by turn, then a restart that
+    answers each one's next turn from the files."""
+    users = [
+        [_tokens(model, TURN_TOKENS, 2000 + 100 * c + t) for t in range(CHAT_TURNS + 1)]
+        for c in range(CHAT_CONVERSATIONS)
+    ]
+    want = len(system) + (CHAT_TURNS + 1) * (TURN_TOKENS + REPLY_TOKENS) + REPLY_TOKENS
+    context = _whole_blocks(model, want)
+    config = _config(model, 2, context, where, **policy)
+    one_conversation = config.plan(model.info, model.weight_bytes).kv_bytes // 2
+    config = dataclasses.replace(config, prefix_cache_bytes=one_conversation)
+    params = SamplingParams(temperature=0, max_new_tokens=REPLY_TOKENS, ignore_eos=True)
+    histories = [list(system) for _ in range(CHAT_CONVERSATIONS)]
+    engine = Engine(model, config)
+    try:
+        began = time.perf_counter()
+        for turn in range(CHAT_TURNS):
+            for c, history in enumerate(histories):
+                prompt = [*history, *users[c][turn]]
+                final = engine.submit(prompt, params, publish_completion=True).result()
+                histories[c] = [*prompt, *final.tokens]
+        assert engine.prefix is not None and engine.prefix.store is not None
+        engine.prefix.store.flush()
+        seconds = time.perf_counter() - began
+        report = engine.prefix.store.report()
+    finally:
+        engine.close()
+    fresh = Engine(model, config)
+    try:
+        restored = sum(
+            _turn(fresh, [*history, *users[c][CHAT_TURNS]])["restored"]
+            for c, history in enumerate(histories)
+        )
+    finally:
+        fresh.close()
+    turns = CHAT_CONVERSATIONS * CHAT_TURNS
+    counters = report.counters
+    return {
+        "turns": turns,
+        "seconds": seconds,
+        "written": counters.written,
+        "bytes_written": counters.bytes_written,
+        "skipped": dict(counters.skipped),
+        "files_per_turn": counters.written / turns,
+        "bytes_per_s": counters.bytes_written / seconds,
+        "restored_after_restart": restored,
+        "bytes_per_restored_token": counters.bytes_written / restored if restored else None,
+    }
+
+
+def run_chat_writes(model: Model, system: list[int]) -> dict[str, Any]:
+    """What a chat workload writes with every snapshot written (before) and with the
+    defaults (after), in one run, each on a store of its own."""
+    with tempfile.TemporaryDirectory(prefix="slotserve-bench-writes-") as where:
+        return {
+            "conversations": CHAT_CONVERSATIONS,
+            "turns": CHAT_TURNS,
+            "before": _chat_writes_side(model, system, Path(where) / "all", WRITE_EVERYTHING),
+            "after": _chat_writes_side(model, system, Path(where) / "reused", {}),
+        }
+
+
 def run_prefix_store(
     model: Model, system: list[int], repeats: int, warm_up: bool = True
 ) -> dict[str, Any]:
-    """The three parts: `run_restart`, the server's (`run_restart_server`), `run_storm`."""
+    """The four parts: `run_restart`, the server's (`run_restart_server`), `run_storm`,
+    `run_chat_writes`."""
     # The server's chat: the system prompt and 5 turns of a short question (up to 40 tokens
     # where a token is a byte), a reply and the template's own tokens, in whole blocks.
     context = _whole_blocks(model, len(system) + (HISTORY_TURNS + 1) * 96 + 64)
@@ -239,6 +333,7 @@ def run_prefix_store(
         "restart": run_restart(model, system, repeats),
         "restart_server": server,
         "storm": run_storm(model, max(len(system) // 8, 8), repeats),
+        "writes": run_chat_writes(model, system),
         "repeats": repeats,
     }
 
@@ -277,7 +372,10 @@ def store_section(r: dict[str, Any]) -> list[str]:
         f"({restart['store_files']} files, {format_bytes(restart['store_bytes'])}).",
         "",
     ]
-    return [*lines, *_server_lines(r["restart_server"], r["repeats"]), *_storm_lines(r["storm"])]
+    return [
+        *lines, *_server_lines(r["restart_server"], r["repeats"]), *_storm_lines(r["storm"]),
+        *_writes_lines(r["writes"]),
+    ]  # fmt: skip
 
 
 def _server_lines(server: dict[str, Any], repeats: int) -> list[str]:
@@ -331,4 +429,30 @@ def _storm_lines(storm: dict[str, Any]) -> list[str]:
         f"{format_bytes(store['budget_bytes'])}; writes skipped: {skipped}.",
         "",
     ]
+    return lines
+
+
+def _writes_lines(writes: dict[str, Any]) -> list[str]:
+    lines = [
+        f"What a chat workload writes. {writes['conversations']} conversations of "
+        f"{writes['turns']} turns after one system prompt, interleaved, on a two-slot engine "
+        "whose memory tier holds about one conversation; then a restart answers each "
+        "conversation's next turn from the files. Before: every published snapshot written "
+        f'(`prefix_store_writes="all"`, no minimum, no rate limit); after: the defaults '
+        f"(turns and hit prompts of at least {DEFAULT_PREFIX_STORE_MIN_TOKENS} tokens, at "
+        f"most {DEFAULT_PREFIX_STORE_WRITE_RATE}/s).",
+        "",
+    ]
+    rows = []
+    for side in ("before", "after"):
+        w = writes[side]
+        per_token = w["bytes_per_restored_token"]
+        rows.append([
+            side, str(w["written"]), f"{w['files_per_turn']:.2f}",
+            format_bytes(w["bytes_written"]), f"{format_bytes(int(w['bytes_per_s']))}/s",
+            str(w["restored_after_restart"]),
+            "-" if per_token is None else format_bytes(int(per_token)),
+        ])  # fmt: skip
+    header = ["writes", "files", "files a turn", "bytes", "rate", "restored after restart"]
+    lines += markdown_table([*header, "bytes written a restored token"], rows)
     return lines

@@ -368,7 +368,7 @@ def _serve(args: argparse.Namespace) -> int:
     grammars = grammar_config(args)  # checked before the model loads
     spec, model, executor = open_model(args)
     if template is not None:
-        model.tokenizer.chat_template = template
+        model.tokenizer.set_chat_template(template, source=f"--chat-template {args.chat_template}")
     warn_if_template_fails(model.tokenizer, args.chat_template or spec)
     config = engine_config(args, model)  # with --preset: sized for this model
     config = with_server_queue(config, args)

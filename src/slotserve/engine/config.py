@@ -28,6 +28,8 @@ DEFAULT_PREFIX_STORE_BYTES = "4GiB"
 # only snapshots of at least this many tokens (shorter ones are cheaper to compute again).
 DEFAULT_PREFIX_STORE_WRITE_RATE = "4MiB"
 DEFAULT_PREFIX_STORE_MIN_TOKENS = 64
+StoreWrites = Literal["reused", "all"]
+STORE_WRITES: tuple[StoreWrites, ...] = ("reused", "all")
 
 
 @dataclass(frozen=True)
@@ -52,10 +54,12 @@ class EngineConfig:
     wrapped ring no longer holds).
     ``prefix_store`` (a directory; None: off) gives the prefix cache a disk tier of at most
     ``prefix_store_bytes``: snapshots are written there in the background and restored
-    after a restart (`slotserve.prefix.store`); it needs the prefix cache on. Only
-    snapshots likely to be used again are written (a conversation's latest turn, a prompt
-    that was hit), of at least ``prefix_store_min_tokens`` tokens, at most
-    ``prefix_store_write_rate`` bytes a second on average.
+    after a restart (`slotserve.prefix.store`); it needs the prefix cache on. With
+    ``prefix_store_writes="reused"`` only snapshots likely to be used again are written (a
+    conversation's latest turn, a prompt that was hit); ``"all"`` writes every prompt's
+    too, as soon as it is published. Either way only those of at least
+    ``prefix_store_min_tokens`` tokens, at most ``prefix_store_write_rate`` bytes a second
+    on average.
     ``kernels="auto"`` attends decode-sized steps with the compiled kernel the model was
     loaded with (`slotserve.native`); ``"off"`` keeps torch SDPA for every step (the
     model's own kernels are chosen at load: ``slotserve.load(..., kernels="off")``).
@@ -90,6 +94,7 @@ class EngineConfig:
     prefix_store_bytes: int | str = DEFAULT_PREFIX_STORE_BYTES
     prefix_store_write_rate: int | str = DEFAULT_PREFIX_STORE_WRITE_RATE
     prefix_store_min_tokens: int = DEFAULT_PREFIX_STORE_MIN_TOKENS
+    prefix_store_writes: StoreWrites = "reused"
     kernels: KernelChoice = "auto"
     budget_scope: BudgetScope = "model"
 
@@ -126,6 +131,10 @@ class EngineConfig:
                 raise ValueError(
                     f"prefix_store_write_rate={self.prefix_store_write_rate!r} must be > 0 "
                     "bytes a second (serve: --prefix-store-write-rate, e.g. 4MiB)"
+                )
+            if self.prefix_store_writes not in STORE_WRITES:
+                raise ValueError(
+                    f"prefix_store_writes={self.prefix_store_writes!r} is not one of {STORE_WRITES}"
                 )
             if self.prefix_store_min_tokens < 1:
                 raise ValueError(

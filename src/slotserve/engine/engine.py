@@ -124,7 +124,10 @@ class Engine:
         # to name them and a change of any of them cannot produce a stale hit.
         budget = self.config.prefix_cache_budget
         store = self._open_store(attention is not None) if budget else None
-        self.prefix = PrefixCache(self.pool, budget, store) if budget else None
+        write_prompts = self.config.prefix_store_writes == "all"
+        self.prefix = (
+            PrefixCache(self.pool, budget, store, write_prompts=write_prompts) if budget else None
+        )
         self.pressure = pressure
         self.on_finished = on_finished
         self.clock = clock

@@ -366,14 +366,17 @@ class PrefixCache:
         next turn of a conversation restores it (`KVPool.release_into`: its blocks or its
         parked slot change hands; only a cell pool's ring rows are copied). Evicts LRU
         snapshots down to the budget. False, and a plain release, when ``tokens`` is empty,
-        a snapshot already covers it (that one is marked used) or one snapshot of this size
-        would pass the budget."""
+        a snapshot already covers it (that one is marked used and, as the conversation's
+        latest turn, offered to the store) or one snapshot of this size would pass the
+        budget."""
         frozen = tuple(tokens)
         depth, keys = self._trie.longest(frozen)
         covered = bool(keys) and depth == len(frozen)
         if not frozen or covered or self._too_big(len(frozen)):
-            if covered:
-                self._entries.move_to_end(next(k for k in reversed(self._entries) if k in keys))
+            if covered:  # that one is the conversation's latest turn now
+                key = next(k for k in reversed(self._entries) if k in keys)
+                self._entries.move_to_end(key)
+                self._offer(self._entries[key])
             self.pool.release(session)
             return False
         key = next(self._keys)
@@ -384,7 +387,8 @@ class PrefixCache:
     def _enter(self, key: int, tokens: tuple[int, ...], *, offer: bool) -> None:
         """List the pool's new snapshot ``key``; drop the snapshots it covers (their tokens
         are a prefix of its own, so any match they give it gives too); with ``offer``,
-        offer it to the store; keep the budget."""
+        offer it to the store (and when a snapshot it covers was offered: it takes that
+        one's place, on disk too); keep the budget."""
         covered = [
             k
             for k, e in self._entries.items()
@@ -393,6 +397,7 @@ class PrefixCache:
         for old in covered:
             if (ticket := self._tickets.pop(old, None)) is not None:
                 ticket.cancel("superseded")  # the new one is offered in its place
+            offer = offer or self._entries[old].offered
             self._drop(old)
         snapshot = self._entries[key] = Snapshot(key, tokens)
         self._trie.insert(key, tokens)

@@ -166,6 +166,11 @@ class _ConnectionCollector:
         for deadline, count in stats.timed_out.items():
             timed_out.add_metric([deadline], count)
         yield timed_out
+        yield CounterMetricFamily(
+            "slotserve_connections_evicted",
+            "Idle kept-alive connections closed to make room for a new one at a cap",
+            value=stats.evicted,
+        )
 
 
 def _cancel_bound_metrics(bound: CancelBound) -> Iterator[Any]:

@@ -12,9 +12,19 @@ process has descriptors. Here, per connection:
   the request is answered 408 (if nothing was answered yet) and the connection closed. The
   app reading the body sees a disconnect;
 - **the caps**: a connection beyond ``max_connections`` open at once, or beyond
-  ``max_connections_per_client`` from its client's address, is answered 503 with
-  ``Retry-After`` as soon as its request head arrives (the head deadline still holds) and
-  closed; it never reaches the app and holds no place. A closed connection frees its place.
+  ``max_connections_per_client`` from its remote client's address, first makes room by
+  closing the connection idle the longest (see `connections` for the fairness rule); where
+  none has been idle long enough, it is answered 503 with ``Retry-After`` as soon as its
+  request head arrives (the head deadline still holds) and closed; it never reaches the app
+  and holds no place. A closed connection frees its place.
+
+A connection is idle (`ConnectionTracker.idle`) from its opening, and again whenever its
+response is complete and h11 awaits the next request head; it is inside a request
+(`ConnectionTracker.busy`) from the moment h11 has parsed a whole request head until that
+response is complete. Bytes of a head still arriving do not make it busy: only a request
+the app has been given holds a place against the others. Closing an idle connection to make
+room is uvicorn's own keep-alive timeout, early: the transport closes and the client, which
+has no response outstanding, reconnects.
 
 No deadline is extended by the bytes that trickle in, so a slow sender gains nothing. What
 is refused and what timed out is counted in the `ConnectionTracker` (``/metrics``). The API
@@ -62,7 +72,6 @@ class LimitedProtocol(H11Protocol):
     tracker: ConnectionTracker = ConnectionTracker()  # each server has its own: `protocol_for`
     _header_deadline: asyncio.TimerHandle | None = None
     _body_deadline: asyncio.TimerHandle | None = None
-    _address: str | None = None  # the client's address, while it holds a place
     _refused: Cap | None = None
     _refusal: str = ""
     _lingering: bool = False
@@ -72,10 +81,8 @@ class LimitedProtocol(H11Protocol):
         self._socket = transport
         super().connection_made(_GracefulTransport(transport, self))
         address = self.client[0] if self.client else ""
-        refused = self.tracker.admit(address)
-        if refused is None:
-            self._address = address
-        else:  # the message now, with the counts the client was refused at
+        refused = self.tracker.admit(address, self)  # admitted idle: no request yet
+        if refused is not None:  # the message now, with the counts the client was refused at
             self._refused, self._refusal = refused, self.tracker.refusal_message(refused, address)
             log.debug("refusing a connection from %s: %s", address, refused)
         self._arm_header_deadline()
@@ -99,6 +106,7 @@ class LimitedProtocol(H11Protocol):
         super().handle_events()
         if not self._awaiting_request_head():
             self._disarm_header_deadline()
+            self.tracker.busy(self)  # a whole head arrived: inside a request
         if self.conn.their_state is h11.SEND_BODY:
             if self._body_deadline is None:
                 self._body_deadline = self.loop.call_later(
@@ -111,6 +119,21 @@ class LimitedProtocol(H11Protocol):
         if self._lingering and self._socket is not None:
             self._socket.close()  # the client sent all it had: nothing left to drop
 
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # may start a pipelined request (handle_events)
+        if not self.transport.is_closing() and self._awaiting_request_head():
+            self.tracker.idle(self)  # kept alive, between requests
+
+    def evict(self) -> None:
+        """Close this idle connection to admit another (`ConnectionTracker.admit` released
+        its place): what uvicorn's keep-alive timeout does, early."""
+        log.debug("closing an idle connection from %s to admit another", self.client)
+        self.transport.close()
+
+    def handle_websocket_upgrade(self, event: h11.Request) -> None:
+        self._free_place()  # the socket is the WebSocket protocol's now: its close is not ours
+        super().handle_websocket_upgrade(event)
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_deadline()
         self._disarm_body_deadline()
@@ -118,9 +141,7 @@ class LimitedProtocol(H11Protocol):
         super().connection_lost(exc)
 
     def _free_place(self) -> None:
-        if self._address is not None:
-            self.tracker.release(self._address)
-            self._address = None
+        self.tracker.release(self)  # once: a connection without a place has none to free
 
     def close_gracefully(self) -> None:
         """Close the connection; if its request body is still arriving, linger first (see

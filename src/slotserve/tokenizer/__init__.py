@@ -6,12 +6,22 @@ GGUF "gpt2" byte-level BPE) or `spm.SpmVocab` (GGUF "llama" SentencePiece vocabu
 encoded exactly as llama.cpp does, which `tokenizers` cannot express: its BPE needs
 merges and its Unigram is Viterbi, not llama.cpp's greedy score-ordered merges). Both sit
 behind the `TokenCodec` seam; everything above it (BOS rule, chat, streaming) is shared.
+
+A chat template is compiled once, when it is set (at load, or by ``serve --chat-template``),
+not per request. A template that does not parse (a Jinja syntax error) does not stop the
+model from loading: the model keeps serving plain prompts, and every chat rendering raises
+`ChatTemplateInvalid`, a `ChatTemplateMissing` that names where the template came from, the
+line and jinja2's message; the server answers it as it answers a model with no template (400
+``chat_template_missing``), never 500. Refusing the load instead would take the model's
+completions away, and with them the fix: ``--chat-template FILE`` replaces the template only
+after the model has loaded.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
 import secrets
 import threading
@@ -26,6 +36,11 @@ from slotserve.tokenizer.spm import SpmVocab
 
 Backend = tokenizers.Tokenizer | SpmVocab
 
+log = logging.getLogger("slotserve")
+
+# Where a template set without a named source came from, in `ChatTemplateInvalid`'s message.
+SET_TEMPLATE_SOURCE = "chat template"
+
 
 class ChatTemplateMissing(ValueError):
     """Chat messages were given to a model that has no chat template."""
@@ -36,6 +51,40 @@ class ChatTemplateMissing(ValueError):
             "chat_template in its tokenizer_config.json); give one with --chat-template FILE "
             "(a Jinja chat template), or send a plain prompt instead of chat messages"
         )
+
+
+class ChatTemplateInvalid(ChatTemplateMissing):
+    """The model's chat template does not parse, so the model takes no chat messages (as one
+    without a template takes none): ``source`` names the file (and metadata key) it came
+    from, ``line`` and ``reason`` are jinja2's (``line`` None where jinja2 gives none)."""
+
+    def __init__(self, source: str, line: int | None, reason: str) -> None:
+        self.source, self.line, self.reason = source, line, reason
+        where = f"line {line}: " if line is not None else ""
+        ValueError.__init__(
+            self,
+            f"{source}: the chat template does not parse ({where}{reason}), so this model "
+            "takes no chat messages; give a working one with --chat-template FILE (a Jinja "
+            "chat template), or send a plain prompt instead of chat messages",
+        )
+
+    def again(self) -> ChatTemplateInvalid:
+        """A fresh copy to raise (raising one stored instance from many threads would share,
+        and grow, its traceback)."""
+        return ChatTemplateInvalid(self.source, self.line, self.reason)
+
+
+def compile_chat_template(text: object, source: str) -> jinja2.Template:
+    """``text`` compiled as a chat template, in the sandbox every template renders in;
+    `ChatTemplateInvalid` naming ``source`` when it is not text or does not parse."""
+    if not isinstance(text, str):
+        raise ChatTemplateInvalid(source, None, f"not text but a {type(text).__name__}")
+    try:
+        return _jinja_env().from_string(text)
+    except jinja2.TemplateSyntaxError as exc:  # and TemplateAssertionError (unknown filter)
+        raise ChatTemplateInvalid(source, exc.lineno, exc.message or str(exc)) from None
+    except (jinja2.TemplateError, RecursionError) as exc:  # nested past the parser's stack
+        raise ChatTemplateInvalid(source, None, f"{type(exc).__name__}: {exc}") from None
 
 
 class TokenCodec(Protocol):
@@ -62,7 +111,10 @@ class TokenCodec(Protocol):
 
 
 class Tokenizer:
-    """Encode/decode text and render chat prompts for one model."""
+    """Encode/decode text and render chat prompts for one model.
+
+    ``chat_template_source`` names where ``chat_template`` came from (``path [key]``), for
+    `ChatTemplateInvalid` and the load's warning."""
 
     def __init__(
         self,
@@ -72,14 +124,45 @@ class Tokenizer:
         eos_ids: Sequence[int],
         chat_template: str | None,
         add_bos: bool = False,
+        chat_template_source: str = SET_TEMPLATE_SOURCE,
     ) -> None:
         self.backend = backend
         self.bos_id = bos_id
         self.eos_ids = tuple(eos_ids)
-        self.chat_template = chat_template
         self.add_bos = add_bos
         self._codec: TokenCodec = backend if isinstance(backend, SpmVocab) else _HFCodec(backend)
         self._special_ids = self._codec.special_ids
+        self.set_chat_template(chat_template, source=chat_template_source)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's text as the model gave it (None: it has none), kept when it
+        does not parse (then `chat_template_error` says why). Setting it compiles it."""
+        return self._chat_template
+
+    @chat_template.setter
+    def chat_template(self, text: str | None) -> None:
+        self.set_chat_template(text, source=SET_TEMPLATE_SOURCE)
+
+    @property
+    def chat_template_error(self) -> ChatTemplateInvalid | None:
+        """Why the chat template does not parse (None when it does, or there is none)."""
+        return self._template_error
+
+    def set_chat_template(self, text: str | None, *, source: str) -> None:
+        """Use ``text`` as the chat template (None: none), compiled now. One that does not
+        parse is kept with its error and a warning naming ``source``: the model still
+        serves plain prompts, and chat renderings raise `ChatTemplateInvalid`."""
+        self._chat_template = text
+        self._template: jinja2.Template | None = None
+        self._template_error: ChatTemplateInvalid | None = None
+        if not text:
+            return
+        try:
+            self._template = compile_chat_template(text, source)
+        except ChatTemplateInvalid as exc:
+            self._template_error = exc.with_traceback(None)  # kept: holds no frames
+            log.warning("WARNING: %s; plain prompts still work", exc)
 
     def to_json(self) -> str:
         """Everything needed to rebuild this tokenizer, as one JSON string."""
@@ -99,14 +182,15 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_json(cls, text: str) -> Tokenizer:
+    def from_json(cls, text: str, *, chat_template_source: str = SET_TEMPLATE_SOURCE) -> Tokenizer:
+        """The tokenizer `to_json` wrote; ``chat_template_source`` names the file read."""
         fields = json.loads(text)
         backend: Backend = (
             SpmVocab.from_dict(fields.pop("spm"))
             if "spm" in fields
             else tokenizers.Tokenizer.from_str(fields.pop("backend"))
         )
-        return cls(backend, **fields)
+        return cls(backend, **fields, chat_template_source=chat_template_source)
 
     @property
     def vocab_size(self) -> int:
@@ -194,10 +278,12 @@ class Tokenizer:
         ``tools`` as its ``tools`` variable when given (left undefined otherwise, as
         transformers leaves it) and ``template_kwargs`` as more variables (they never
         replace the ones named here). Raises `ChatTemplateMissing` when the model has
-        none."""
-        if not self.chat_template:
+        none, `ChatTemplateInvalid` (one of those) when its template does not parse."""
+        if self._template_error is not None:
+            raise self._template_error.again()
+        template = self._template
+        if template is None:
             raise ChatTemplateMissing
-        template = _jinja_env().from_string(self.chat_template)
         bos = self.decode([self.bos_id]) if self.bos_id is not None else ""
         eos = self.decode([self.eos_ids[0]]) if self.eos_ids else ""
         offered = {} if tools is None else {"tools": list(tools)}
@@ -302,7 +388,10 @@ def _raise_exception(message: str) -> None:
     raise jinja2.TemplateError(message)
 
 
+@functools.cache
 def _jinja_env() -> jinja2.Environment:
+    """The one sandbox every chat template compiles and renders in (an environment is safe
+    to share across threads once configured)."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = _raise_exception
     env.filters["tojson"] = lambda value, indent=None: json.dumps(
