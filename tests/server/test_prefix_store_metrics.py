@@ -21,9 +21,14 @@ CELL = {"kv_layout": "cell", "block_size": 8, "max_seqs": 2, "max_context": 128}
 
 
 def test_metrics_count_every_reason_and_the_bytes(tiny: ss.Model, tmp_path: Path) -> None:
-    config = ss.EngineConfig(**CELL, prefix_cache_bytes="1MiB", prefix_store=tmp_path)
-    with ss.Engine(tiny, config) as engine:
-        engine.submit(list(range(3, 40)), ss.SamplingParams(max_new_tokens=2)).result()
+    config = ss.EngineConfig(
+        **CELL, prefix_cache_bytes="1MiB", prefix_store=tmp_path, prefix_store_min_tokens=1
+    )
+    with ss.Engine(tiny, config) as engine:  # a turn kept for the next: written
+        params = ss.SamplingParams(max_new_tokens=2)
+        engine.submit(list(range(3, 40)), params, publish_completion=True).result()
+        text = PrometheusMetrics(engine.stats).exposition().decode()
+    assert "slotserve_prefix_store_bytes_written_total" in text
     (path,) = tmp_path.glob(f"*{SUFFIX}")
     path.write_bytes(path.read_bytes()[:-10])  # truncated: refused at the next start
     with ss.Engine(tiny, config) as engine:

@@ -4,19 +4,11 @@ and that budget counted in the memory plan when a server starts (`run.Cancelling
 
 from __future__ import annotations
 
-import asyncio
 import sys
-from pathlib import Path
-from typing import Any
 
 import pytest
-import uvicorn
 
-import slotserve as ss
-from slotserve.server import create_app
-from slotserve.server import run as server_run
 from slotserve.server.response_store import ResponseStore, StoredResponse, held_bytes
-from slotserve.testing import tiny_model
 
 MIB = 2**20
 
@@ -69,26 +61,3 @@ def test_putting_an_id_again_recharges_it() -> None:
     store.check_integrity()
     with pytest.raises(ValueError, match="budget_bytes=-1"):
         ResponseStore(budget_bytes=-1)
-
-
-def test_the_servers_start_counts_the_stored_responses_budget(
-    tiny_dirs: dict[str, Path], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The store grows after the start, up to its budget: the start counts the budget in
-    the plan's runtime arena (where the budget is the process's), beside what it kept."""
-    model = tiny_model(tiny_dirs["llama"])
-    config = ss.EngineConfig(max_seqs=2, max_context=64, budget_scope="process")
-    with ss.Engine(model, config) as engine:
-        app = create_app(engine, "tiny", web=False)
-        state = app.state.server
-        monkeypatch.setattr(server_run, "rss_bytes", lambda: 100 * MIB + 3 * MIB)
-
-        async def bound(self: Any, sockets: Any = None) -> None:  # no socket bound
-            return None
-
-        monkeypatch.setattr(uvicorn.Server, "startup", bound)
-        server = server_run.CancellingServer(uvicorn.Config(app), state, engine, 100 * MIB)
-        before = engine.plan.runtime_bytes
-        asyncio.run(server.startup())
-        grown = engine.plan.runtime_bytes - before
-        assert grown == 3 * MIB + state.responses.budget_bytes > 3 * MIB

@@ -104,7 +104,8 @@ def register(commands: Any) -> None:
         "--max-connections-per-client",
         type=int,
         default=DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
-        help="connections open at once from one client address "
+        help="connections open at once from one remote client address (loopback clients "
+        "share only --max-connections) "
         f"(default {DEFAULT_MAX_CONNECTIONS_PER_CLIENT}); the next gets 503 with Retry-After",
     )
     parser.add_argument("--log-level", default="warning")

@@ -17,6 +17,36 @@ from slotserve.model.layers import DenseLinear, Linear
 from slotserve.model.weights import LlamaWeights
 
 
+def _has_vnni() -> bool:
+    """Whether this CPU has an 8-bit dot product with 32-bit sums (AVX-512 VNNI or AVX-VNNI)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags = next((line for line in info if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "avx512_vnni" in flags or "avx_vnni" in flags
+
+
+# Without VNNI, the x86 int8 kernels (fbgemm, oneDNN) sum pairs of u8 x s8 products in 16
+# bits, which saturate on 8-bit activations; QNNPACK's kernels do not. A weight packed by an
+# engine runs with that engine's kernels, so there the weights are packed by QNNPACK.
+PACK_ENGINE = None if _has_vnni() else "qnnpack"
+
+
+def _prepack(qweight: torch.Tensor, bias: torch.Tensor | None) -> Any:
+    """``qweight`` and ``bias`` packed for `Int8Linear` by `PACK_ENGINE` where it is set
+    (torch's quantized engine is process-wide: set for the call, then restored)."""
+    engine = PACK_ENGINE
+    if engine is None or engine not in torch.backends.quantized.supported_engines:
+        return torch.ops.quantized.linear_prepack(qweight, bias)
+    before = torch.backends.quantized.engine
+    torch.backends.quantized.engine = engine
+    try:
+        return torch.ops.quantized.linear_prepack(qweight, bias)
+    finally:
+        torch.backends.quantized.engine = before
+
+
 @dataclass(frozen=True)
 class Int8Linear:
     """``y ≈ x @ weight.T + bias`` with per-channel int8 weights."""
@@ -35,7 +65,7 @@ class Int8Linear:
             warnings.simplefilter("ignore")
             qweight = torch.quantize_per_channel(weight, scales, zero_points, 0, torch.qint8)
         bias = dense.bias.float() if dense.bias is not None else None
-        packed = torch.ops.quantized.linear_prepack(qweight, bias)
+        packed = _prepack(qweight, bias)
         return cls(packed, weight.shape[0], weight.shape[1], bias is not None)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

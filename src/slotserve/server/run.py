@@ -103,8 +103,8 @@ class CancellingServer(uvicorn.Server):
     """uvicorn's server whose shutdown closes the engine first, instead of waiting for
     running requests to finish on their own; its start counts what it left resident
     since ``before_bytes`` (the app, the HTTP stack, the code their set-up ran) in the
-    engine's runtime arena, and with it the budget of the Responses API's stored responses
-    (`ResponseStore.budget_bytes`), which grow after the start and never past it."""
+    engine's runtime arena. (The Responses API's stored responses are bounded in bytes,
+    `ResponseStore.budget_bytes`, but not yet an arena of the plan.)"""
 
     def __init__(
         self, config: uvicorn.Config, state: ServerState, engine: Engine, before_bytes: int
@@ -118,15 +118,8 @@ class CancellingServer(uvicorn.Server):
         await super().startup(sockets)
         trim_heap()
         kept = rss_bytes() - self.before_bytes
-        stored = self.state.responses.budget_bytes
-        # PlanError: the budget no longer holds them
-        self.engine.count_start_state(max(kept, 0) + stored)
-        log.info(
-            "the server's start kept %.1f MiB resident, and its stored responses may hold "
-            "%.1f MiB (runtime arena)",
-            kept / 2**20,
-            stored / 2**20,
-        )
+        self.engine.count_start_state(kept)  # PlanError: the budget no longer holds it
+        log.info("the server's start kept %.1f MiB resident (runtime arena)", kept / 2**20)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # A signal handler: it only sets flags; the event loop acts on them within a tick.
