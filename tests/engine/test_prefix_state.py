@@ -37,16 +37,18 @@ class PrefixEngineMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        config = ss.EngineConfig(
-            kv_layout=self.layout, block_size=4, num_blocks=40, max_seqs=self.max_seqs,
-            max_context=64, queue_depth=4, prefill_chunk=8,
-            prefix_cache_bytes=12 * 4 * 2 * 2 * 2 * 32 * 4,
-        )  # fmt: skip
-        self.engine = ss.Engine(self.model, config)
+        self.engine = ss.Engine(self.model, self.config())
         # A refused submit keeps its place (None): whether the queue had room depends on
         # how far the engine thread got, and the rules a step may draw must not, or
         # hypothesis finds the same draws taking another path (FlakyStrategyDefinition).
         self.handles: list[tuple[ss.RequestHandle | None, int]] = []
+
+    def config(self) -> ss.EngineConfig:
+        return ss.EngineConfig(
+            kv_layout=self.layout, block_size=4, num_blocks=40, max_seqs=self.max_seqs,
+            max_context=64, queue_depth=4, prefill_chunk=8,
+            prefix_cache_bytes=12 * 4 * 2 * 2 * 2 * 32 * 4,
+        )  # fmt: skip
 
     @rule(prompt=PROMPT, new=st.integers(1, 8), keep=st.booleans())
     def submit(self, prompt: tuple[int, list[int]], new: int, keep: bool) -> None:

@@ -8,7 +8,6 @@ bound with no slot, block or snapshot left."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import shutil
 import tempfile
@@ -20,11 +19,12 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import precondition, rule
 
 import slotserve as ss
 from slotserve.prefix import PrefixStore
 from slotserve.testing import write_tiny_gguf
+from tests.engine.test_prefix_state import PrefixEngineMachine
 
 SYSTEMS = [[3 + (i * 7 + n) % 200 for i in range(n)] for n in (6, 19, 30)]
 PROMPT = st.tuples(
@@ -71,40 +71,23 @@ def frequent_gc() -> Iterator[None]:
     gc.set_threshold(*before)
 
 
-class StoreEngineMachine(RuleBasedStateMachine):
-    model: ss.Model
+class StoreEngineMachine(PrefixEngineMachine):
+    """`PrefixEngineMachine`'s rules and checks, over an engine with a store, and more."""
+
     seed_store: Path | None
     root: Path
 
-    def __init__(self) -> None:
-        super().__init__()
+    def config(self) -> ss.EngineConfig:
         directory = Path(tempfile.mkdtemp(dir=self.root))
         if self.seed_store is not None:
             shutil.copytree(self.seed_store, directory, dirs_exist_ok=True)
-        self.engine = ss.Engine(self.model, config(directory))
-        self.handles: list[tuple[ss.RequestHandle | None, int]] = []
+        return config(directory)
 
     @property
     def store(self) -> PrefixStore:
         prefix = self.engine.prefix
         assert prefix is not None and prefix.store is not None
         return prefix.store
-
-    @rule(prompt=PROMPT, new=st.integers(1, 8), keep=st.booleans())
-    def submit(self, prompt: tuple[int, list[int]], new: int, keep: bool) -> None:
-        tokens = SYSTEMS[prompt[0]] + prompt[1]
-        params = ss.SamplingParams(temperature=0, max_new_tokens=new, ignore_eos=True)
-        handle: ss.RequestHandle | None = None
-        with contextlib.suppress(ss.AdmissionRefused):
-            handle = self.engine.submit(tokens, params, publish_completion=keep)
-        self.handles.append((handle, len(tokens)))
-
-    @precondition(lambda self: bool(self.handles))
-    @rule(index=st.integers(0, 100), wait=st.booleans())
-    def cancel(self, index: int, wait: bool) -> None:
-        handle, _ = self.handles[index % len(self.handles)]
-        if handle is not None:
-            handle.cancel(wait=wait)
 
     @precondition(lambda self: bool(self.handles))
     @rule(index=st.integers(0, 100))
@@ -134,27 +117,6 @@ class StoreEngineMachine(RuleBasedStateMachine):
         with self.engine._lock:
             while prefix.evict_one():
                 pass
-
-    @precondition(lambda self: bool(self.handles))
-    @rule()
-    def finish_oldest(self) -> None:
-        handle, n_prompt = self.handles.pop(0)
-        if handle is None:  # refused at submit, or dropped
-            return
-        try:
-            final = handle.result()
-        except ss.AdmissionRefused:
-            return
-        timings = final.timings
-        if final.reason != "cancelled" or timings.prefill_done is not None:
-            assert timings.prompt_tokens_restored + timings.prompt_tokens_computed == n_prompt
-        assert timings.prompt_tokens_restored == final.usage.cached_tokens < n_prompt
-        assert final.reason != "error", final.error
-
-    @invariant()
-    def integrity(self) -> None:
-        self.engine.check_integrity()
-        assert self.engine.prefix is not None and self.engine.prefix.pins == 0
 
     def teardown(self) -> None:
         began = time.monotonic()
