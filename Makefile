@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 GEMMA := $(VENV)/.gemma3-installed
 
-.PHONY: run test lint types browser screenshots bench bench-deps clean
+.PHONY: run test lint types browser cross-tools screenshots bench bench-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,7 +40,7 @@ run: $(STAMP)
 # runs failed tests/export/test_method_arenas.py's resident-set bound (5.2 MiB grown
 # against 3.9), so make test keeps the one process until that measurement is isolated.
 test: $(STAMP)
-	$(MAKE) --no-print-directory -j4 --output-sync=target $(GEMMA) lint types browser
+	$(MAKE) --no-print-directory -j4 --output-sync=target $(GEMMA) lint types browser cross-tools
 	@git status --porcelain --untracked-files=all > .git/slotserve-test-before 2>/dev/null || true
 	$(BIN)/python -m pytest -q --durations=25
 	@if [ -f .git/slotserve-test-before ]; then \
@@ -52,6 +52,17 @@ test: $(STAMP)
 # never `playwright install`, which downloads a browser build this network refuses).
 browser:
 	command -v chromium >/dev/null || (apt-get update && apt-get install -y chromium)
+
+# The kernels' AArch64 tests (tests/native/test_aarch64.py) cross-build with Debian's
+# gcc-aarch64-linux-gnu and run under qemu-user. Retried: `browser` may hold apt's locks
+# at the same time (apt-get update does not wait for them).
+cross-tools:
+	@command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null || \
+	for try in 1 2 3 4 5; do \
+		(apt-get update && apt-get install -y -o DPkg::Lock::Timeout=300 \
+			gcc-aarch64-linux-gnu qemu-user) && break; \
+		[ $$try -lt 5 ] || exit 1; sleep 15; \
+	done
 
 # The README's screenshots (docs/img/web-*.png), retaken by the browser test.
 screenshots: $(STAMP) browser

@@ -14,6 +14,13 @@
 #ifdef __F16C__
 #include <immintrin.h>
 #endif
+/* The AArch64 path (attention_neon.h), built with the block products' (quants.h). */
+#if defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#define NEON_ATTENTION 1
+#include "attention_neon.h"
+#else
+#define NEON_ATTENTION 0
+#endif
 
 enum { KV_FP32 = 0, KV_FP16 = 1, KV_BF16 = 2, KV_INT8 = 3 };
 
@@ -52,6 +59,8 @@ INLINE const float *load_row(const rows_at *at, int plain, int dtype, int64_t ce
 #ifdef __F16C__ /* eight at a time in hardware; gcc would convert one by one in software */
         for (; d + 8 <= dim; d += 8)
             _mm256_storeu_ps(row + d, _mm256_cvtph_ps(_mm_loadu_si128((const void *)(src + d))));
+#elif NEON_ATTENTION
+        for (; d + 8 <= dim; d += 8) neon_halves_to_floats(src + d, row + d);
 #endif
         for (; d < dim; d++) row[d] = (float)((const _Float16 *)src)[d];
         break;
@@ -143,6 +152,9 @@ INLINE lanes8 load8(const float *from) {
 }
 
 INLINE float dot(const float *a, const float *b, int64_t dim) {
+#if NEON_ATTENTION
+    return neon_dot(a, b, dim);
+#else
     lanes8 even = {0}, odd = {0};
     int64_t d = 0;
     for (; d + 16 <= dim; d += 16) {
@@ -156,6 +168,7 @@ INLINE float dot(const float *a, const float *b, int64_t dim) {
     float sum = even[0];
     for (; d < dim; d++) sum += a[d] * b[d];
     return sum;
+#endif
 }
 
 /* One query row's heads that share KV head g (`group` of them, at qg) over the keys at
@@ -183,11 +196,15 @@ INLINE void attend_group(const float *qg, float *og, const rows_at *keys,
     }
     for (int64_t r = 0; r < group; r++) {
         float *s = scores + r * span, total = 0.0f;
+#if NEON_ATTENTION
+        total = neon_exp_scores(s, span, best[r], scale);
+#else
 #pragma omp simd reduction(+ : total)
         for (int64_t j = 0; j < span; j++) {
             s[j] = exp_nonpositive((s[j] - best[r]) * scale);
             total += s[j];
         }
+#endif
         float inverse = 1.0f / total;
         for (int64_t j = 0; j < span; j++) s[j] *= inverse;
         memset(og + r * dim, 0, (size_t)dim * sizeof(float));

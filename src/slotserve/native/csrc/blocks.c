@@ -18,7 +18,8 @@
  *
  * Built by slotserve.native (build.py) with -O3 -march=native -fopenmp, bound by
  * slotserve.native.blocks: AVX-512 VNNI or AVX-VNNI dot products where the CPU has them,
- * AVX2 otherwise, plain C elsewhere.
+ * AVX2 otherwise; on AArch64 the NEON dot product, with i8mm where the target has it
+ * (quants_neon.h); plain C elsewhere (docs/KERNELS.md).
  */
 #include <omp.h>
 
@@ -44,11 +45,17 @@ INLINE void put_lanes(const product *p, int64_t i, int64_t n, int t, const float
 }
 
 /* Any type's group of t rows: the K-quants' dot or the others' (`kind` is a constant
- * where this is inlined, so the choice is made at compile time). */
+ * where this is inlined, so the choice is made at compile time), on AArch64 with the dot
+ * product their NEON forms (quants_neon.h). */
 INLINE void dot_any_group(int kind, const uint8_t *w, int t, const acts *a, int64_t i, int rows,
                           float out[][GROUP]) {
+#if NEON_DOT
+    if (kind == KIND_Q4_K || kind == KIND_Q5_K || kind == KIND_Q6_K) neon_dot_group_k(kind, w, t, a, i, rows, out);
+    else neon_dot_group(kind, w, t, a, i, rows, out);
+#else
     if (kind == KIND_Q4_K || kind == KIND_Q5_K || kind == KIND_Q6_K) dot_group_k(kind, w, t, a, i, rows, out);
     else dot_group(kind, w, t, a, i, rows, out);
+#endif
 }
 
 #define GROUP_TAIL(rows) case rows: dot_any_group(kind, w, t, &p->a, whole, rows, out); break;

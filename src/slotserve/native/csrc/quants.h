@@ -895,4 +895,13 @@ INLINE void dot_group_k(int kind, const uint8_t *w, int t, const acts *a, int64_
 #endif
 }
 
+/* The AArch64 path (quants_neon.h): NEON with the dot product, SMMLA where the target has
+ * i8mm; blocks.c calls it in place of dot_group and dot_group_k. */
+#if defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+#define NEON_DOT 1
+#include "quants_neon.h"
+#else
+#define NEON_DOT 0
+#endif
+
 #endif
