@@ -2,11 +2,14 @@
 
 Each turn encodes the whole conversation with `Tokenizer.encode_chat` (special-token text a
 user types stays text) and places only its new tokens after the longest prefix the
-runner's conversation already holds (`TextLLMRunner.generate_from_pos`). The runner's
-prefix cache keeps the conversation's KV between turns (each turn's prompt and reply), so a
-turn computes only the tokens that differ from it: the new message, the template's markers
-around it, and any reply tokens the template encodes differently (their sliding-window
-layers too: a turn continues where their rings end).
+runner's conversation already holds (`TextLLMRunner.generate_from_pos`). Where restoring a
+prefix is bit-exact (`slotserve serve`'s rule, `slotserve.runner.caching`; logged at start
+with the reason), the runner's prefix cache keeps the conversation's KV between turns (each
+turn's prompt and reply), so a turn computes only the tokens that differ from it: the new
+message, the template's markers around it, and any reply tokens the template encodes
+differently (their sliding-window layers too: a turn continues where their rings end).
+Elsewhere (a bundle, dense or int8 weights) each turn computes the whole conversation, unless
+``--prefix-cache`` keeps the KV anyway.
 """
 
 from __future__ import annotations
@@ -19,14 +22,23 @@ from typing import Any
 from slotserve.cli.flags import add_sampling_args
 from slotserve.cli.generate import generation_config, print_piece
 
+log = logging.getLogger("slotserve.chat")
+
 
 def register(commands: Any) -> None:
     parser = commands.add_parser("chat", help="interactive terminal chat")
     parser.add_argument("--system", default=None, help="system message")
-    parser.add_argument(
+    caching = parser.add_mutually_exclusive_group()
+    caching.add_argument(
+        "--prefix-cache",
+        action="store_true",
+        help="keep the conversation's KV between turns even where a restore is not "
+        "bit-exact (default: only where it is: GGUF block weights on the compiled kernels)",
+    )
+    caching.add_argument(
         "--no-prefix-cache",
         action="store_true",
-        help="compute the whole conversation every turn (default: keep its KV between turns)",
+        help="compute the whole conversation every turn",
     )
     add_sampling_args(parser)
 
@@ -44,9 +56,12 @@ def _chat(args: argparse.Namespace) -> int:
         args.model,
         max_context=args.max_context,
         weights=args.weights,
-        prefix_cache=not args.no_prefix_cache,
+        prefix_cache=True if args.prefix_cache else False if args.no_prefix_cache else None,
     )
     runner.load()
+    choice = runner.prefix_cache_choice
+    assert choice is not None  # decided by load()
+    log.info("%s", choice.describe("--prefix-cache", "--no-prefix-cache"))
     tokenizer = runner.model.tokenizer
     messages: list[dict[str, Any]] = []
     if args.system:

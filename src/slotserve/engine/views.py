@@ -10,7 +10,7 @@ snapshot holds, from the pool's own tables (`KVPool.holdings`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from slotserve.engine.cancel_bound import CancelBound
@@ -92,6 +92,11 @@ class PrefixStats:
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine. KV blocks are cell blocks (cell layout) or slot rows.
+    ``kv_blocks_parked`` of the ``kv_blocks_used`` are held by the prefix cache alone: a
+    finished request's parked slot (flat layout: ``slots_parked`` of them) or cell blocks
+    only its snapshots keep. They are reclaimable, not leaked (the cache drops them when
+    a request needs the room: `kv_blocks_reclaimable`), so what running requests hold is
+    ``kv_blocks_used - kv_blocks_parked``, which returns to 0 when they have all ended.
     ``pressure_level`` is None without a pressure signal, ``prefix`` None with the prefix
     cache off. ``cancel_bound`` is the declared worst-case cancel→release time beside the
     measured p99 (`Engine.cancel_bound`). ``kv_pool_bytes`` is the pool the plan reserves,
@@ -116,12 +121,26 @@ class EngineStats:
     prefix: PrefixStats | None = None
     cancel_bound: CancelBound | None = None
     kv_resident_bytes: int = 0
+    kv_blocks_parked: int = 0
+    slots_parked: int = 0
+
+    @property
+    def kv_blocks_held(self) -> int:
+        """KV blocks (or rows) that running requests hold: the used less the parked."""
+        return self.kv_blocks_used - self.kv_blocks_parked
+
+    @property
+    def kv_blocks_reclaimable(self) -> int:
+        """KV blocks (or rows) a new request can have: the free and the parked."""
+        return self.kv_blocks_free + self.kv_blocks_parked
 
 
 @dataclass(frozen=True)
 class SlotView:
     """One slot of the pool: ``idle``, or the request it serves (its id, class, prompt and
-    generated token counts, and age from submit)."""
+    generated token counts, and age from submit). An idle slot may be parked
+    (``parked_tokens`` not None: a finished request's KV kept for the prefix cache, flat
+    layout): still free to take, its KV dropped or reused by the request that takes it."""
 
     slot: int
     state: SlotState = "idle"
@@ -130,10 +149,19 @@ class SlotView:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     age_s: float = 0.0
+    parked_tokens: int | None = None
 
     def to_dict(self) -> dict[str, object]:
-        """The JSON of ``GET /slots``: ``slot`` and ``state``, and for a busy slot
-        ``request_id``, ``class``, ``prompt_tokens``, ``generated_tokens``, ``age_s``."""
+        """The JSON of ``GET /slots``: ``slot`` and ``state``; for a parked idle slot
+        ``parked: true`` and ``parked_tokens``; for a busy slot ``request_id``, ``class``,
+        ``prompt_tokens``, ``generated_tokens``, ``age_s``."""
+        if self.state == "idle" and self.parked_tokens is not None:
+            return {
+                "slot": self.slot,
+                "state": "idle",
+                "parked": True,
+                "parked_tokens": self.parked_tokens,
+            }
         if self.state == "idle":
             return {"slot": self.slot, "state": "idle"}
         return {
@@ -165,3 +193,17 @@ class PoolView:
     row_groups: tuple[RowGroup, ...]
     sessions: tuple[Holding, ...]
     snapshots: tuple[Holding, ...]
+
+
+def with_parked_slots(slots: list[SlotView], pool: PoolView) -> list[SlotView]:
+    """``slots`` (`Engine.slots`) with each idle slot that a prefix-cache snapshot parks in
+    ``pool`` (`Engine.pool_view`) marked parked, with the tokens it keeps. The two views are
+    read one after the other: a slot that changed hands between them keeps the state
+    ``slots`` gave it (a parked mark needs both to agree that no request holds it)."""
+    parked = {held.slot: held.length for held in pool.snapshots if held.slot is not None}
+    return [
+        replace(view, parked_tokens=parked[view.slot])
+        if view.state == "idle" and view.slot in parked
+        else view
+        for view in slots
+    ]

@@ -53,11 +53,15 @@ from slotserve.native.attention import AttentionCalls, AttentionKernel
 
 @dataclass(frozen=True)
 class PoolUsage:
-    """KV units free and in use; ``unit`` is "blocks" (cell layout) or "rows" (slots)."""
+    """KV units free and in use; ``unit`` is "blocks" (cell layout) or "rows" (slots).
+    ``parked`` of the ``used`` are held by snapshots alone (no live session holds them): a
+    parked slot's row, or cell blocks only the prefix cache keeps. They are reclaimable,
+    not leaked: the cache drops them when a request needs the room."""
 
     unit: str
     free: int
     used: int
+    parked: int = 0
 
 
 @dataclass(frozen=True)
@@ -129,10 +133,13 @@ class KVPool:
 
     def usage(self) -> PoolUsage:
         """Free and used KV units: cell blocks with the cell layout, else slot rows (a
-        parked slot is used, as a snapshot's blocks are)."""
+        parked slot is used, as a snapshot's blocks are, and counted in ``parked`` too)."""
         if self._cells:
-            return PoolUsage("blocks", self.blocks.n_free, self.blocks.n_used)
-        return PoolUsage("rows", self.free_slots, len(self.sessions) + self.parked_slots)
+            return PoolUsage(
+                "blocks", self.blocks.n_free, self.blocks.n_used, self.snapshot_only_blocks
+            )
+        parked = self.parked_slots
+        return PoolUsage("rows", self.free_slots, len(self.sessions) + parked, parked)
 
     def session_ids(self) -> set[int]:
         return set(self.sessions)
@@ -261,6 +268,12 @@ class KVPool:
     def parked_slots(self) -> int:
         """Slots that snapshots hold (parked); each is freed when its snapshot is dropped."""
         return sum(1 for s in self.snapshots.values() if s.slot >= 0)
+
+    @property
+    def snapshot_only_blocks(self) -> int:
+        """Cell blocks that snapshots hold and no live session does (0 without cells)."""
+        in_sessions = {b for bound in self.sessions.values() for b in bound.table}
+        return len({b for frozen in self.snapshots.values() for b in frozen.table} - in_sessions)
 
     def snapshot_copied_nbytes(self, snapshot: int) -> int:
         """Bytes ``snapshot``'s copies of row-group cells hold outside the pool (0 for a

@@ -122,6 +122,7 @@ function drawRows(canvas, kv, slotCount) {
   const stripe = rowH / Math.max(1, groups.length);
   const inset = groups.length > 1 ? 1 : 0;
   const bySlot = new Map(kv.owners.map((owner) => [owner.slot, owner]));
+  const parked = new Map(kv.snapshots.filter((s) => s.slot !== null).map((s) => [s.slot, s]));
   for (let slot = 0; slot < slotCount; slot += 1) {
     const y0 = slot * (rowH + gap);
     const owner = bySlot.get(slot);
@@ -132,6 +133,11 @@ function drawRows(canvas, kv, slotCount) {
       const y = y0 + g * stripe;
       context.fillStyle = owner ? RESERVED : FREE;
       context.fillRect(label, y, width - label, stripe - inset);
+      const kept = !owner && parked.get(slot);
+      if (kept) {  // a parked slot: its rows hold the finished request's positions
+        context.fillStyle = CACHED;
+        context.fillRect(label, y, ((width - label) * Math.min(kept.tokens, group.size)) / group.size, stripe - inset);
+      }
       if (!owner) return;
       context.fillStyle = ownerColor(slot);
       context.fillRect(label, y, ((width - label) * owner.rows[g].live) / group.size, stripe - inset);

@@ -111,10 +111,15 @@ export class Dashboard {
     setText("tile-slots", `${st.slots_in_use} / ${st.max_seqs}`);
     setText("tile-queue", String(st.queue_len));
     setText("kv-unit", s.kv.unit);
-    const cached = s.kv.cached ? ` (${s.kv.cached} cached)` : "";
-    setText("tile-kv", `${s.kv.used} / ${s.kv.total}${cached}`);
-    document.getElementById("tile-kv").dataset.used = String(s.kv.used);
-    document.getElementById("tile-kv").dataset.cached = String(s.kv.cached || 0);
+    // Parked: held by the prefix cache alone (a finished request's slot or blocks), in the
+    // used count but reclaimable, so a pool at rest reads "0 held", not a leak.
+    const parked = st.kv_blocks_parked || 0;
+    const parkedNote = parked ? ` (${parked} parked, reclaimable)` : "";
+    setText("tile-kv", `${s.kv.used} / ${s.kv.total}${parkedNote}`);
+    const tile = document.getElementById("tile-kv");
+    tile.dataset.used = String(s.kv.used);
+    tile.dataset.cached = String(s.kv.cached || 0);
+    tile.dataset.parked = String(parked);
     const p = s.pressure;
     const pressure = document.getElementById("tile-pressure");
     pressure.textContent = p.level === null ? "off" : `${p.level.toFixed(2)} / ${p.threshold}`;
@@ -137,6 +142,13 @@ export class Dashboard {
     const body = this.root.querySelector("#slots tbody");
     body.innerHTML = slots
       .map((slot) => {
+        if (slot.state === "idle" && slot.parked) {
+          return (
+            `<tr data-state="idle" data-parked="true"><td>${slot.slot}</td>` +
+            `<td><span class="badge idle">idle</span> <span class="badge parked">parked</span></td>` +
+            `<td colspan="5" class="muted">${slot.parked_tokens} tokens kept for the prefix cache</td></tr>`
+          );
+        }
         if (slot.state === "idle") {
           return `<tr data-state="idle"><td>${slot.slot}</td><td><span class="badge idle">idle</span></td><td colspan="5"></td></tr>`;
         }
@@ -175,7 +187,10 @@ export class Dashboard {
         `<span><i class="cached"></i>prefix cache only (${kv.cached})</span>`,
       );
     } else {
-      owners.push(`<span><i class="reserved"></i>held, not yet written</span>`);
+      owners.push(
+        `<span><i class="reserved"></i>held, not yet written</span>`,
+        `<span><i class="cached"></i>parked for the prefix cache (${kv.cached})</span>`,
+      );
     }
     owners.push(`<span><i class="free"></i>free (${kv.free})</span>`);
     this.root.querySelector("#kv-legend").innerHTML = owners.join("");
