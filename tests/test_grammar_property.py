@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from typing import Any
 
 import jsonschema
@@ -25,7 +26,7 @@ from slotserve.engine import Finished
 from slotserve.engine.events import Usage
 from slotserve.engine.timings import RequestTimings
 from slotserve.sampling import GrammarCompiler, GrammarError
-from slotserve.server.structured import output_refusal
+from slotserve.server.structured import choice_grammar, output_refusal
 from slotserve.testing import TINY_VOCAB, tiny_tokenizer
 from slotserve.tokenizer import Tokenizer
 
@@ -242,3 +243,116 @@ def test_an_integer_past_2_to_the_53_is_refused_naming_where(
     with pytest.raises(GrammarError, match=r"JSON schema at #/.*past \+-2\*\*53"):
         compiler.json_schema(schema)
     compiler.json_schema({"enum": [2**53, -(2**53)]})  # the largest exact ones compile
+
+
+# -- grammars in other syntaxes (issue 53): GBNF, Lark, regular expressions, choices ---------
+#
+# One expression, drawn by hypothesis from literals, character classes, sequences,
+# alternatives and repetitions, written three ways: as a Python regular expression (the
+# oracle), as llama.cpp's GBNF, and as a regular expression for llguidance. Whatever a
+# random walk over the compiled grammar ends with end-of-sequence must match the oracle.
+
+_ALPHABET = "ab1 -."
+
+
+def _literal(text: str) -> dict[str, Any]:
+    return {"lit": text}
+
+
+EXPRESSIONS = st.recursive(
+    st.text(_ALPHABET, min_size=1, max_size=3).map(_literal)
+    | st.sampled_from([{"cls": "a-b"}, {"cls": "0-9"}, {"cls": " .-"}]),
+    lambda inner: st.one_of(
+        st.lists(inner, min_size=2, max_size=3).map(lambda items: {"seq": items}),
+        st.lists(inner, min_size=2, max_size=3).map(lambda items: {"alt": items}),
+        st.tuples(inner, st.sampled_from("?*+")).map(lambda pair: {"rep": pair[0], "op": pair[1]}),
+    ),
+    max_leaves=6,
+)
+
+
+def as_regex(node: dict[str, Any]) -> str:
+    if "lit" in node:
+        return re.escape(node["lit"])
+    if "cls" in node:
+        return "[ .\\-]" if node["cls"] == " .-" else f"[{node['cls']}]"
+    if "seq" in node:
+        return "".join(as_regex(item) for item in node["seq"])
+    if "alt" in node:
+        return "(?:" + "|".join(as_regex(item) for item in node["alt"]) + ")"
+    return "(?:" + as_regex(node["rep"]) + ")" + node["op"]
+
+
+def as_gbnf(node: dict[str, Any]) -> str:
+    if "lit" in node:
+        return json.dumps(node["lit"])
+    if "cls" in node:  # a dash before the closing bracket is itself, as in a regex
+        return f"[{node['cls']}]"
+    if "seq" in node:
+        return " ".join(as_gbnf(item) for item in node["seq"])
+    if "alt" in node:
+        return "(" + " | ".join(as_gbnf(item) for item in node["alt"]) + ")"
+    return "(" + as_gbnf(node["rep"]) + ")" + node["op"]
+
+
+def _walk_text(compiler: GrammarCompiler, grammar: Any, seed: int) -> str | None:
+    """A random walk's text, when it ended on end-of-sequence as a document the grammar
+    accepts (what the server reports as "stop"); None otherwise."""
+    for attempt in range(3):
+        tokens = _walk(compiler, grammar, seed + attempt)
+        if tokens is not None and output_refusal(grammar, _finished(tokens)) is None:
+            return compiler.tokenizer.decode(tokens[:-1])
+    return None
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    expression=EXPRESSIONS, kind=st.sampled_from(["gbnf", "regex"]), seed=st.integers(0, 2**32 - 1)
+)
+def test_a_stop_output_matches_every_accepted_grammar(
+    compiler: GrammarCompiler, expression: dict[str, Any], kind: str, seed: int
+) -> None:
+    oracle = as_regex(expression)
+    text = f"root ::= {as_gbnf(expression)}\n" if kind == "gbnf" else oracle
+    try:
+        grammar = compiler.compile_source(kind, text, kind)  # type: ignore[arg-type]
+    except GrammarError as exc:
+        # Refused at compile time, never half-enforced: a grammar of the empty string only,
+        # or GBNF whose Lark conversion llguidance cannot read (a repetition of a
+        # repetition, ``(("1")?)?``, comes out as ``"1"??``).
+        assert ("admits no document" in str(exc) and re.fullmatch(oracle, "")) or kind == "gbnf"
+        return
+    output = _walk_text(compiler, grammar, seed)
+    if output is not None:
+        assert re.fullmatch(oracle, output), (text, output)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    choices=st.lists(st.text(_ALPHABET + '"\\é', min_size=1, max_size=6), min_size=1, max_size=4),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_a_choice_output_is_one_of_the_choices(
+    compiler: GrammarCompiler, choices: list[str], seed: int
+) -> None:
+    grammar = compiler.compile_source("grammar", choice_grammar(choices), "guided_choice")
+    output = _walk_text(compiler, grammar, seed)
+    if output is not None:
+        assert output in choices
+
+
+@pytest.mark.parametrize(
+    "kind,text,match",
+    [
+        ("gbnf", 'root ::= "a" missing', "missing"),
+        ("gbnf", 'top ::= "a"', "root"),
+        ("gbnf", 'root ::= "a', "end of input|Expected"),
+        ("grammar", 'start: "a" )', "expecting"),
+        ("regex", "(a", "regex|unclosed|parse"),
+    ],
+)
+def test_a_grammar_that_does_not_parse_is_refused_naming_why(
+    compiler: GrammarCompiler, kind: str, text: str, match: str
+) -> None:
+    with pytest.raises(GrammarError, match=match):
+        compiler.compile_source(kind, text, kind)  # type: ignore[arg-type]

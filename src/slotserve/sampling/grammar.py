@@ -33,6 +33,7 @@ from slotserve.sampling.compile_pool import (
     GrammarConfig,
     GrammarError,
     GrammarLimitError,
+    JobKind,
     first_line,
     grammar_charge,
 )
@@ -56,7 +57,9 @@ __all__ = [
     "GrammarError",
     "GrammarLimitError",
     "GrammarMatcher",
+    "JobKind",
     "check_schema",
+    "grammar_text",
     "schema_text",
 ]
 
@@ -106,14 +109,27 @@ class GrammarCompiler:
         return self._put(CompileJob(schema_text(schema), self.config.queue_timeout_s, reserve))
 
     def submit_grammar(
-        self, grammar: str, description: str, reserve: Callable[[int], None] | None = None
+        self,
+        grammar: str,
+        description: str,
+        reserve: Callable[[int], None] | None = None,
+        kind: JobKind = "grammar",
     ) -> CompileJob:
-        """Compile ``grammar`` (llguidance's grammar text, as `compile` takes it) in the
-        bounded pool, as `submit` compiles a schema; ``description`` names it in errors."""
+        """Compile ``grammar`` in the bounded pool, as `submit` compiles a schema:
+        llguidance's grammar text (``kind`` ``"grammar"``, as `compile` takes it), or a GBNF
+        grammar or a regular expression (``"gbnf"``, ``"regex"``: `grammar_text`);
+        ``description`` names it in errors."""
         job = CompileJob(
-            grammar, self.config.queue_timeout_s, reserve, kind="grammar", description=description
+            grammar, self.config.queue_timeout_s, reserve, kind=kind, description=description
         )
         return self._put(job)
+
+    def compile_source(self, kind: JobKind, text: str, description: str) -> Grammar:
+        """`compile` for any kind of grammar text (`grammar_text`), here and unbounded: for
+        grammars the caller trusts (tests, benches)."""
+        if kind == "schema":
+            return self._compile_schema(text, grammar_charge(0, self.config))
+        return self.compile(grammar_text(kind, text, description), description)
 
     def _put(self, job: CompileJob) -> CompileJob:
         with self._lock:
@@ -128,7 +144,9 @@ class GrammarCompiler:
         there)."""
         if job.kind == "schema":
             return self._compile_schema(job.text, nbytes)
-        return self.compile(job.text, job.description, nbytes)
+        return self.compile(
+            grammar_text(job.kind, job.text, job.description), job.description, nbytes
+        )
 
     def close(self) -> None:
         """Kill the pool's workers (a compile under way ends with `GrammarCancelled`);
@@ -225,6 +243,24 @@ class GrammarCompiler:
         else:
             source = backend.to_str()
         return source, self.vocab_size, list(self.tokenizer.eos_ids)
+
+
+def grammar_text(kind: JobKind, text: str, description: str) -> str:
+    """llguidance's grammar text for ``text`` of ``kind``: a GBNF grammar converted to Lark
+    (llguidance's own converter; text already in Lark passes through), a regular expression
+    as a grammar whose whole output matches it, llguidance's text as it is. Raises
+    `GrammarError` naming ``description`` for text that does not convert."""
+    import llguidance
+    from llguidance.gbnf_to_lark import any_to_lark
+
+    try:
+        if kind == "gbnf":
+            return any_to_lark(text)
+        if kind == "regex":
+            return str(llguidance.LLMatcher.grammar_from_regex(text))
+    except (Exception, RecursionError) as exc:
+        raise GrammarError(f"{description}: {first_line(str(exc) or type(exc).__name__)}") from None
+    return text
 
 
 def schema_text(schema: Mapping[str, Any] | None) -> str:

@@ -1,6 +1,10 @@
 """The sampler: one request's seeded `RequestSampler` and the batched entry point
 `sample_batch`, with the logit transforms they chain (logit bias → grammar mask → penalties
-→ temperature → top-k → top-p → min-p → draw), and `token_logprobs`.
+→ DRY → min_tokens' hold → top-n-sigma → temperature → top-k → typical → top-p → min-p →
+XTC → draw; mirostat draws in place of top-k … XTC), and `token_logprobs`. llama.cpp's
+samplers (`chain`) keep their definitions; their place in the chain is this one's, which
+applies the temperature before the filters as Hugging Face and vLLM do (llama.cpp applies
+it last), so a request that uses only OpenAI's fields samples as before.
 
 Bias and mask are per request, applied row by row inside the batched sampler, so
 constrained and free requests share a batch step. Owns each request's sampling state (RNG,
@@ -14,6 +18,7 @@ from collections.abc import Sequence
 
 import torch
 
+from slotserve.sampling.chain import Dry, Mirostat, held_back, top_n_sigma, typical, xtc
 from slotserve.sampling.cpu import greedy_tokens, private_copy
 from slotserve.sampling.params import SamplingParams
 
@@ -36,6 +41,24 @@ class RequestSampler:
             self._seen[list(prompt)] = True
         self.bias = _bias_tensors(params.logit_bias, vocab_size)
         self.matcher = params.grammar.matcher(vocab_size) if params.grammar is not None else None
+        self.produced = 0  # tokens accepted (min_tokens counts them)
+        self.dry = (
+            Dry(
+                params.dry_multiplier,
+                params.dry_base,
+                params.dry_allowed_length,
+                params.dry_penalty_last_n,
+                params.dry_breakers,
+                prompt,
+            )
+            if params.dry
+            else None
+        )
+        self.mirostat = (
+            Mirostat(params.mirostat, params.mirostat_tau, params.mirostat_eta, vocab_size)
+            if params.mirostat
+            else None
+        )
 
     @property
     def restricts(self) -> bool:
@@ -51,10 +74,21 @@ class RequestSampler:
         if self.matcher is not None:
             self.matcher.restrict(logits)
 
+    @property
+    def shapes_logits(self) -> bool:
+        """Whether this request's own history changes its logits before a greedy pick
+        (penalties, DRY, or min_tokens still holding the end back)."""
+        params = self.params
+        holding = self.produced < params.min_tokens and bool(params.min_tokens_ids)
+        return params.has_penalties or self.dry is not None or holding
+
     def accept(self, token: int) -> None:
         """Record a token the request produced (feeds the penalties and the grammar)."""
         self._seen[token] = True
         self._counts[token] += 1
+        self.produced += 1
+        if self.dry is not None:
+            self.dry.accept(token)
         if self.matcher is not None:
             self.matcher.accept(token)
 
@@ -70,8 +104,18 @@ class RequestSampler:
         params = self.params
         if params.has_penalties:
             logits = apply_penalties(logits, params, self.seen, self.generated_counts)
+        if self.dry is not None:
+            logits = self.dry.apply(logits)
+        if self.produced < params.min_tokens:
+            logits = held_back(logits, params.min_tokens_ids)
         if params.greedy:
             return greedy_tokens(logits.reshape(1, -1))[0]
+        if self.mirostat is not None:
+            probs = torch.softmax(logits.double() / params.temperature, dim=-1)
+            if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+                return int(logits.argmax())
+            return self.mirostat.draw(probs, self.generator)
+        logits = top_n_sigma(logits, params.top_n_sigma)
         values, candidates = logits, None
         if params.top_k and params.top_k < logits.shape[-1]:
             # Top-k first, on the raw logits (temperature keeps their order): the double
@@ -80,6 +124,8 @@ class RequestSampler:
             # instead of several). Same result: the filters renormalise over what top-k keeps.
             values, candidates = torch.topk(logits, params.top_k)
         probs = filter_probs(torch.softmax(values.double() / params.temperature, dim=-1), params)
+        if params.xtc_probability > 0.0:
+            probs = xtc(probs, params.xtc_threshold, params.xtc_probability, self.generator)
         if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
             return int(logits.argmax())  # degenerate distribution (e.g. inf logits): greedy
         index = int(torch.multinomial(probs, 1, generator=self.generator))
@@ -102,10 +148,13 @@ def apply_penalties(
 
 
 def filter_probs(probs: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Zero out what top-k, top-p and min-p exclude (the top token always survives)."""
+    """Zero out what top-k, typical, top-p and min-p exclude (the top token always
+    survives)."""
     if params.top_k and params.top_k < probs.shape[-1]:
         kth = torch.topk(probs, params.top_k).values[-1]
         probs = torch.where(probs >= kth, probs, 0.0)
+    if params.typical_p < 1.0:
+        probs = typical(probs, params.typical_p)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         before = sorted_probs.cumsum(-1) - sorted_probs
@@ -138,7 +187,7 @@ def sample_batch(logits: torch.Tensor, samplers: Sequence[RequestSampler]) -> li
         for sampler, row in zip(samplers, logits, strict=True):
             if sampler.restricts:
                 sampler.restrict(row)
-    if all(s.params.greedy and not s.params.has_penalties for s in samplers):
+    if all(s.params.greedy and not s.shapes_logits for s in samplers):
         tokens = greedy_tokens(logits)
     else:
         tokens = [s.draw(row) for s, row in zip(samplers, logits, strict=True)]

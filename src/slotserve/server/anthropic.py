@@ -3,7 +3,8 @@ machinery (`chat_run.start_chat`): the same engine, classes (``priority`` field 
 ``X-Priority``), admission and cancellation on disconnect.
 
 A request's ``system``, text, ``tool_use`` and ``tool_result`` blocks become chat messages
-(``thinking`` blocks sent back are dropped: templates render no past reasoning), its
+(``thinking`` blocks sent back become the turn's ``reasoning_content``, which templates
+that render past reasoning read; ``redacted_thinking`` is dropped), its
 ``tools`` (``input_schema``) chat's function tools, its ``tool_choice`` (``auto``, ``any``,
 ``tool``, ``none``; ``disable_parallel_tool_use``) chat's, its ``thinking`` (``enabled``,
 ``adaptive`` or ``disabled``) the template's ``enable_thinking`` (``budget_tokens`` is not
@@ -149,6 +150,7 @@ def chat_messages(body: MessagesRequest | CountTokensRequest) -> list[dict[str, 
         if not isinstance(content, list):
             raise _refuse(f"messages.{index}.content", "give a string or a list of blocks")
         texts: list[str] = []
+        thoughts: list[str] = []
         calls: list[dict[str, Any]] = []
         for place, block in enumerate(content):
             param = f"messages.{index}.content.{place}"
@@ -161,8 +163,10 @@ def chat_messages(body: MessagesRequest | CountTokensRequest) -> list[dict[str, 
                 call_id = _field(block, "id", str, param)
                 calls.append({"id": call_id, "type": "function", "function": function})
                 used.add(call_id)
-            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
-                continue  # past reasoning: the template renders none
+            elif kind == "thinking" and role == "assistant":
+                thoughts.append(_field(block, "thinking", str, param, ""))
+            elif kind == "redacted_thinking" and role == "assistant":
+                continue  # encrypted by its writer: nothing here can render it
             elif kind == "tool_result" and role == "user":
                 result = _text(block.get("content"), f"{param}.content")
                 if _field(block, "is_error", bool, param, False):
@@ -175,10 +179,13 @@ def chat_messages(body: MessagesRequest | CountTokensRequest) -> list[dict[str, 
                 messages.append({**answer, "content": result})
             else:
                 raise _refuse(f"{param}.type", f"{kind!r} blocks are not supported in {role} turns")
+        turn: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
+        if thoughts:  # past thinking, as the template reads it (`tools.template_input`)
+            turn["reasoning_content"] = "\n".join(thoughts)
         if calls:
-            messages.append({"role": "assistant", "content": "\n".join(texts), "tool_calls": calls})
-        elif texts or not content:
-            messages.append({"role": role, "content": "\n".join(texts)})
+            messages.append({**turn, "tool_calls": calls})
+        elif texts or thoughts or not content:
+            messages.append(turn)
     return messages
 
 

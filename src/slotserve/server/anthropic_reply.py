@@ -9,11 +9,12 @@ events: ``message_start``, per block ``content_block_start``/``delta``/``stop``
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from typing import Any, Protocol
+
+import pydantic_core
 
 from slotserve.engine import Engine, Finished, TokenEvent
 from slotserve.server.chat_reply import ReplyStream, read_reply
@@ -45,11 +46,15 @@ class Stops(Protocol):
 
 
 def tool_use(name: str, arguments: str) -> dict[str, Any]:
+    """A ``tool_use`` block. A call the token budget cut short has a JSON prefix for its
+    arguments: its input is what that prefix holds (a member whose value is not whole left
+    out), as Anthropic's clients read a streamed ``partial_json``."""
+    parsed = pydantic_core.from_json(arguments, allow_partial=True) if arguments else {}
     return {
         "type": "tool_use",
         "id": f"toolu_{uuid.uuid4().hex[:24]}",
         "name": name,
-        "input": json.loads(arguments) if arguments else {},
+        "input": parsed if isinstance(parsed, dict) else {},
     }
 
 

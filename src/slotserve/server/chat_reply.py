@@ -46,15 +46,18 @@ def call_id(syntax: CallSyntax) -> str:
     return uuid.uuid4().hex[:9] if syntax is MISTRAL else f"call_{uuid.uuid4().hex[:24]}"
 
 
-def parse_reply(syntax: CallSyntax, text: str) -> tuple[str, list[tuple[str, str]]]:
-    """A whole reply's content and calls ((name, arguments JSON) pairs): its calls when all
-    of them are whole, else none and its text as content (a reply cut short by the token
-    budget, or one the grammar did not write)."""
+def parse_reply(syntax: CallSyntax, text: str) -> tuple[str, list[tuple[str, str]], bool]:
+    """A whole reply's content, its calls ((name, arguments JSON) pairs) and whether the
+    last call was cut short (the token budget ran out inside it: its arguments are the JSON
+    written so far). What it reads is what `CallStream` streams from the same text: the
+    content before the calls, every call whose name is whole. Text that breaks the syntax
+    (only possible where no grammar wrote it) is all content, with no calls."""
     found = scan(syntax, text, final=True)
-    whole = found.calls and not found.broken and all(call.complete for call in found.calls)
-    if not whole:
-        return (text if found.broken or found.calls else found.content), []
-    return found.content, [(str(call.name), call.arguments) for call in found.calls]
+    if found.broken:
+        return text, [], False
+    named = [call for call in found.calls if call.name is not None]
+    cut = any(not call.complete for call in named)
+    return found.content, [(str(call.name), call.arguments) for call in named], cut
 
 
 class CallStream:
@@ -135,12 +138,14 @@ class ReplyStream:
 @dataclass(frozen=True)
 class Reply:
     """A whole reply: its reasoning (None: no thinking section), content, calls ((name,
-    arguments JSON) pairs) and how many of its tokens were reasoning."""
+    arguments JSON) pairs), how many of its tokens were reasoning, and whether its last
+    call was cut short by the token budget (``cut``: its arguments are a JSON prefix)."""
 
     reasoning: str | None
     content: str
     calls: list[tuple[str, str]]
     reasoning_tokens: int = 0
+    cut: bool = False
 
 
 def read_reply(shape: ReplyShape, events: Sequence[TokenEvent]) -> Reply:
@@ -163,5 +168,5 @@ def read_reply(shape: ReplyShape, events: Sequence[TokenEvent]) -> Reply:
         content = "".join(t for kind, t in parts if kind == "content")
     if shape.syntax is None:
         return Reply(reasoning, content, [], reasoning_tokens)
-    content, calls = parse_reply(shape.syntax, content)
-    return Reply(reasoning, content, calls, reasoning_tokens)
+    content, calls, cut = parse_reply(shape.syntax, content)
+    return Reply(reasoning, content, calls, reasoning_tokens, cut)

@@ -6,6 +6,7 @@ section planned (`reasoning`), its choices submitted. What answers it is the cal
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -22,9 +23,10 @@ from slotserve.server.completions import (
 from slotserve.server.errors import APIError
 from slotserve.server.generation import submit_all
 from slotserve.server.reasoning import Reasoning, ReasoningFormat, plan_reasoning, thinks
+from slotserve.server.samplers import chain_fields
 from slotserve.server.schemas import ChatCompletionRequest
 from slotserve.server.state import ServerState
-from slotserve.server.structured import logit_bias, response_grammar
+from slotserve.server.structured import logit_bias, request_constraint, response_grammar
 from slotserve.server.tools import ToolPlan, plan_tools, tool_grammar
 from slotserve.tokenizer import Tokenizer
 
@@ -55,8 +57,9 @@ def reads_reasoning(
 ) -> bool:
     """Whether ``chat``'s reply is read for a thinking section: the model thinks, the format
     is not ``none``, and no grammar constrains the reply from its first token (a
-    ``response_format``, a ``required`` or named tool choice: the document comes at once)."""
-    structured = chat.response_format is not None and chat.response_format.type != "text"
+    ``response_format`` or another constraint, a ``required`` or named tool choice: the
+    document comes at once)."""
+    structured = request_constraint(chat) is not None
     constrained = structured or (plan is not None and plan.mode == "required")
     return reasoning_format(state, chat) != "none" and thinks(tokenizer) and not constrained
 
@@ -98,7 +101,10 @@ async def start_chat(
         grammar = await response_grammar(grammars, chat, request)
     room = engine.config.max_context - len(tokens)
     bias = logit_bias(engine, chat)
-    params = [sampling_params(chat, room, i, state.sampling, grammar, bias) for i in range(n)]
+    chain = await asyncio.to_thread(chain_fields, tokenizer, chat)  # DRY reads the vocabulary
+    params = [
+        sampling_params(chat, room, i, state.sampling, grammar, bias, chain) for i in range(n)
+    ]
     handles = submit_all(
         engine, tokens, params, priority_of(chat, request), param, keep_conversation=True
     )

@@ -3,6 +3,7 @@ and the SSE stream."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections.abc import AsyncIterator
@@ -20,9 +21,16 @@ from slotserve.server import responses as fmt
 from slotserve.server.defaults import SamplingDefaults
 from slotserve.server.errors import CONTEXT_LENGTH_EXCEEDED, APIError, error_body
 from slotserve.server.generation import collect, merged, submit_all
+from slotserve.server.samplers import chain_fields
 from slotserve.server.schemas import SEED_MAX, ChatMessage, CompletionRequest, SamplingFields
 from slotserve.server.state import ServerState
-from slotserve.server.structured import logit_bias, output_refusal, response_grammar
+from slotserve.server.structured import (
+    SCHEMA_PARAM,
+    logit_bias,
+    output_refusal,
+    request_constraint,
+    response_grammar,
+)
 from slotserve.server.tools import ToolPlan, template_input
 from slotserve.tokenizer import ChatTemplateMissing
 
@@ -112,19 +120,24 @@ def sampling_params(
     defaults: SamplingDefaults | None = None,
     grammar: Grammar | None = None,
     bias: tuple[tuple[int, float], ...] = (),
+    chain: dict[str, Any] | None = None,
 ) -> SamplingParams:
     """The engine's parameters for choice ``choice`` of ``body``: the request's fields, and
-    the server's ``defaults`` for those it leaves out."""
+    the server's ``defaults`` for those it leaves out; ``chain``: its llama.cpp and vLLM
+    samplers' (`samplers.chain_fields`)."""
     defaults = defaults or SamplingDefaults()
     budget = body.token_budget()
     seed = None if body.seed is None else _choice_seed(body.seed, choice)
+    repetition = (
+        body.repetition_penalty if body.repetition_penalty is not None else body.repeat_penalty
+    )
     try:
         return SamplingParams(
             temperature=_given(body.temperature, defaults.temperature),
             top_p=max(_given(body.top_p, defaults.top_p), 1e-6),
             top_k=int(_given(body.top_k, defaults.top_k)),
             min_p=_given(body.min_p, defaults.min_p),
-            repetition_penalty=_given(body.repetition_penalty, defaults.repetition_penalty),
+            repetition_penalty=_given(repetition, defaults.repetition_penalty),
             presence_penalty=body.presence_penalty or 0.0,
             frequency_penalty=body.frequency_penalty or 0.0,
             seed=seed,
@@ -134,6 +147,7 @@ def sampling_params(
             logprobs=body.logprobs_count(),
             logit_bias=bias,
             grammar=grammar,
+            **(chain or {}),
         )
     except ValueError as exc:
         named = _PARAM_OF_SAMPLING.match(str(exc))
@@ -187,8 +201,15 @@ async def generate(
     tokens = prompt_tokens(engine, prompt, param)
     room = engine.config.max_context - len(tokens)
     grammar = await response_grammar(state.grammars_of(engine), body, request)
+    constraint = request_constraint(body)
+    grammar_param = constraint.param if constraint is not None else SCHEMA_PARAM
     bias = logit_bias(engine, body)
-    params = [sampling_params(body, room, i, state.sampling, grammar, bias) for i in range(n)]
+    chain = await asyncio.to_thread(
+        chain_fields, engine.model.tokenizer, body
+    )  # DRY reads the vocabulary
+    params = [
+        sampling_params(body, room, i, state.sampling, grammar, bias, chain) for i in range(n)
+    ]
     # Everything the reply needs before the submit: after it, the route shares the GIL
     # and the cores with the step computing the first token.
     request_id = state.response_id("chatcmpl" if kind == "chat" else "cmpl")
@@ -199,11 +220,22 @@ async def generate(
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         stream = _stream(
-            state, engine, handles, kind, request_id, created, include_usage, body, grammar
+            state,
+            engine,
+            handles,
+            kind,
+            request_id,
+            created,
+            include_usage,
+            body,
+            grammar,
+            grammar_param,
         )
         return StreamingResponse(stream, media_type="text/event-stream")
     outcomes = await collect(handles, request)
-    complete = _complete(state, engine, outcomes, kind, request_id, created, body, grammar)
+    complete = _complete(
+        state, engine, outcomes, kind, request_id, created, body, grammar, grammar_param
+    )
     return JSONResponse(complete)
 
 
@@ -228,12 +260,13 @@ def _complete(
     created: int,
     body: SamplingFields,
     grammar: Grammar | None = None,
+    grammar_param: str = SCHEMA_PARAM,
 ) -> dict[str, Any]:
     tokenizer = engine.model.tokenizer
     finals: list[Finished] = [o.final for o in outcomes]
     for final in finals:
         check_finish(final)
-        refusal = output_refusal(grammar, final)
+        refusal = output_refusal(grammar, final, grammar_param)
         if refusal is not None:
             raise refusal
     wants_logprobs = body.logprobs_count() is not None
@@ -269,17 +302,20 @@ async def _stream(
     include_usage: bool,
     body: SamplingFields,
     grammar: Grammar | None = None,
+    grammar_param: str = SCHEMA_PARAM,
 ) -> AsyncIterator[str]:
     tokenizer = engine.model.tokenizer
     kind_name = "chat.completion.chunk" if kind == "chat" else "text_completion"
     head = fmt.envelope(kind_name, request_id, created, state.model_name)
+    if include_usage:
+        head["usage"] = None  # on every chunk but the last, as OpenAI streams
     wants_logprobs = body.logprobs_count() is not None
     finals: list[Finished] = []
     prefix = _echo_prefix(engine, body) if kind == "text" else ""
     offsets = [len(prefix)] * len(handles)  # text_offset of each choice's next token
     for index in range(len(handles)):
         if kind == "chat":
-            delta = {"role": "assistant", "content": ""}
+            delta = fmt.role_delta("")
             yield fmt.sse({**head, "choices": [_chunk_choice(kind, index, delta, None, None)]})
         elif prefix:
             choice = _chunk_choice(kind, index, {"content": prefix}, None, None)
@@ -290,7 +326,7 @@ async def _stream(
             async for index, event in events:
                 if isinstance(event, Finished):
                     check_finish(event)  # a cut-short stream ends with an error event instead
-                    refusal = output_refusal(grammar, event)
+                    refusal = output_refusal(grammar, event, grammar_param)
                     if refusal is not None:  # never "stop" on a document the grammar refuses
                         raise refusal
                     finals.append(event)

@@ -95,5 +95,11 @@ def text_choice(
     }
 
 
+def role_delta(content: str | None) -> dict[str, Any]:
+    """A chat stream's first delta for a choice, as OpenAI sends it: the role, the content
+    begun (``""``; ``None`` for a reply that can only call tools) and no refusal."""
+    return {"role": "assistant", "content": content, "refusal": None}
+
+
 def envelope(kind: str, request_id: str, created: int, model: str) -> dict[str, Any]:
     return {"id": request_id, "object": kind, "created": created, "model": model}

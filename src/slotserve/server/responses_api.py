@@ -140,7 +140,9 @@ class _Turn:
             items.append(reasoning_item(reply.reasoning))
         if reply.content or not reply.calls:
             items.append(message_item(reply.content))
-        items += [function_item(name, arguments) for name, arguments in reply.calls]
+        for index, (name, arguments) in enumerate(reply.calls):
+            cut = reply.cut and index == len(reply.calls) - 1  # as the stream closes it
+            items.append(function_item(name, arguments, "incomplete" if cut else "completed"))
         self.complete(items, final, reply.reasoning_tokens)
 
     def complete(self, output: list[dict[str, Any]], final: Finished, reasoning: int) -> None:

@@ -55,8 +55,8 @@ def function_item(name: str, arguments: str, status: str = "completed") -> dict[
 
 
 def assistant_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A reply's output items as the chat messages the next turn renders (its reasoning
-    left out, as chat templates leave past reasoning out)."""
+    """A reply's output items as the chat messages the next turn renders (its reasoning as
+    the turn's ``reasoning_content``, which templates that render past reasoning read)."""
     text = "".join(
         part["text"] for item in output if item["type"] == "message" for part in item["content"]
     )
@@ -70,6 +70,11 @@ def assistant_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if item["type"] == "function_call"
     ]
     message: dict[str, Any] = {"role": "assistant", "content": text}
+    thinking = [
+        part["text"] for item in output if item["type"] == "reasoning" for part in item["content"]
+    ]
+    if thinking:
+        message["reasoning_content"] = "\n".join(thinking)
     if calls:
         message["tool_calls"] = calls
     return [message]

@@ -5,8 +5,9 @@ A request's ``input`` (a string, or message, ``function_call`` and ``function_ca
 items) becomes chat messages after its ``instructions`` and, with ``previous_response_id``,
 after the stored conversation of that response; its flat function tools become chat's
 function tools, ``text.format`` chat's ``response_format``; slotserve's ``reasoning_format``
-and ``chat_template_kwargs`` (`reasoning`) are chat's. A reasoning item sent back is
-dropped (templates render no past reasoning).
+and ``chat_template_kwargs`` (`reasoning`) are chat's. A reasoning item sent back becomes
+the next assistant turn's ``reasoning_content`` (what templates that render past reasoning
+read).
 
 Every refusal is a 400 whose ``param`` names the field as the client sent it, never chat's
 name for it: each chat message remembers the item it came from (`Source`), so chat's
@@ -194,11 +195,17 @@ def input_messages(items: str | list[dict[str, Any]]) -> InputMessages:
     if isinstance(items, str):
         turn.add({"role": "user", "content": items}, Source("message", "input"))
         return turn
+    thinking: list[str] = []  # reasoning items not yet given to an assistant turn
     for index, item in enumerate(items):
         param = f"input.{index}"
         kind = _string(item, "type", param) or "message"
+        opens = kind == "function_call" or (kind == "message" and item.get("role") == "assistant")
+        joins = kind == "function_call" and bool(turn.sources) and turn.sources[-1].kind == kind
+        past: dict[str, str] = {}  # the new assistant turn's reasoning_content
+        if thinking and opens and not joins:
+            past, thinking = {"reasoning_content": "\n".join(thinking)}, []
         if kind == "message":
-            turn.add(_message_of(item, param), Source("message", param))
+            turn.add({**_message_of(item, param), **past}, Source("message", param))
         elif kind == "function_call":
             function = {
                 "name": _string(item, "name", param),
@@ -210,7 +217,7 @@ def input_messages(items: str | list[dict[str, Any]]) -> InputMessages:
                 turn.messages[-1]["tool_calls"].append(call)
                 last.calls.append(param)
             else:
-                message = {"role": "assistant", "content": None, "tool_calls": [call]}
+                message = {"role": "assistant", "content": None, "tool_calls": [call], **past}
                 turn.add(message, Source("function_call", param, [param]))
         elif kind == "function_call_output":
             output = item.get("output")
@@ -219,10 +226,26 @@ def input_messages(items: str | list[dict[str, Any]]) -> InputMessages:
             message = {"role": "tool", "tool_call_id": call_id, "content": text}
             turn.add(message, Source("function_call_output", param))
         elif kind == "reasoning":
-            continue  # a reasoning item sent back: the template renders no past reasoning
+            # Past thinking: the next assistant turn's reasoning_content, which templates
+            # that render past reasoning read (`tools.template_input`).
+            thinking.append(_reasoning_text(item, param))
         else:
             raise refuse(f"{param}.type", f"items of type {kind!r} are not supported")
     return turn
+
+
+def _reasoning_text(item: dict[str, Any], param: str) -> str:
+    """A reasoning item's text: its ``reasoning_text`` content, else its summary's text."""
+    for key, part_type in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key)
+        if isinstance(parts, list) and parts:
+            texts = []
+            for index, part in enumerate(parts):
+                if not isinstance(part, dict) or part.get("type") != part_type:
+                    raise refuse(f"{param}.{key}.{index}", f"expected a {part_type} part")
+                texts.append(_string(part, "text", f"{param}.{key}.{index}") or "")
+            return "\n".join(texts)
+    return ""
 
 
 def _message_of(item: dict[str, Any], param: str) -> dict[str, Any]:

@@ -3,24 +3,28 @@ messages, plus health, metrics, slots and tokenize/detokenize."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
-from slotserve.engine import Engine
+from slotserve.engine import Engine, EngineStats
 from slotserve.engine.cancel_bound import CancelBound
+from slotserve.engine.views import with_parked_slots
 from slotserve.server import anthropic
 from slotserve.server.chat_run import reads_reasoning
 from slotserve.server.completions import chat_tokens, generate
 from slotserve.server.embeddings import EmbeddingRequest, embed
 from slotserve.server.errors import APIError
+from slotserve.server.peer_fields import ignored_header
 from slotserve.server.responses_api import create_response
 from slotserve.server.responses_input import ResponsesRequest
 from slotserve.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    SamplingFields,
     TokenizeRequest,
 )
 from slotserve.server.security import KeyedRoute, require_api_key, require_metrics_key
@@ -37,6 +41,7 @@ V1_PREFIX = "/v1"
 v1 = APIRouter(dependencies=_KEY, redirect_slashes=False, route_class=KeyedRoute)
 guarded = APIRouter(dependencies=_KEY, redirect_slashes=False, route_class=KeyedRoute)
 plain = APIRouter(redirect_slashes=False, route_class=KeyedRoute)
+log = logging.getLogger("slotserve")
 
 
 def state_of(request: Request) -> ServerState:
@@ -64,6 +69,16 @@ def check_model(state: ServerState, name: str) -> None:
         )
 
 
+def reported(response: Response, body: SamplingFields) -> Response:
+    """``response`` with the fields of ``body`` that no API defines reported: listed in its
+    ``X-Slotserve-Ignored-Fields`` header, and logged (`peer_fields`)."""
+    ignored = body.ignored()
+    if ignored:
+        log.warning("ignored request fields that no supported API defines: %s", ignored)
+        response.headers.update(ignored_header(ignored))
+    return response
+
+
 @v1.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     state = state_of(request)
@@ -72,14 +87,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     tokenizer = engine.model.tokenizer
     tools = plan_tools(tokenizer, body)
     if tools is not None or reads_reasoning(tokenizer, state, body, tools):
-        return await generate_chat(state, engine, body, request)  # the reply has structure
+        reply = await generate_chat(state, engine, body, request)  # the reply has structure
+        return reported(reply, body)
     prompt = chat_tokens(
         engine,
         body.messages,
         add_generation_prompt=True,
         template_kwargs=body.chat_template_kwargs,
     )
-    return await generate(state, engine, body, request, prompt, "chat")
+    return reported(await generate(state, engine, body, request, prompt, "chat"), body)
 
 
 @v1.post("/completions")
@@ -87,7 +103,8 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     state = state_of(request)
     engine = live_engine(state)
     check_model(state, body.model)
-    return await generate(state, engine, body, request, body.prompt_input(), "text")
+    prompt = body.prompt_input()
+    return reported(await generate(state, engine, body, request, prompt, "text"), body)
 
 
 @v1.post("/embeddings")
@@ -196,15 +213,31 @@ async def metrics(request: Request) -> Response:
 
 @guarded.get("/slots")
 async def slots(request: Request) -> JSONResponse:
-    """Each slot (a list, as llama.cpp's ``/slots``). What holds for every slot rides in
-    headers: the device-pressure level, when a signal is configured (``X-Pressure-Level``),
-    and the declared cancellation bound (`cancel_bound_headers`)."""
+    """Each slot (a list, as llama.cpp's ``/slots``); an idle slot that keeps a finished
+    request's KV for the prefix cache says ``parked`` (free to take all the same). What
+    holds for every slot rides in headers: the device-pressure level, when a signal is
+    configured (``X-Pressure-Level``), the declared cancellation bound
+    (`cancel_bound_headers`) and the KV in use beside what of it is parked
+    (`kv_headers`)."""
     engine = live_engine(state_of(request))
     stats = engine.stats()
     headers = {} if stats.cancel_bound is None else cancel_bound_headers(stats.cancel_bound)
     if stats.pressure_level is not None:
         headers["X-Pressure-Level"] = f"{stats.pressure_level:g}"
-    return JSONResponse([slot.to_dict() for slot in engine.slots()], headers=headers)
+    headers.update(kv_headers(stats))
+    slots = with_parked_slots(engine.slots(), engine.pool_view())
+    return JSONResponse([slot.to_dict() for slot in slots], headers=headers)
+
+
+def kv_headers(stats: EngineStats) -> dict[str, str]:
+    """The pool's blocks (or rows) in use (``X-KV-Blocks-Used``), what of them only the
+    prefix cache holds (``X-KV-Blocks-Parked``: reclaimable, not leaked) and the slots it
+    parks (``X-Slots-Parked``)."""
+    return {
+        "X-KV-Blocks-Used": str(stats.kv_blocks_used),
+        "X-KV-Blocks-Parked": str(stats.kv_blocks_parked),
+        "X-Slots-Parked": str(stats.slots_parked),
+    }
 
 
 def cancel_bound_headers(bound: CancelBound) -> dict[str, str]:

@@ -3,8 +3,11 @@
 Fields of OpenAI's request schemas that the server does not implement are refused (400
 ``unsupported_parameter`` naming the field; `UNSUPPORTED` is the one list), unless their
 value asks for nothing (``functions: []``, ``modalities: ["text"]``). Fields that change nothing
-here (`NO_OPS`: ``user``, ``store``, ``metadata`` …) are accepted. Fields no schema knows
-are ignored (clients send more than we use). Every known field is checked with a message
+here (`NO_OPS`: ``user``, ``store``, ``metadata`` …) are accepted. llama.cpp's server's and
+vLLM's fields are implemented (grammars, samplers: `SamplingFields`) or refused the same way
+(`peer_fields`). A chat or completions field no API defines is ignored and reported (the
+``X-Slotserve-Ignored-Fields`` header: `peer_fields.ignored_fields`). Every known field is
+checked with a message
 that names it and its limit. Every string a known field carries must be
 valid Unicode: JSON can spell a lone UTF-16 surrogate (``"\\ud800"``), which no tokenizer
 or UTF-8 response can carry, so it is refused here (400 naming the field) and never reaches
@@ -15,12 +18,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from slotserve.engine.events import Priority
+from slotserve.server.peer_fields import ignored_fields, refused_field
 from slotserve.server.reasoning import ReasoningFormat
 from slotserve.server.tool_specs import ToolCall, ToolChoice, ToolSpec
 
@@ -82,16 +86,25 @@ NO_OPS = frozenset(
 )
 
 
-def refuse_unsupported(body: dict[str, Any]) -> None:
+def refuse_unsupported(body: dict[str, Any], chat: bool = True) -> None:
     """Raise a pydantic ``unsupported_parameter`` error naming the first field of ``body``
-    that asks for something this server does not do."""
-    for name, harmless in UNSUPPORTED.items():
-        if name in body and not harmless(body[name], body):
-            raise PydanticCustomError(
-                UNSUPPORTED_PARAMETER,
-                "{param}: this server does not support this parameter (value {value}); remove it",
-                {"param": name, "value": repr(body[name])[:80]},
-            )
+    that asks for something this server does not do: OpenAI's (`UNSUPPORTED`), llama.cpp's
+    or vLLM's (`peer_fields`)."""
+    refused = next(
+        (
+            (name, body[name])
+            for name, ok in UNSUPPORTED.items()
+            if name in body and not ok(body[name], body)
+        ),
+        None,
+    ) or refused_field(body, chat)
+    if refused is not None:
+        name, value = refused
+        raise PydanticCustomError(
+            UNSUPPORTED_PARAMETER,
+            "{param}: this server does not support this parameter (value {value}); remove it",
+            {"param": name, "value": repr(value)[:80]},
+        )
 
 
 class InvalidText(ValueError):
@@ -184,8 +197,45 @@ TOKEN_ID_KEY = re.compile(r"[0-9]{1,10}")
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
+class StructuredOutputs(Body):
+    """vLLM's ``structured_outputs``: one constraint on the output (`structured`)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None  # the output's JSON has no free whitespace
+    disable_fallback: bool | None = None  # there is one grammar engine: never a fallback
+    disable_additional_properties: bool | None = None
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _supported(self) -> StructuredOutputs:
+        for name in ("whitespace_pattern", "structural_tag"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is not supported by this server; remove it")
+        if self.disable_additional_properties:
+            raise ValueError(
+                "disable_additional_properties is not supported by this server: give the "
+                'schema "additionalProperties": false instead'
+            )
+        return self
+
+
+# llama.cpp's default DRY sequence breakers.
+DRY_BREAKERS = ("\n", ":", '"', "*")
+
+
 class SamplingFields(Body):
-    """Fields shared by chat and text completions."""
+    """Fields shared by chat and text completions. Fields no API defines are kept apart
+    (``model_extra``) to be reported, never used."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    CHAT: ClassVar[bool] = False
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -206,13 +256,66 @@ class SamplingFields(Body):
     ignore_eos: bool = False  # extension (as vLLM): generate through end-of-sequence
     response_format: ResponseFormat | None = None  # also on completions (as vLLM)
     logit_bias: dict[str, LogitBias] | None = None
+    # Other servers' names: llama.cpp's for max_tokens (-1: the rest of the context) and
+    # repetition_penalty.
+    n_predict: int | None = Field(default=None, ge=-1)
+    repeat_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    # Grammars other servers take; at most one constraint a request (`structured`).
+    grammar: str | None = None  # llama.cpp: GBNF (Lark passes through)
+    json_schema: dict[str, Any] | None = None  # llama.cpp: the output's JSON schema
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's newer form
+    # Samplers of llama.cpp's server (min_tokens: vLLM's), each as its server defines it
+    # (`slotserve.sampling.chain`).
+    typical_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_n_sigma: float | None = Field(default=None, ge=-1.0, le=100.0)
+    xtc_probability: float | None = Field(default=None, ge=0.0, le=1.0)
+    xtc_threshold: float | None = Field(default=None, ge=0.0, le=1.0)
+    dry_multiplier: float | None = Field(default=None, ge=0.0, le=100.0)
+    dry_base: float | None = Field(default=None, ge=1.0, le=100.0)
+    dry_allowed_length: int | None = Field(default=None, ge=0, le=1024)
+    dry_penalty_last_n: int | None = Field(default=None, ge=-1)
+    # At most 16, each read up to 40 characters (llama.cpp's cut): each is looked for in
+    # every token's text once (`samplers.dry_breakers`), off the event loop.
+    dry_sequence_breakers: list[str] | None = Field(default=None, min_length=1, max_length=16)
+    min_tokens: int | None = Field(default=None, ge=0)
+    mirostat: Literal[0, 1, 2] | None = None
+    mirostat_tau: float | None = Field(default=None, ge=0.0, le=100.0)
+    mirostat_eta: float | None = Field(default=None, ge=0.0, le=10.0)
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            refuse_unsupported(data)
+            refuse_unsupported(data, cls.CHAT)
         return data
+
+    @field_validator("dry_sequence_breakers")
+    @classmethod
+    def _breakers(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(not breaker for breaker in value):
+            raise ValueError("each sequence breaker is a non-empty string")
+        return value
+
+    @field_validator("guided_choice")
+    @classmethod
+    def _choices(cls, value: list[str] | None) -> list[str] | None:
+        if value is not None and any(not choice for choice in value):
+            raise ValueError("each choice is a non-empty string")
+        return value
+
+    @model_validator(mode="after")
+    def _min_tokens_fit(self) -> SamplingFields:
+        budget = self.token_budget()
+        if self.min_tokens and budget is not None and self.min_tokens > budget:
+            raise ValueError(
+                f"min_tokens={self.min_tokens} is more than the token budget {budget}; "
+                "lower min_tokens or raise max_tokens"
+            )
+        return self
 
     @field_validator("logit_bias")
     @classmethod
@@ -239,7 +342,15 @@ class SamplingFields(Body):
 
     def token_budget(self) -> int | None:
         """The requested number of new tokens (None: the rest of the context)."""
-        return self.max_tokens
+        return self.max_tokens or self._predicted()
+
+    def _predicted(self) -> int | None:
+        """llama.cpp's ``n_predict`` as a budget (-1 or 0: none)."""
+        return self.n_predict if self.n_predict is not None and self.n_predict > 0 else None
+
+    def ignored(self) -> list[str]:
+        """The fields of the request no API defines (reported, never used)."""
+        return ignored_fields(self.model_extra)
 
     def logprobs_count(self) -> int | None:
         """None: no logprobs; k: the chosen token's and the top k alternatives."""
@@ -262,6 +373,16 @@ class ChatMessage(Body):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's calls (`tools` renders them)
     tool_call_id: str | None = None  # the call a tool message answers
+    # An assistant turn's past thinking, as llama.cpp's server and DeepSeek send it back
+    # (``reasoning``: vLLM's newer name); the template gets it as ``reasoning_content``.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+
+    def past_reasoning(self) -> str | None:
+        """The thinking an assistant turn sent back (None: none, or not an assistant's)."""
+        if self.role != "assistant":
+            return None
+        return self.reasoning_content if self.reasoning_content is not None else self.reasoning
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
@@ -290,6 +411,8 @@ def check_template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None
 
 
 class ChatCompletionRequest(SamplingFields):
+    CHAT: ClassVar[bool] = True
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = False
@@ -311,7 +434,7 @@ class ChatCompletionRequest(SamplingFields):
         return self
 
     def token_budget(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        return self.max_completion_tokens or self.max_tokens or self._predicted()
 
     def logprobs_count(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -345,6 +468,9 @@ class CompletionRequest(SamplingFields):
         return [int(t) for t in value]  # type: ignore[arg-type]
 
     def token_budget(self) -> int | None:
+        given = "max_tokens" in self.model_fields_set and self.max_tokens is not None
+        if self.n_predict is not None and not given:
+            return self._predicted()  # llama.cpp's name given instead of the default 16
         return self.max_tokens
 
     def logprobs_count(self) -> int | None:

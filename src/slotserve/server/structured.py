@@ -1,28 +1,34 @@
-"""What a request asks of the sampler beyond the plain numbers: ``response_format`` as a
-`Grammar` (structured outputs) and ``logit_bias`` checked against the vocabulary.
+"""What a request asks of the sampler beyond the plain numbers: its one constraint on the
+output as a `Grammar` (structured outputs: ``response_format``, llama.cpp's ``grammar``
+(GBNF) and ``json_schema``, vLLM's ``guided_json``/``guided_regex``/``guided_choice``/
+``guided_grammar`` and ``structured_outputs``; `request_constraint`) and ``logit_bias``
+checked against the vocabulary. A grammar, whatever its syntax, is compiled as a schema is.
 
-A schema from a client is compiled in the compiler's bounded pool (`GrammarCompiler.submit`:
-a worker process that is killed past ``--grammar-timeout`` or ``--grammar-max-bytes``, one
-compile at a time by default, queued behind ``--grammar-queue-timeout``), never on the
-event loop and never at the engine's priority; a client that goes away while its schema
-waits or compiles cancels it. Grammars are kept in an LRU by schema text, bounded in bytes
-(``--grammar-cache-bytes``, the grammars arena of the memory plan): every grammar alive,
-cached or still used by a running request, is counted until it is freed. The server state
-owns one cache for its model, with one `GrammarCompiler`, so the tokenizer index is built
-once: by the ``serve`` command at start, where the plan counts it (`configure` hands that
-compiler to the cache; `slotserve.sampling.grammar_index`).
+A schema or grammar from a client is compiled in the compiler's bounded pool
+(`GrammarCompiler.submit`: a worker process that is killed past ``--grammar-timeout`` or
+``--grammar-max-bytes``, one compile at a time by default, queued behind
+``--grammar-queue-timeout``), never on the event loop and never at the engine's priority;
+a client that goes away while its schema waits or compiles cancels it. Grammars are kept
+in an LRU by text, bounded in bytes (``--grammar-cache-bytes``, the grammars arena of the
+memory plan): every grammar alive, cached or still used by a running request, is counted
+until it is freed. The server state owns one cache for its model, with one
+`GrammarCompiler`, so the tokenizer index is built once: by the ``serve`` command at
+start, where the plan counts it (`configure` hands that compiler to the cache;
+`slotserve.sampling.grammar_index`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
@@ -36,6 +42,7 @@ from slotserve.sampling.grammar import (
     GrammarCancelled,
     GrammarConfig,
     GrammarLimitError,
+    JobKind,
     schema_text,
 )
 from slotserve.server.errors import RETRY_AFTER_S, APIError
@@ -45,6 +52,7 @@ GRAMMAR_CACHE_SIZE = 32  # grammars kept at most, whatever their bytes
 REFUSED_CACHE_SIZE = 256  # schemas remembered as refused, so a repeat costs no compile
 SCHEMA_PARAM = "response_format.json_schema.schema"
 DISCONNECT_POLL_S = 0.05
+INVALID = "invalid_request_error"
 
 _configured = GrammarConfig()
 
@@ -125,12 +133,15 @@ class GrammarCache:
             schema_text(schema), lambda reserve: self.compiler.submit(schema, reserve)
         )
 
-    def lookup_grammar(self, grammar: str, description: str) -> Grammar | _Pending:
-        """As `lookup`, for llguidance grammar text (a reply's tool calls), cached and
-        bounded as schemas are; ``description`` names it in errors."""
+    def lookup_grammar(
+        self, grammar: str, description: str, kind: JobKind = "grammar"
+    ) -> Grammar | _Pending:
+        """As `lookup`, for grammar text (llguidance's: a reply's tool calls, a client's
+        Lark; or of another `JobKind`: GBNF, a regular expression), cached and bounded as
+        schemas are; ``description`` names it in errors."""
         return self._lookup(
-            "grammar:" + grammar,  # schema texts are JSON: never this prefix
-            lambda reserve: self.compiler.submit_grammar(grammar, description, reserve),
+            f"{kind}:{grammar}",  # schema texts are JSON: never this prefix
+            lambda reserve: self.compiler.submit_grammar(grammar, description, reserve, kind),
         )
 
     def _lookup(
@@ -215,29 +226,145 @@ class GrammarCache:
                 self._grammars.popitem(last=False)
 
 
+@dataclass(frozen=True)
+class Constraint:
+    """One constraint on a request's output: the field that gave it (``param``, named by
+    its errors) and what compiles, a JSON schema (``kind`` ``"schema"``: ``schema``, None
+    for any JSON object) or grammar text of another `JobKind` (``text``, ``description``
+    naming it in errors)."""
+
+    param: str
+    kind: JobKind
+    schema: dict[str, Any] | None = None
+    text: str = ""
+    description: str = "JSON schema"
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """The Lark grammar whose outputs are exactly ``choices``."""
+    return "start: " + " | ".join(json.dumps(choice) for choice in choices) + "\n"
+
+
+def _json_schema(value: dict[str, Any] | str, param: str) -> dict[str, Any]:
+    """A schema given as an object or as JSON text (vLLM takes both)."""
+    if isinstance(value, dict):
+        return value
+    try:
+        schema = json.loads(value)
+    except ValueError as exc:
+        raise APIError(400, f"{param}: not JSON: {exc}", INVALID, param=param) from None
+    if not isinstance(schema, dict):
+        raise APIError(400, f"{param}: a JSON schema is an object", INVALID, param=param)
+    return schema
+
+
+def _grammar(param: str, text: str) -> Constraint:
+    """A grammar field: GBNF as llama.cpp reads it, or Lark (llguidance's own syntax,
+    recognised by a ``start:`` rule or a ``%llguidance`` line) as vLLM's guidance reads it."""
+    return Constraint(param, "gbnf", text=text, description=f"{param} (GBNF or Lark)")
+
+
+def _constraints(body: SamplingFields) -> list[Constraint]:
+    """Every constraint ``body`` gives, in the order of the fields below."""
+    found: list[Constraint] = []
+    form = body.response_format
+    if form is not None and form.type == "json_schema":
+        assert form.json_schema is not None  # ResponseFormat checks it
+        found.append(Constraint(SCHEMA_PARAM, "schema", form.json_schema.schema_ or {}))
+    elif form is not None and form.type == "json_object":
+        found.append(Constraint("response_format", "schema"))
+    if body.json_schema is not None:
+        found.append(Constraint("json_schema", "schema", body.json_schema))
+    if body.grammar is not None:
+        found.append(_grammar("grammar", body.grammar))
+    if body.guided_json is not None:
+        found.append(
+            Constraint("guided_json", "schema", _json_schema(body.guided_json, "guided_json"))
+        )
+    if body.guided_regex is not None:
+        found.append(
+            Constraint("guided_regex", "regex", text=body.guided_regex, description="guided_regex")
+        )
+    if body.guided_choice is not None:
+        found.append(
+            Constraint(
+                "guided_choice",
+                "grammar",
+                text=choice_grammar(body.guided_choice),
+                description="guided_choice",
+            )
+        )
+    if body.guided_grammar is not None:
+        found.append(_grammar("guided_grammar", body.guided_grammar))
+    outputs = body.structured_outputs
+    if outputs is not None:
+        if outputs.json_ is not None:
+            param = "structured_outputs.json"
+            found.append(Constraint(param, "schema", _json_schema(outputs.json_, param)))
+        if outputs.json_object:
+            found.append(Constraint("structured_outputs.json_object", "schema"))
+        if outputs.regex is not None:
+            param = "structured_outputs.regex"
+            found.append(Constraint(param, "regex", text=outputs.regex, description=param))
+        if outputs.choice is not None:
+            param = "structured_outputs.choice"
+            if not outputs.choice or any(not choice for choice in outputs.choice):
+                raise APIError(
+                    400, f"{param}: give one or more non-empty strings", INVALID, param=param
+                )
+            found.append(
+                Constraint(param, "grammar", text=choice_grammar(outputs.choice), description=param)
+            )
+        if outputs.grammar is not None:
+            found.append(_grammar("structured_outputs.grammar", outputs.grammar))
+    return found
+
+
+def request_constraint(body: SamplingFields) -> Constraint | None:
+    """The one constraint on ``body``'s output (None: free text); two are a 400 naming the
+    second (`response_format`, llama.cpp's ``grammar`` and ``json_schema``, vLLM's
+    ``guided_*`` and ``structured_outputs``)."""
+    found = _constraints(body)
+    if len(found) > 1:
+        first, second = found[0].param, found[1].param
+        raise APIError(
+            400,
+            f"{second}: a request takes one constraint on its output, and {first} already "
+            "gives one; send only one of them",
+            INVALID,
+            param=second,
+        )
+    return found[0] if found else None
+
+
 async def response_grammar(
     grammars: GrammarCache, body: SamplingFields, request: Request | None = None
 ) -> Grammar | None:
-    """The grammar ``response_format`` asks for (None for text); a schema the grammar
-    engine cannot honour, or one past a compile bound, is a 400 that names what it does not
-    support or the bound. While it compiles, a client that disconnects cancels it."""
-    response_format = body.response_format
-    if response_format is None or response_format.type == "text":
+    """The grammar the request's constraint asks for (`request_constraint`; None for free
+    text); a schema or grammar the grammar engine cannot honour, or one past a compile
+    bound, is a 400 that names the field and what it does not support or the bound. While
+    it compiles, a client that disconnects cancels it."""
+    constraint = request_constraint(body)
+    if constraint is None:
         return None
     if body.ignore_eos:
         raise APIError(
             400,
-            "ignore_eos cannot be combined with response_format: the output must end where "
-            "the JSON does",
-            "invalid_request_error",
+            f"ignore_eos cannot be combined with {constraint.param}: the output must end "
+            "where its grammar does",
+            INVALID,
             param="ignore_eos",
         )
-    schema: dict[str, Any] | None = None
-    if response_format.type == "json_schema":
-        assert response_format.json_schema is not None  # ResponseFormat checks it
-        schema = response_format.json_schema.schema_ or {}
-    param = SCHEMA_PARAM if schema is not None else "response_format"
-    return await compiled(grammars, lambda: grammars.lookup(schema), request, param)
+    if constraint.kind == "schema":
+        schema = constraint.schema
+        return await compiled(grammars, lambda: grammars.lookup(schema), request, constraint.param)
+    return await compiled(
+        grammars,
+        lambda: grammars.lookup_grammar(constraint.text, constraint.description, constraint.kind),
+        request,
+        constraint.param,
+        refused="unsupported_grammar",
+    )
 
 
 async def compiled(
@@ -327,7 +454,9 @@ def _completion(job: Future[Grammar]) -> asyncio.Future[None]:
     return ready
 
 
-def output_refusal(grammar: Grammar | None, final: Finished) -> APIError | None:
+def output_refusal(
+    grammar: Grammar | None, final: Finished, param: str = SCHEMA_PARAM
+) -> APIError | None:
     """The error for a constrained choice that ended on end-of-sequence with output the
     grammar does not accept (its matcher went into error mid-document, and the sampler
     then allowed only end-of-sequence): never reported as a finished ("stop") document.
@@ -340,11 +469,11 @@ def output_refusal(grammar: Grammar | None, final: Finished) -> APIError | None:
         return None
     return APIError(
         500,
-        f"{SCHEMA_PARAM}: the grammar engine could not enforce the schema to the end of the "
-        f"document ({reason}), so the output is not valid; simplify the schema (fewer "
+        f"{param}: the grammar engine could not enforce it to the end of the "
+        f"document ({reason}), so the output is not valid; simplify it (fewer "
         "properties or alternatives)",
         "server_error",
-        param=SCHEMA_PARAM,
+        param=param,
         code="grammar_failed",
     )
 

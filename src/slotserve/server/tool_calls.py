@@ -117,13 +117,19 @@ async def _stream(
     wants_logprobs = body.logprobs_count() is not None
     replies = [ReplyStream(run.shape) for _ in run.handles]
     finals: list[Finished] = []
+    if include_usage:
+        head = {**head, "usage": None}  # every chunk but the last, as OpenAI streams
 
     def chunk(index: int, delta: dict[str, Any], finish: str | None, logprobs: Any) -> str:
         choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         return fmt.sse({**head, "choices": [choice]})
 
+    # The role chunk: a reply that must call a tool has no content ("content": null, as
+    # OpenAI's tool-call streams begin); one that may hold text starts it empty.
+    calls_only = run.plan is not None and run.plan.mode == "required"
+    opening = fmt.role_delta(None if calls_only else "")
     for index in range(len(run.handles)):
-        yield chunk(index, {"role": "assistant", "content": ""}, None, None)
+        yield chunk(index, opening, None, None)
     # aclosing: the handles are cancelled as soon as the stream stops, even on an error.
     async with aclosing(merged(run.handles)) as events:
         try:

@@ -28,7 +28,7 @@ from slotserve.sampling import Grammar
 from slotserve.server.errors import APIError
 from slotserve.server.reasoning import CLOSE, OPEN, thinks
 from slotserve.server.schemas import ChatCompletionRequest, ChatMessage
-from slotserve.server.structured import GrammarCache, compiled
+from slotserve.server.structured import GrammarCache, compiled, request_constraint
 from slotserve.server.tool_formats import (
     GENERIC,
     HERMES,
@@ -122,8 +122,9 @@ def plan_tools(tokenizer: Tokenizer, body: ChatCompletionRequest) -> ToolPlan | 
         seen.add(function.name)
     if choice == "none":
         return None
-    structured = body.response_format is not None and body.response_format.type != "text"
-    for param, given in (("response_format", structured), ("ignore_eos", body.ignore_eos)):
+    constraint = request_constraint(body)
+    structured = constraint.param if constraint is not None else "response_format"
+    for param, given in ((structured, constraint is not None), ("ignore_eos", body.ignore_eos)):
         if given:
             message = f"{param}: cannot be combined with tools (the tool-call grammar decides)"
             raise APIError(400, message, INVALID, param)
@@ -240,6 +241,16 @@ def _native_message(message: ChatMessage, names: dict[str, str]) -> dict[str, An
         assert message.tool_call_id is not None  # _check_results
         rendered["tool_call_id"] = message.tool_call_id
         rendered["name"] = message.name or names[message.tool_call_id]
+    return _with_reasoning(rendered, message)
+
+
+def _with_reasoning(rendered: dict[str, Any], message: ChatMessage) -> dict[str, Any]:
+    """``rendered`` with the turn's past thinking as ``reasoning_content``, the variable
+    templates that render past reasoning read (Qwen3's, inside a tool loop), as llama.cpp's
+    server passes it; templates that do not read it render as before."""
+    reasoning = message.past_reasoning()
+    if reasoning:
+        rendered["reasoning_content"] = reasoning
     return rendered
 
 
@@ -274,7 +285,7 @@ def _generic_messages(
             ]
             reply: dict[str, Any] = {"content": content} if content else {}
             content = json.dumps({**reply, "tool_calls": calls}, ensure_ascii=False)
-        rendered.append({"role": message.role, "content": content})
+        rendered.append(_with_reasoning({"role": message.role, "content": content}, message))
     return rendered
 
 
