@@ -17,7 +17,7 @@ LAYERS: dict[str, int] = {
     "errors": 0,
     "info": 0,
     "tokenizer": 0,
-    "memory": 0,
+    "memory": 1,  # a leaf: imports only the errors
     "paths": 0,
     "locks": 0,
     "native": 1,

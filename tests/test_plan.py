@@ -14,8 +14,8 @@ import pytest
 import slotserve as ss
 from slotserve.artifact import model_path
 from slotserve.kv import KVConfig, KVPool
-from slotserve.memory import parse_bytes
-from slotserve.plan import CapacityPlan, MemoryMap
+from slotserve.memory import MemoryLedger, MemoryMap, parse_bytes
+from slotserve.plan import CapacityPlan
 
 INFO = ss.ModelInfo(
     arch="llama",
@@ -29,6 +29,14 @@ INFO = ss.ModelInfo(
     max_context=512,
 )
 MIXED = dataclasses.replace(INFO, sliding_window=(None, 32, None, 32))
+
+
+def ledger(**arenas: int) -> MemoryLedger:
+    """A ledger of the given arenas, computed."""
+    held = MemoryLedger()
+    for name, nbytes in arenas.items():
+        held.add(name, nbytes, "computed", "the test")
+    return held
 
 
 @pytest.mark.parametrize(
@@ -65,13 +73,13 @@ CONFIGS = [
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("info", [INFO, MIXED], ids=["full", "mixed"])
 def test_planned_kv_bytes_equal_measured_pool_bytes(config: KVConfig, info: ss.ModelInfo) -> None:
-    plan = CapacityPlan(info, config, weight_bytes=0)
+    plan = CapacityPlan(info, config)
     assert KVPool(info, config).nbytes == plan.kv_bytes
 
 
 def test_planned_weights_equal_the_loaded_model(bundled: ss.Model) -> None:
     config = KVConfig(layout="cell", max_seqs=2, max_context=256)
-    plan = CapacityPlan(bundled.info, config, bundled.weight_bytes)
+    plan = CapacityPlan(bundled.info, config, ledger(weights=bundled.weight_bytes))
     assert plan.arenas["weights"] == sum(t.nbytes for t in _weight_tensors(bundled))
     assert KVPool(bundled.info, config).nbytes == plan.arenas["kv"]
 
@@ -95,7 +103,6 @@ def test_int8_plan_is_under_30_percent_of_fp32() -> None:
     fp32 = CapacityPlan(
         ss.ModelInfo(**{**dataclasses.asdict(INFO), "rope": INFO.rope, "head_dim": 64}),
         KVConfig(layout="cell", max_seqs=4, max_context=256, dtype="fp32"),
-        0,
     )
     int8 = fp32.with_kv(dtype="int8")
     assert int8.kv_bytes <= 0.30 * fp32.kv_bytes
@@ -103,7 +110,7 @@ def test_int8_plan_is_under_30_percent_of_fp32() -> None:
 
 def test_plan_that_does_not_fit_names_the_levers() -> None:
     config = KVConfig(layout="cell", max_seqs=8, max_context=512, block_size=16)
-    base = CapacityPlan(INFO, config, weight_bytes=10**6)
+    base = CapacityPlan(INFO, config, ledger(weights=10**6))
     arenas = base.arenas
     budget = arenas["weights"] + arenas["activations"] + int(3.5 * base.bytes_per_session)
     plan = dataclasses.replace(base, memory_budget=budget)
@@ -118,16 +125,56 @@ def test_plan_that_does_not_fit_names_the_levers() -> None:
     assert not plan.with_kv(max_context=context + 16).fits
 
 
-def test_memory_map_checks_each_arena() -> None:
+ARENAS = ("runtime", "tokenizer", "weights", "methods", "grammar_index", "grammars", "responses")
+
+
+@pytest.mark.parametrize("arena", [*ARENAS, "kv", "activations"])
+def test_a_memory_map_is_refused_naming_an_arena_it_leaves_out_or_holds_too_little_of(
+    arena: str,
+) -> None:
+    """Every arena of the plan is checked against the map: one left out is refused naming
+    it (never passed), and so is one the map holds one byte too little of."""
     config = KVConfig(layout="flat", max_seqs=2, max_context=256)
-    plan = CapacityPlan(INFO, config, weight_bytes=1000)
+    plan = CapacityPlan(INFO, config, ledger(**{name: 1000 + i for i, name in enumerate(ARENAS)}))
     arenas = plan.arenas
-    ok = MemoryMap(arenas["weights"], arenas["kv"], arenas["activations"])
-    assert dataclasses.replace(plan, memory_map=ok).fits
-    tight = dataclasses.replace(ok, kv=arenas["kv"] - 1)
-    assert not dataclasses.replace(plan, memory_map=tight).fits
+    exact = MemoryMap(tuple(arenas.items()))
+    assert dataclasses.replace(plan, memory_map=exact).fits
+    dataclasses.replace(plan, memory_map=exact).check()
+    left_out = MemoryMap(tuple((n, b) for n, b in arenas.items() if n != arena))
+    with pytest.raises(ss.PlanError, match=f"no limit for arena '{arena}'"):
+        dataclasses.replace(plan, memory_map=left_out).check()
+    short = MemoryMap(tuple((n, b - (n == arena)) for n, b in arenas.items()))
+    tight = dataclasses.replace(plan, memory_map=short)
+    assert not tight.fits
+    with pytest.raises(ss.PlanError, match=f"arena '{arena}' needs"):
+        tight.check()
     with pytest.raises(ValueError, match="not both"):
-        CapacityPlan(INFO, config, 0, memory_budget=1, memory_map=ok)
+        CapacityPlan(INFO, config, memory_budget=1, memory_map=exact)
+
+
+def test_a_memory_map_parses_named_arenas_and_refuses_the_old_positional_form() -> None:
+    parsed = MemoryMap.parse("runtime=300MiB, weights=1GiB,kv=64MiB")
+    assert parsed.limit("weights") == 2**30 and parsed.limit("activations") is None
+    assert parsed.total == 300 * 2**20 + 2**30 + 64 * 2**20
+    with pytest.raises(ValueError, match="ARENA=BYTES"):
+        MemoryMap.parse("600MiB,256MiB,128MiB")
+    with pytest.raises(ValueError, match="twice"):
+        MemoryMap.parse("kv=1MiB,kv=2MiB")
+
+
+def test_the_ledger_sums_its_entries_and_checks_a_budget() -> None:
+    held = ledger(runtime=100, weights=50)
+    held.add("runtime", 25, "measured", "a server's start")
+    assert held.arenas() == {"runtime": 125, "weights": 50} and held.total == 175
+    held.add_peak("load", 400, "a load")
+    held.check_integrity()
+    held.check(400)
+    with pytest.raises(ss.PlanError, match="peak"):
+        held.check(399)
+    with pytest.raises(ss.PlanError, match="no limit for arena 'weights'"):
+        held.check(MemoryMap.of(runtime=1000))
+    with pytest.raises(ValueError, match="must be >= 0"):
+        held.add("kv", -1, "computed", "a bug")
 
 
 def test_plan_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
@@ -166,7 +213,7 @@ def test_plan_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_the_plan_states_what_the_prefix_cache_may_pin() -> None:
     config = KVConfig(layout="cell", max_seqs=2, max_context=256, block_size=16)
-    plan = CapacityPlan(INFO, config, 0)
+    plan = CapacityPlan(INFO, config)
     assert plan.prefix_cache is None and plan.to_dict()["prefix_cache"] is None
     block = plan.kv_bytes // config.total_blocks
     cached = dataclasses.replace(plan, prefix_cache_bytes=5 * block + 1)
@@ -176,10 +223,12 @@ def test_the_plan_states_what_the_prefix_cache_may_pin() -> None:
     assert cached.worst_case_bytes == plan.worst_case_bytes  # inside the pool, not beside it
     whole = dataclasses.replace(plan, prefix_cache_bytes=10 * plan.kv_bytes)
     assert whole.to_dict()["prefix_cache"]["pool_fraction"] == 1.0
-    engine_plan = ss.EngineConfig(kv_layout="cell", prefix_cache_bytes="1MiB").plan(INFO, 0)
+    engine_plan = ss.EngineConfig(kv_layout="cell", prefix_cache_bytes="1MiB").plan(
+        INFO, MemoryLedger()
+    )
     assert engine_plan.to_dict()["prefix_cache"]["budget_bytes"] == 1 << 20
     assert stated["ring_copy_bytes"] == 0
-    mixed = CapacityPlan(MIXED, config, 0, prefix_cache_bytes=1 << 20)
+    mixed = CapacityPlan(MIXED, config, prefix_cache_bytes=1 << 20)
     pool = KVPool(MIXED, config)
     assert mixed.to_dict()["prefix_cache"]["ring_copy_bytes"] == pool.snapshot_ring_nbytes > 0
 
@@ -187,30 +236,42 @@ def test_the_plan_states_what_the_prefix_cache_may_pin() -> None:
 def test_a_budget_under_the_runtime_alone_is_refused_with_that_number() -> None:
     config = KVConfig(layout="cell", max_seqs=2, max_context=256, block_size=16)
     runtime = 300 * 2**20
-    plan = CapacityPlan(INFO, config, 1000, memory_budget=200 * 2**20, runtime_bytes=runtime)
+    held = ledger(runtime=runtime, weights=1000)
+    plan = CapacityPlan(INFO, config, held, memory_budget=200 * 2**20)
     assert plan.arenas["runtime"] == runtime and plan.worst_case_bytes > runtime
     with pytest.raises(
-        ss.PlanError, match=r"runtime alone .* 300.00 MiB, more than the budget 200.00 MiB"
+        ss.PlanError,
+        match=r"runtime alone .* 300.00 MiB anonymous, more than the budget 200.00 MiB",
     ):
         plan.check()
     roomy = dataclasses.replace(plan, memory_budget=plan.worst_case_bytes)
     roomy.check()  # the whole plan, runtime included, fits exactly
     assert not dataclasses.replace(roomy, memory_budget=plan.worst_case_bytes - 1).fits
-    assert "runtime" not in CapacityPlan(INFO, config, 1000).arenas  # unmeasured: left out
+    assert "runtime" not in CapacityPlan(INFO, config, ledger(weights=1000)).arenas
 
 
 def test_the_engine_plans_the_whole_process_as_measured_at_load(bundled: ss.Model) -> None:
-    measured = bundled.load_memory
-    assert measured is not None and measured.runtime_bytes > 100 * 2**20  # torch at least
-    assert measured.first_step_bytes < 64 * 2**20  # the first step's one-time state
+    """The load marks the runtime before the model, the tokenizer and the weights in its
+    ledger, measured; the engine's probe adds the first step's state once; a model-scope
+    engine plans the model's computed arenas alone."""
+    held = bundled.ledger
+    assert held is not None
+    assert held.bytes("runtime") > 50 * 2**20  # the interpreter and torch at least
+    assert {a.how for a in held.entries if a.name in ("tokenizer", "weights")} == {"measured"}
     process = ss.EngineConfig(max_seqs=2, max_context=256, budget_scope="process")
-    plan = process.process_plan(bundled)
-    assert plan.arenas["runtime"] == measured.runtime_arena_bytes
-    assert plan.arenas["weights"] == max(bundled.weight_bytes, measured.growth_bytes)
-    model_only = ss.EngineConfig(max_seqs=2, max_context=256).process_plan(bundled)
-    assert "runtime" not in model_only.arenas
-    assert model_only.arenas["weights"] == bundled.weight_bytes
-    tight = dataclasses.replace(process, memory_budget=measured.runtime_bytes // 2)
+    with ss.Engine(bundled, process) as engine:
+        assert engine.ledger is held
+        first = [a for a in held.entries if a.source == "first step"]
+        assert len(first) == 1 and first[0].bytes < 64 * 2**20
+        assert engine.plan.arenas["runtime"] == held.bytes("runtime")
+        assert engine.plan.arenas["weights"] >= bundled.weight_bytes
+    with ss.Engine(bundled, process):
+        assert len([a for a in held.entries if a.source == "first step"]) == 1  # once
+    with ss.Engine(bundled, ss.EngineConfig(max_seqs=2, max_context=256)) as engine:
+        assert "runtime" not in engine.plan.arenas
+        assert engine.plan.arenas["weights"] == bundled.weight_bytes
+        assert engine.ledger is not held
+    tight = dataclasses.replace(process, memory_budget=held.bytes("runtime") // 2)
     with pytest.raises(ss.PlanError, match="runtime alone"):
         ss.Engine(bundled, tight)
 
@@ -246,9 +307,16 @@ def test_plan_measure_compares_every_arena_with_its_measurement(tmp_path: Path) 
     done = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=600)
     report = json.loads(done.stdout)
     planned, measured = report["arenas"], report["measured"]["arenas"]
-    assert set(measured) == {"runtime", "tokenizer", "weights", "kv", "activations"}
+    assert set(measured) == {
+        "runtime",
+        "tokenizer",
+        "weights",
+        "grammar_index",
+        "kv",
+        "activations",
+    }
     assert set(measured) <= set(planned) and measured["tokenizer"] == planned["tokenizer"]
-    assert measured["runtime"] == planned["runtime"] and measured["weights"] <= planned["weights"]
+    assert measured["runtime"] == planned["runtime"] and measured["weights"] == planned["weights"]
     assert abs(measured["kv"] - planned["kv"]) <= 0.02 * planned["kv"]
     assert 0.5 * planned["activations"] <= measured["activations"] <= planned["activations"]
     assert report["cancel_bound"]["max_step_tokens"] == 256
@@ -259,31 +327,33 @@ def test_plan_measure_compares_every_arena_with_its_measurement(tmp_path: Path) 
 
 def test_a_bundles_planned_method_memory_is_an_arena(tiny_bundle: Path) -> None:
     model = ss.load(tiny_bundle, progress=False)
-    planned = model.halves.planned_method_bytes  # type: ignore[attr-defined]
+    planned = model.halves.planned_method_bytes
     # At least one step's activations in fp32 are planned: the embed method's output.
     assert planned >= model.halves.max_step_tokens * model.info.dim * 4  # type: ignore[operator]
-    plan = ss.EngineConfig(max_seqs=2, max_context=128).process_plan(model)
-    assert plan.arenas["methods"] == planned
-    assert plan.worst_case_bytes == sum(plan.arenas.values())
-    # Within the process's budget the arena is what the load's largest step left resident
+    with ss.Engine(model, ss.EngineConfig(max_seqs=2, max_context=128)) as engine:
+        assert engine.plan.arenas["methods"] == planned
+        assert engine.plan.worst_case_bytes == sum(engine.plan.arenas.values())
+    # Within the process's budget the arena is what the probe's largest step left resident
     # (the arenas it wrote, the delegates' scratch for its rows), where that is more.
-    assert model.load_memory is not None
-    kept = model.load_memory.method_bytes
     process = ss.EngineConfig(max_seqs=2, max_context=128, budget_scope="process")
-    assert process.process_plan(model).arenas["methods"] == max(planned, kept)
+    with ss.Engine(model, process) as engine:
+        (methods,) = [a for a in engine.ledger.entries if a.name == "methods"]
+        assert methods.how == "measured" and methods.bytes >= planned
 
 
-def test_only_a_bundles_load_runs_its_largest_step(bundled_blocks: ss.Model) -> None:
-    assert bundled_blocks.load_memory is not None
-    assert bundled_blocks.load_memory.method_bytes == 0
+def test_only_a_bundles_probe_runs_its_largest_step(bundled_blocks: ss.Model) -> None:
     plan = ss.EngineConfig(max_seqs=2, max_context=128, budget_scope="process")
-    assert "methods" not in plan.process_plan(bundled_blocks).arenas
+    with ss.Engine(bundled_blocks, plan) as engine:
+        assert "methods" not in engine.plan.arenas
 
 
-def test_a_fresh_process_counts_its_first_steps_state_as_runtime() -> None:
-    """The first step of a process leaves one-time state (thread pools, lazy tables): the
-    load measures it (in this test process an earlier model may have paid it already)."""
+def test_a_load_runs_no_step_and_the_probe_counts_the_first_steps_state_as_runtime() -> None:
+    """In a fresh process: the load runs no step (its ledger has no first step), and the
+    first engine's probe measures the first step's one-time state (thread pools, lazy
+    tables) into the runtime arena."""
     probe = "import slotserve as ss; m = ss.load('bundled', progress=False)\n"
-    probe += "print(m.load_memory.first_step_bytes)"
+    probe += "assert not m.ledger.has('runtime', 'first step')\n"
+    probe += "e = ss.Engine(m, ss.EngineConfig(budget_scope='process', max_context=256))\n"
+    probe += "print(sum(a.bytes for a in m.ledger.entries if a.source == 'first step'))"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert 0 < int(done.stdout.split()[-1]) < 64 * 2**20

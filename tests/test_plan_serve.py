@@ -43,7 +43,7 @@ def test_plan_counts_the_grammars_arena_serve_checks(
     assert served.keys() == arenas.keys()
     # The computed arenas are equal to the byte; runtime and weights are measured at each
     # process's own load (this one has loaded models before), so they are not compared.
-    for name in ("kv", "activations", "grammars"):
+    for name in ("kv", "activations", "grammars", "responses"):
         assert served[name] == arenas[name], name
 
 

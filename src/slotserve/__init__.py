@@ -18,6 +18,7 @@ from slotserve.engine import (
     Usage,
 )
 from slotserve.engine.presets import preset_config
+from slotserve.engine.probe import teacher_forced_logits
 from slotserve.errors import (
     AdmissionRefused,
     ArtifactError,
@@ -58,4 +59,5 @@ __all__ = [
     "Usage",
     "load",
     "preset_config",
+    "teacher_forced_logits",
 ]

@@ -1,31 +1,30 @@
-"""`CapacityPlan`: will the whole process (runtime + weights + a bundle's method memory +
-activations + max_seqs × KV per session + the grammar compiler's tokenizer index + the
-grammars arena) fit the budget, and will the model's load (its peak) fit it?
-
-The KV pool and the activations are computed from `ModelInfo` and `KVConfig` alone (no
-allocation), with the same placement rules the pool allocates by, so the planned KV bytes
-equal the pool's measured bytes. The runtime arena (the process before its weights) and the
-resident weights are measured when the model loads (`slotserve.memory.LoadMemory`), and a
-bundle's planned method memory is what its program plans; the engine passes them in
-(`EngineConfig.plan`), as is the load's peak resident set (its transient copies): the
-budget must hold the larger of the serving worst case and that peak (`required_bytes`).
-The grammar compiler's tokenizer index is measured where a server builds it at start
-(`slotserve.sampling.grammar_index`). If the plan does not fit, `check()` raises `PlanError`
-naming the largest ``max_seqs`` and the largest ``max_context`` that would, or, when the
-runtime alone or the load's peak is over the budget, that number (`LoadPeakError`).
+"""`CapacityPlan`: will the whole process fit the budget: the arenas of its memory ledger
+(the runtime, the tokenizer, the weights, a bundle's methods, the grammar compiler's index
+and its grammars, measured or computed where each is held: `slotserve.memory.ledger`) and
+the engine's own KV pool and activations, computed here from `ModelInfo` and `KVConfig`
+alone (no allocation), with the same placement rules the pool allocates by, so the planned
+KV bytes equal the pool's measured bytes. The budget must hold the larger of that sum and
+the ledger's transient peaks (a load's copies: `required_bytes`). If the plan does not fit,
+`check()` raises `PlanError` naming the largest ``max_seqs`` and the largest
+``max_context`` that would, or, when the ledger's arenas alone or a peak are over the
+budget, that number (`LoadPeakError`); a memory map that leaves out an arena is refused
+naming it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from slotserve.errors import PlanError
 from slotserve.info import ModelInfo
 from slotserve.kv.config import KVConfig
 from slotserve.kv.placement import cells_per_layer, cells_per_session, layer_rules
-from slotserve.memory import format_bytes, parse_bytes
+from slotserve.memory import MemoryLedger, MemoryMap, budget_problems, format_bytes
+
+# The arenas a plan computes itself from its config; the ledger holds the rest.
+COMPUTED_ARENAS = ("kv", "activations")
 
 
 class LoadPeakError(PlanError):
@@ -35,19 +34,6 @@ class LoadPeakError(PlanError):
     def __init__(self, message: str, peak_bytes: int, budget_bytes: int) -> None:
         super().__init__(message)
         self.peak_bytes, self.budget_bytes = peak_bytes, budget_bytes
-
-
-@dataclass(frozen=True)
-class MemoryMap:
-    """A budget per arena instead of one total."""
-
-    weights: int
-    kv: int
-    activations: int
-
-    @classmethod
-    def parse(cls, weights: int | str, kv: int | str, activations: int | str) -> MemoryMap:
-        return cls(parse_bytes(weights), parse_bytes(kv), parse_bytes(activations))
 
 
 def kv_cell_bytes(info: ModelInfo, kv: KVConfig) -> int:
@@ -101,37 +87,18 @@ def activation_bytes(
 
 @dataclass(frozen=True)
 class CapacityPlan:
-    """The memory plan of one engine. Give ``memory_budget`` (total) or ``memory_map``."""
+    """The memory plan of one engine: the ``ledger``'s arenas and this config's KV pool and
+    activations, against ``memory_budget`` (a total) or ``memory_map`` (a limit per arena).
+    ``attention_kernel``: the engine attends with the compiled kernel (no score block
+    materialised: `activation_bytes`); False plans torch's attention, which needs more."""
 
     info: ModelInfo
     kv: KVConfig
-    weight_bytes: int
+    ledger: MemoryLedger = field(default_factory=MemoryLedger)
     max_batch_tokens: int = 256
     memory_budget: int | None = None
     memory_map: MemoryMap | None = None
     prefix_cache_bytes: int = 0
-    # The grammars arena (a server's compiled grammars, every one alive counted: serve
-    # --grammar-cache-bytes); 0 where nothing compiles grammars. A memory map has no budget
-    # for it: it counts in the total, and is not checked per arena.
-    grammar_cache_bytes: int = 0
-    # Measured, not computed: the process's resident set before the weights (the runtime
-    # arena; 0: left out) and the memory a bundle's program plans for its methods, the one
-    # set of arenas they share (0 for a model the halves run in torch). Like the grammars,
-    # a memory map does not budget them: they count in the total.
-    runtime_bytes: int = 0
-    method_bytes: int = 0
-    # Measured: what the model's metadata and tokenizer hold, read before the weights
-    # (`LoadMemory.tokenizer_bytes`; 0: left out, or counted in the weights).
-    tokenizer_bytes: int = 0
-    # Measured where a server builds it at start: what llguidance's tokenizer index (and
-    # the first compile's one-time costs) hold, the ``grammar_index`` arena (0: none built).
-    grammar_index_bytes: int = 0
-    # Measured: the resident set's peak while the model loaded (`LoadMemory.peak_bytes`;
-    # 0: not measured). Not an arena (the load's copies are gone once it ends), but the
-    # budget must hold it too: `required_bytes`.
-    load_peak_bytes: int = 0
-    # Whether the engine attends with the compiled kernel (no score block materialised:
-    # `activation_bytes`); False, the default, plans torch's attention, which needs more.
     attention_kernel: bool = False
 
     def __post_init__(self) -> None:
@@ -139,20 +106,21 @@ class CapacityPlan:
             raise ValueError("give memory_budget or memory_map, not both")
         if self.prefix_cache_bytes < 0:
             raise ValueError(f"prefix_cache_bytes={self.prefix_cache_bytes} must be >= 0")
-        if self.grammar_cache_bytes < 0:
-            raise ValueError(f"grammar_cache_bytes={self.grammar_cache_bytes} must be >= 0")
-        measured = (
-            "runtime_bytes",
-            "method_bytes",
-            "tokenizer_bytes",
-            "grammar_index_bytes",
-            "load_peak_bytes",
-        )
-        for name in ("weight_bytes", *measured):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
         if self.max_batch_tokens < 1:
             raise ValueError(f"max_batch_tokens={self.max_batch_tokens} must be >= 1")
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.ledger.bytes("weights")
+
+    @property
+    def runtime_bytes(self) -> int:
+        return self.ledger.bytes("runtime")
+
+    @property
+    def load_peak_bytes(self) -> int:
+        """The ledger's highest transient peak (a load's: 0 when none was measured)."""
+        return self.ledger.peak_bytes
 
     @property
     def kv_bytes(self) -> int:
@@ -190,23 +158,17 @@ class CapacityPlan:
 
     @property
     def arenas(self) -> dict[str, int]:
-        """Bytes by arena; ``kv`` is the pool plus the prefix cache's copies
-        (`prefix_copy_bytes`). ``runtime``, ``tokenizer``, ``methods``, ``grammar_index``
-        and ``grammars`` appear when set."""
-        arenas = {"runtime": self.runtime_bytes} if self.runtime_bytes else {}
-        if self.tokenizer_bytes:
-            arenas["tokenizer"] = self.tokenizer_bytes
-        arenas["weights"] = self.weight_bytes
-        if self.method_bytes:
-            arenas["methods"] = self.method_bytes
-        arenas["kv"] = self.kv_bytes + self.prefix_copy_bytes
-        arenas["activations"] = activation_bytes(
-            self.info, self.kv, self.max_batch_tokens, self.attention_kernel
-        )
-        if self.grammar_index_bytes:
-            arenas["grammar_index"] = self.grammar_index_bytes
-        if self.grammar_cache_bytes:
-            arenas["grammars"] = self.grammar_cache_bytes
+        """Bytes by arena: the ledger's, then ``kv`` (the pool plus the prefix cache's
+        copies, `prefix_copy_bytes`) and ``activations``, computed from the config."""
+        arenas = self.ledger.arenas()
+        computed = {
+            "kv": self.kv_bytes + self.prefix_copy_bytes,
+            "activations": activation_bytes(
+                self.info, self.kv, self.max_batch_tokens, self.attention_kernel
+            ),
+        }
+        for name, nbytes in computed.items():
+            arenas[name] = arenas.get(name, 0) + nbytes
         return arenas
 
     @property
@@ -221,13 +183,16 @@ class CapacityPlan:
         return max(self.worst_case_bytes, self.load_peak_bytes)
 
     @property
+    def budget(self) -> int | MemoryMap | None:
+        return self.memory_map if self.memory_map is not None else self.memory_budget
+
+    def problems(self) -> list[str]:
+        """Why the plan does not fit its budget (`budget_problems`); empty when it fits."""
+        return budget_problems(self.arenas, self.load_peak_bytes, self.budget)
+
+    @property
     def fits(self) -> bool:
-        if self.memory_map is not None:
-            limits = dataclasses.asdict(self.memory_map)
-            if self.load_peak_bytes > sum(limits.values()):
-                return False
-            return all(used <= limits.get(name, used) for name, used in self.arenas.items())
-        return self.memory_budget is None or self.required_bytes <= self.memory_budget
+        return not self.problems()
 
     @property
     def prefix_cache(self) -> dict[str, Any] | None:
@@ -267,8 +232,7 @@ class CapacityPlan:
     @property
     def headroom(self) -> int | None:
         if self.memory_map is not None:
-            total: int = sum(dataclasses.asdict(self.memory_map).values())
-            return total - self.required_bytes
+            return self.memory_map.total - self.required_bytes
         return None if self.memory_budget is None else self.memory_budget - self.required_bytes
 
     def with_kv(self, **changes: Any) -> CapacityPlan:
@@ -287,41 +251,50 @@ class CapacityPlan:
         return found * step
 
     def check(self) -> None:
-        """Raise `PlanError` unless the plan fits, naming the levers that would make it."""
-        if self.fits:
+        """Raise `PlanError` unless the plan fits, naming the levers that would make it (or
+        the arena a memory map leaves out or holds too little of)."""
+        problems = self.problems()
+        if not problems:
             return
         refusal = self.runtime_refusal()
         if refusal is not None:
             raise refusal
+        if self.memory_map is not None:
+            missing = [p for p in problems if "has no limit" in p]
+            if missing:
+                raise PlanError(f"{missing[0]} (--memory-map names every arena)")
         arenas = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.arenas.items())
         limit = (
             f"the budget {format_bytes(self.memory_budget)}"
             if self.memory_budget is not None
-            else f"the memory map {self.memory_map}"
+            else f"the memory map {self.memory_map} ({'; '.join(problems)})"
         )
+        grammars = self.ledger.bytes("grammars")
         raise PlanError(
             f"the plan needs {format_bytes(self.worst_case_bytes)} ({arenas}) and does not fit "
             f"{limit}. Largest max_seqs that fits at max_context={self.kv.max_context}: "
             f"{self.max_seqs_that_fit()}; largest max_context that fits at "
             f"max_seqs={self.kv.max_seqs}: {self.max_context_that_fits()}."
             + (
-                f" Or lower the grammars arena, {format_bytes(self.grammar_cache_bytes)} "
+                f" Or lower the grammars arena, {format_bytes(grammars)} "
                 "(serve --grammar-cache-bytes)."
-                if self.grammar_cache_bytes
+                if grammars
                 else ""
             )
         )
 
     def runtime_refusal(self) -> PlanError | None:
-        """The `PlanError` of a budget under the runtime arena alone, or under the load's
-        peak (a `LoadPeakError`); None otherwise. No context or concurrency can fit either,
-        so it names the number, the budget and the budget this plan needs."""
+        """The `PlanError` of a budget under the runtime arena alone (the interpreter,
+        torch and the libraries, measured), or under the load's peak (a `LoadPeakError`);
+        None otherwise. No context or concurrency can fit either, so it names the number,
+        the budget and the budget this plan needs."""
         limit = self.memory_budget
         if self.memory_map is not None:
-            limit = sum(dataclasses.asdict(self.memory_map).values())
-        if limit is not None and self.load_peak_bytes > limit >= self.runtime_bytes:
+            limit = self.memory_map.total
+        runtime = self.runtime_bytes
+        if limit is not None and self.load_peak_bytes > limit >= runtime:
             return LoadPeakError(
-                f"loading the model peaks at {format_bytes(self.load_peak_bytes)} resident "
+                f"loading the model peaks at {format_bytes(self.load_peak_bytes)} anonymous "
                 f"(the process with the load's transient copies, measured), more than the "
                 f"budget {format_bytes(limit)}: the process could be killed while loading, "
                 "whatever the context or concurrency. Raise the budget to at least "
@@ -330,11 +303,11 @@ class CapacityPlan:
                 self.load_peak_bytes,
                 limit,
             )
-        if self.memory_budget is None or self.runtime_bytes <= self.memory_budget:
+        if self.memory_budget is None or runtime <= self.memory_budget:
             return None
         return PlanError(
-            f"the runtime alone (the interpreter, torch and the libraries, measured at start) "
-            f"holds {format_bytes(self.runtime_bytes)}, more than the budget "
+            f"the runtime alone (the interpreter, torch and the libraries, measured) holds "
+            f"{format_bytes(runtime)} anonymous, more than the budget "
             f"{format_bytes(self.memory_budget)}: no context or concurrency fits. Raise the "
             f"budget to at least {format_bytes(self.required_bytes)} (this plan's whole worst "
             "case), or plan the model's arenas only (budget_scope='model', --budget-scope model)"
@@ -354,7 +327,8 @@ class CapacityPlan:
             "load_peak_bytes": self.load_peak_bytes,
             "required_bytes": self.required_bytes,
             "memory_budget": self.memory_budget,
-            "memory_map": dataclasses.asdict(self.memory_map) if self.memory_map else None,
+            "memory_map": dict(self.memory_map.limits) if self.memory_map else None,
+            "ledger": self.ledger.to_dict(),
             "headroom_bytes": self.headroom,
             "max_seqs_that_fit": self.max_seqs_that_fit(),
             "max_context_that_fits": self.max_context_that_fits(),

@@ -20,8 +20,7 @@ from typing import Any
 import torch
 
 import slotserve as ss
-from slotserve.kv import KVConfig, KVPool, StepBatch
-from slotserve.kv.config import DEFAULT_KV_DTYPE
+from slotserve.engine.probe import teacher_forced_logits as probe_logits
 
 DATA = Path(__file__).parents[1] / "data"
 MIN_AGREEMENT = 0.95
@@ -35,15 +34,8 @@ def load_reference(name: str) -> dict[str, Any]:
 
 def teacher_forced_logits(model: ss.Model, token_ids: list[int], kv_dtype: str) -> torch.Tensor:
     """``[T, vocab]`` logits of ``token_ids`` from an empty context, the pool's K/V stored
-    as ``kv_dtype``: `Model.logits` for the default dtype, its own pool otherwise."""
-    if kv_dtype == DEFAULT_KV_DTYPE:
-        return model.logits(token_ids)
-    config = KVConfig(layout="flat", max_seqs=1, max_context=len(token_ids), dtype=kv_dtype)
-    pool = KVPool(model.info, config, attention=model.kernels.attention)
-    pool.reserve(0, len(token_ids))
-    batch = StepBatch.single(0, len(token_ids))
-    pool.begin_step(batch)
-    return model.forward(torch.tensor(token_ids), batch, pool, all_logits=True)
+    as ``kv_dtype`` (`slotserve.engine.probe.teacher_forced_logits`)."""
+    return probe_logits(model, token_ids, kv_dtype=kv_dtype)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ every figure exact.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -18,8 +19,9 @@ from slotserve.engine.cancel_bound import (
     CancelBound,
     declare_cancel_bound,
     largest_step_tokens,
-    measure_cancel_bound,
 )
+from slotserve.engine.probe import measure_cancel_bound
+from slotserve.executor import executor_for
 from slotserve.kv import KVStore, StepBatch
 from tests.engine.test_accounting import STEP_COST_PER_TOKEN, FakeClock, SyntheticExecutor
 
@@ -165,7 +167,7 @@ def test_the_voice_preset_caps_its_step_for_barge_in(tiny: ss.Model) -> None:
 def test_the_bound_can_be_measured_before_serving(tiny: ss.Model) -> None:
     """What `plan --measure` states: the model's own step of the largest size, timed."""
     config = ss.EngineConfig(max_seqs=2, max_context=128, max_batch_tokens=48, prefill_chunk=48)
-    bound = measure_cancel_bound(tiny, config)
+    bound = measure_cancel_bound(tiny, config, executor_for(tiny))
     assert bound.basis == "measured" and bound.max_step_tokens == 48
     assert bound.estimate_s is not None and 0 < bound.estimate_s < 5
     assert "48-token step" in bound.describe()
@@ -192,21 +194,34 @@ def test_the_bound_is_measured_before_serving_on_the_engines_own_pool(
         engine.check_integrity()
 
 
+def _fake_readings(
+    monkeypatch: pytest.MonkeyPatch, kept: int, written: Callable[[], int] = lambda: 0
+) -> None:
+    """The ledger's meters read 100 MiB of anonymous memory, ``kept`` more from their
+    second reading on, and the KV pages ``written()`` says."""
+    import slotserve.memory.ledger as ledger_module
+    from slotserve.memory import Reading
+
+    calls: list[int] = []
+
+    def read(pid: int | None = None) -> Reading:
+        calls.append(1)
+        now = 100 * 2**20 + (kept if len(calls) > 1 else 0) + written()
+        return Reading(now, now, 0, 0, now)
+
+    monkeypatch.setattr(ledger_module, "read_process", read)
+
+
 def test_what_the_start_step_keeps_joins_the_process_runtime_arena(
     tiny: ss.Model, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The step `measure_cancel_bound` runs leaves one-time state resident: within a
-    process budget it joins the plan's runtime arena (a model budget leaves it out), and a
-    budget it no longer fits refuses with `PlanError`."""
-    import slotserve.engine.engine as engine_module
-
-    # Before and after each step: 3 MiB kept, then 300 MiB, more than the margin a load's
-    # peak may leave between the worst case and the budget it requires.
-    readings = iter([100 * 2**20, 103 * 2**20] * 2 + [100 * 2**20, 400 * 2**20])
-    monkeypatch.setattr(engine_module, "rss_bytes", lambda: next(readings))
+    """The step `measure_cancel_bound` runs leaves one-time state: within a process budget
+    it joins the ledger's runtime arena (a model budget leaves it out), and a budget it no
+    longer fits refuses with `PlanError`."""
     for scope, grown in (("process", 3 * 2**20), ("model", 0)):
         config = ss.EngineConfig(max_seqs=2, max_context=96, budget_scope=scope)
-        with ss.Engine(tiny, config) as engine:
+        with ss.Engine(tiny, config) as engine, monkeypatch.context() as patch:
+            _fake_readings(patch, 3 * 2**20)
             before = engine.plan.runtime_bytes
             engine.measure_cancel_bound()
             assert engine.plan.runtime_bytes - before == grown, scope
@@ -216,8 +231,10 @@ def test_what_the_start_step_keeps_joins_the_process_runtime_arena(
     config = ss.EngineConfig(
         max_seqs=2, max_context=96, budget_scope="process", memory_budget=str(budget)
     )
-    with ss.Engine(tiny, config) as engine, pytest.raises(ss.PlanError):
-        engine.measure_cancel_bound()
+    with ss.Engine(tiny, config) as engine, monkeypatch.context() as patch:
+        _fake_readings(patch, 300 * 2**20)
+        with pytest.raises(ss.PlanError):
+            engine.measure_cancel_bound()
 
 
 def test_the_kv_the_start_step_writes_counts_in_the_pool_not_the_runtime(
@@ -225,19 +242,11 @@ def test_the_kv_the_start_step_writes_counts_in_the_pool_not_the_runtime(
 ) -> None:
     """The start step writes KV pages of the engine's own pool (the plan's kv arena): only
     what it keeps beyond them joins the runtime arena. They were counted in both."""
-    import slotserve.engine.engine as engine_module
-
     # 4 x 256 cells: storage large enough to become resident as it is written
     config = ss.EngineConfig(max_seqs=4, max_context=256, budget_scope="process")
     with ss.Engine(tiny, config) as engine:
-        start, calls = engine.pool.resident_bytes, []
-
-        def rss() -> int:  # the KV written, and 3 MiB more once the step ran
-            calls.append(1)
-            kept = 3 * 2**20 if len(calls) > 1 else 0
-            return 100 * 2**20 + kept + engine.pool.resident_bytes - start
-
-        monkeypatch.setattr(engine_module, "rss_bytes", rss)
+        start = engine.pool.resident_bytes
+        _fake_readings(monkeypatch, 3 * 2**20, lambda: engine.pool.resident_bytes - start)
         before = engine.plan.runtime_bytes
         engine.measure_cancel_bound()
         assert engine.pool.resident_bytes > start  # the step wrote pool pages

@@ -247,7 +247,7 @@ def test_the_flat_layout_parks_finished_slots_and_copies_nothing_out(
     stats = prefix_stats(engine)
     assert stats.bytes_pinned == 0 and 1 <= stats.snapshots <= 2
     assert engine.pool.parked_slots == stats.snapshots
-    plan = engine.config.plan(model.info, model.weight_bytes)
+    plan = engine.plan
     assert plan.arenas["kv"] == engine.pool.nbytes  # nothing copied out of the pool
     # A conversation's next turn restores its whole history.
     check_next_turn_restores(engine, make_engine(model, **flat), prompts[0], on[0])

@@ -14,9 +14,11 @@ import pytest
 import slotserve as ss
 from slotserve.cli import main
 from slotserve.engine.presets import PRESETS, PresetRow, choose_preset
+from slotserve.engine.probe import ledger_for
+from slotserve.executor import executor_for
 from slotserve.kv.config import KVConfig
-from slotserve.memory import parse_bytes
-from slotserve.plan import CapacityPlan, MemoryMap
+from slotserve.memory import MemoryLedger, MemoryMap, parse_bytes
+from slotserve.plan import CapacityPlan
 from tests.engine.conftest import RecordingExecutor
 from tests.engine.test_release_checklist import wait_until
 
@@ -26,8 +28,10 @@ BUDGET = "700MiB"
 
 
 def planned(config: ss.EngineConfig, model: ss.Model) -> CapacityPlan:
-    """The plan the engine checks (its activations for the attention it runs)."""
-    return config.process_plan(model)
+    """The plan the engine checks (its ledger; its activations for the attention it runs)."""
+    ledger = ledger_for(model, config, executor_for(model))
+    kernel = config.kernels == "auto" and model.kernels.attention is not None
+    return config.plan(model.info, ledger, attention_kernel=kernel)
 
 
 def grown(config: ss.EngineConfig, model: ss.Model, **kv: int) -> CapacityPlan:
@@ -83,7 +87,7 @@ def test_a_preset_config_fits_the_budget_it_was_sized_for(
 def test_a_memory_map_sizes_like_a_budget(tiny: ss.Model) -> None:
     weights = tiny.weight_bytes
     kv = 1 << 19  # less than 4 sessions at the tiny model's whole context
-    memory_map = MemoryMap(weights=weights, kv=kv, activations=8 << 20)
+    memory_map = MemoryMap.of(weights=weights, kv=kv, activations=8 << 20)
     config = ss.preset_config("voice", tiny, None, memory_map=memory_map)
     assert config.memory_map == memory_map and config.memory_budget is None
     plan = planned(config, tiny)
@@ -199,7 +203,9 @@ def tiny_budget(model: ss.Model, layout: str, max_seqs: int, context: int, **kv:
     the activations of the attention the engine runs on ``model``."""
     config = KVConfig(layout=layout, max_seqs=max_seqs, max_context=context, **kv)
     kernel = model.kernels.attention is not None
-    plan = CapacityPlan(model.info, config, model.weight_bytes, 512, attention_kernel=kernel)
+    weights = MemoryLedger()
+    weights.add("weights", model.weight_bytes, "computed", "the test")
+    plan = CapacityPlan(model.info, config, weights, 512, attention_kernel=kernel)
     return plan.worst_case_bytes
 
 

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 import slotserve as ss
+from slotserve.engine.probe import teacher_forced_logits
 
 GREEDY = ss.SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
 
@@ -17,7 +18,7 @@ GREEDY = ss.SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
 def reference_greedy(model: ss.Model, prompt: list[int], n: int) -> list[int]:
     ids = list(prompt)
     for _ in range(n):
-        ids.append(int(model.logits(ids)[-1].argmax()))
+        ids.append(int(teacher_forced_logits(model, ids)[-1].argmax()))
     return ids[len(prompt) :]
 
 

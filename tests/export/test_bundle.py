@@ -19,6 +19,7 @@ import torch
 import slotserve as ss
 from slotserve.artifact.bundle import PROGRAM, TOKENIZER, WEIGHTS, read_bundle
 from slotserve.artifact.weight_cache import file_digest
+from slotserve.engine.probe import teacher_forced_logits
 from slotserve.executor import Executor, TorchExecutor, executor_for
 from slotserve.export import ExportOptions, export_bundle
 from slotserve.export.bundle import HEAD_ROWS
@@ -54,7 +55,7 @@ def prefill_then_decode(
     prefill = step(executor, pool, StepBatch.single(0, len(ids)), ids)[0]
     decode = step(executor, pool, StepBatch.single(len(ids), 1), [ids[0]])[0]
     return torch.stack([prefill, decode]), torch.stack(
-        [model.logits(ids)[-1], model.logits([*ids, ids[0]])[-1]]
+        [teacher_forced_logits(model, ids)[-1], teacher_forced_logits(model, [*ids, ids[0]])[-1]]
     )
 
 

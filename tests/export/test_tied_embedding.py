@@ -20,6 +20,7 @@ import torch
 
 import slotserve as ss
 from slotserve.artifact.bundle import MANIFEST, WEIGHTS, read_bundle
+from slotserve.engine.probe import teacher_forced_logits
 from slotserve.errors import ArtifactError
 from slotserve.kv import KVConfig, KVPool, StepBatch
 from slotserve.memory import rss_bytes
@@ -80,14 +81,16 @@ from slotserve.memory import rss_bytes
 
 def serve(path):
     model = ss.load(path)
-    with ss.Engine(model, ss.EngineConfig(max_seqs=1, max_context=64)) as engine:
+    config = ss.EngineConfig(max_seqs=1, max_context=64, budget_scope="process")
+    with ss.Engine(model, config) as engine:  # its probes measure the start state
         engine.submit(list(range(3, 60)), ss.SamplingParams(max_new_tokens=1)).result()
     return model
 
 warm = serve(sys.argv[1])  # the runtime, kernels and engine paths, once
 before = rss_bytes()
 model = serve(sys.argv[2])
-first_step, methods = model.load_memory.first_step_bytes, model.load_memory.method_bytes
+first_step = sum(a.bytes for a in model.ledger.entries if a.source == "first step")
+methods = model.ledger.bytes("methods")
 print(json.dumps({"growth": rss_bytes() - before, "first_step": first_step, "methods": methods}))
 """
 
@@ -113,8 +116,8 @@ def test_loading_every_method_costs_one_copy_of_the_weights(
     growth, first_step = measured["growth"], measured["first_step"]
     stored = (tied_bundles[quant] / WEIGHTS).stat().st_size
     planned = 32 * VOCAB * 4  # the head's logits
-    # The load's first step leaves the program's one-time state (its delegate's set-up for
-    # this quantisation), measured by the load and planned as runtime, not as weights; its
+    # The first step leaves the program's one-time state (its delegate's set-up for this
+    # quantisation), measured by the engine's probe and planned as runtime, not weights; its
     # largest step what the methods keep (their arenas, the delegate's scratch): methods.
     allowed = 1.15 * stored + planned + 2 * MiB + first_step + measured["methods"]
     assert growth < allowed, (growth / MiB, stored / MiB, first_step / MiB)
@@ -132,10 +135,11 @@ def test_the_plan_counts_the_mapped_table_as_weights(tied_bundles: dict[str, Pat
     for ids in torch.arange(VOCAB).split(steps):
         model.halves.embed(ids)
     assert rss_bytes() - before > 0.75 * table
-    assert model.load_memory is not None
-    config = ss.EngineConfig(max_seqs=1, max_context=64, budget_scope="process")
-    weights = config.process_plan(model).arenas["weights"]
-    assert weights >= model.load_memory.growth_bytes + table
+    assert model.ledger is not None
+    (entry,) = [a for a in model.ledger.entries if a.name == "weights"]
+    assert entry.how == "measured" and entry.bytes >= table  # the table counted from the load
+    with ss.Engine(model, ss.EngineConfig(max_seqs=1, max_context=64, budget_scope="process")) as e:
+        assert e.plan.arenas["weights"] == entry.bytes
 
 
 def logits_of(bundle: Path, model: ss.Model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +152,7 @@ def logits_of(bundle: Path, model: ss.Model, ids: list[int]) -> tuple[torch.Tens
     batch = StepBatch.single(0, len(ids))
     pool.begin_step(batch)
     ours = served.forward(torch.tensor(ids), batch, pool)[0]
-    return ours, model.logits(ids, kv_dtype="fp32")[-1]
+    return ours, teacher_forced_logits(model, ids, kv_dtype="fp32")[-1]
 
 
 def test_an_fp32_tied_bundle_gives_the_eager_logits(

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import slotserve as ss
+from slotserve.engine.probe import teacher_forced_logits
 from slotserve.kv import KVConfig, KVPool, StepBatch
 
 # The tiny models' dense fp32 weights run on torch's own matmuls, whose last bits move with
@@ -29,7 +30,7 @@ def _pool(model: ss.Model, sessions: int, context: int) -> KVPool:
 
 
 def _alone(model: ss.Model, ids: list[int]) -> torch.Tensor:
-    return model.logits(ids, kv_dtype=KV)
+    return teacher_forced_logits(model, ids, kv_dtype=KV)
 
 
 @pytest.mark.parametrize("kind", ["llama", "mixed"])

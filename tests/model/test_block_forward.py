@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import slotserve as ss
+from slotserve.engine.probe import teacher_forced_logits
 from slotserve.kv import KVConfig, KVPool, StepBatch
 from slotserve.model.block_forward import BlockHalves
 from slotserve.model.halves import StepContext
@@ -71,7 +72,7 @@ def test_steps_of_any_shape_agree_with_one_pass(block_model: ss.Model) -> None:
     logits of one pass, up to the activations' int8 rounding (a value on a rounding edge
     may fall either side when the attention sums in another order)."""
     ids = list(range(3, 35))
-    alone = block_model.logits(ids)
+    alone = teacher_forced_logits(block_model, ids)
     pool = KVPool(block_model.info, KVConfig(layout="cell", max_seqs=2, max_context=64))
     for session in (0, 1):
         pool.reserve(session, 64)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import slotserve as ss
+from slotserve.engine.probe import teacher_forced_logits
 from slotserve.model import Model
 
 transformers = pytest.importorskip("transformers")
@@ -30,7 +31,7 @@ def test_logits_match_transformers(tiny_dirs: dict[str, Path], kind: str) -> Non
     """With fp32 KV, which stores what transformers computes (the fp16 default rounds each
     K and V; its cost is measured against llama.cpp on real models, tests/artifact)."""
     ids = torch.randint(3, 259, (40,), generator=torch.Generator().manual_seed(7)).tolist()
-    ours = ss.load(tiny_dirs[kind]).logits(ids, kv_dtype="fp32")
+    ours = teacher_forced_logits(ss.load(tiny_dirs[kind]), ids, kv_dtype="fp32")
     torch.testing.assert_close(ours, _reference_logits(tiny_dirs[kind], ids), rtol=0, atol=1e-4)
 
 
@@ -44,7 +45,10 @@ def test_sliding_window_is_in_effect(tiny_dirs: dict[str, Path], kind: str) -> N
         dataclasses.replace(model.info, sliding_window=()), model.tokenizer, model.weights
     )
     ids = list(range(3, 33))
-    windowed, whole = model.logits(ids, kv_dtype="fp32"), full.logits(ids, kv_dtype="fp32")
+    windowed, whole = (
+        teacher_forced_logits(model, ids, kv_dtype="fp32"),
+        teacher_forced_logits(full, ids, kv_dtype="fp32"),
+    )
     assert (windowed[10:] - whole[10:]).abs().max() > 1e-3
     torch.testing.assert_close(windowed[:4], whole[:4])
 

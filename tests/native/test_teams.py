@@ -21,6 +21,7 @@ import slotserve as ss
 from slotserve.kv import KVConfig, KVPool, StepBatch
 from slotserve.native import on_own_thread
 from slotserve.testing import write_tiny_gguf
+from slotserve.engine.probe import teacher_forced_logits
 from pathlib import Path
 
 def threads():
@@ -44,12 +45,12 @@ def stable():
     return count
 
 path = write_tiny_gguf(Path(sys.argv[1]) / "tiny.gguf", "llama", "Q8_0")
-model = ss.load(path, progress=False)  # runs its first step
+model = ss.load(path, progress=False)
 before = stable()
 assert model.kernels.blocks is not None and model.kernels.blocks.threads == 2
-on_own_thread(lambda: model.logits(list(range(40))))
+on_own_thread(lambda: teacher_forced_logits(model, list(range(40))))
 after_own = settled(before)
-model.logits(list(range(40)))  # the README's call, on the main thread
+teacher_forced_logits(model, list(range(40)))  # the README's call, on the main thread
 after_logits = settled(before)
 # A forward with all threads on this thread, as logits() ran before: a team stays.
 config = KVConfig(layout="flat", max_seqs=1, max_context=40)
@@ -74,5 +75,5 @@ def test_kernel_work_off_the_engine_thread_leaves_no_team(tmp_path: os.PathLike[
     assert done.returncode == 0, done.stderr
     before, after_own, after_logits, after_main = map(int, done.stdout.split()[-4:])
     assert after_own == before  # on_own_thread's team ended with its thread
-    assert after_logits == before  # the load's first step and Model.logits left none
+    assert after_logits == before  # teacher_forced_logits left none
     assert after_main == before + 1  # the probe itself: a forward here leaves a worker

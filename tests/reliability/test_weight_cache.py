@@ -14,6 +14,7 @@ import torch
 
 import slotserve as ss
 from slotserve.artifact import load_gguf, weight_cache
+from slotserve.engine.probe import teacher_forced_logits
 from slotserve.errors import ArtifactError
 
 PROMPT = [3, 40, 41, 42, 100, 7, 9]
@@ -74,7 +75,7 @@ TAMPERINGS: list[Callable[[Path], None]] = [
 
 
 def _logits(model: ss.Model) -> torch.Tensor:
-    return model.logits(PROMPT)
+    return teacher_forced_logits(model, PROMPT)
 
 
 @pytest.mark.parametrize("tamper", TAMPERINGS, ids=lambda f: f.__name__)

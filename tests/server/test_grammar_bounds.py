@@ -27,7 +27,7 @@ from slotserve.engine import Engine, EngineConfig
 from slotserve.errors import PlanError
 from slotserve.info import ModelInfo
 from slotserve.kv.config import KVConfig
-from slotserve.memory import rss_bytes
+from slotserve.memory import MemoryLedger, rss_bytes
 from slotserve.model import Model
 from slotserve.plan import CapacityPlan
 from slotserve.sampling.compile_pool import Worker
@@ -347,12 +347,15 @@ INFO = ModelInfo(
 
 def test_the_plan_counts_the_grammars_arena() -> None:
     kv = KVConfig(layout="cell", max_seqs=2, max_context=256, block_size=16)
-    plain = CapacityPlan(INFO, kv, 1000)
+    held = MemoryLedger()
+    held.add("weights", 1000, "computed", "the test")
+    plain = CapacityPlan(INFO, kv, held)
     assert "grammars" not in plain.arenas
-    budget = plain.worst_case_bytes + 64 * MIB
-    plan = CapacityPlan(INFO, kv, 1000, memory_budget=budget, grammar_cache_bytes=128 * MIB)
+    worst = plain.worst_case_bytes
+    held.add("grammars", 128 * MIB, "computed", "--grammar-cache-bytes")
+    plan = CapacityPlan(INFO, kv, held, memory_budget=worst + 64 * MIB)
     assert plan.arenas["grammars"] == 128 * MIB
-    assert plan.worst_case_bytes == plain.worst_case_bytes + 128 * MIB
+    assert plan.worst_case_bytes == worst + 128 * MIB
     assert not plan.fits
     with pytest.raises(PlanError, match=r"grammars 128.00 MiB.*--grammar-cache-bytes"):
         plan.check()
@@ -362,7 +365,8 @@ def test_serve_counts_the_grammar_cache_in_the_engines_plan(model: Model) -> Non
     engine = Engine(model, EngineConfig(max_seqs=2, max_context=64))
     try:
         worst = engine.plan.worst_case_bytes
-        serve_cli.with_grammar_arena(engine, 32 * MIB)
+        serve_cli.add_server_arenas(engine.ledger, "model", 32 * MIB)
+        engine.plan.check()
         assert engine.plan.arenas["grammars"] == 32 * MIB
         assert engine.plan.worst_case_bytes == worst + 32 * MIB
     finally:
@@ -370,8 +374,9 @@ def test_serve_counts_the_grammar_cache_in_the_engines_plan(model: Model) -> Non
     tight = EngineConfig(max_seqs=2, max_context=64, memory_budget=worst + MIB)
     engine = Engine(model, tight)
     try:
+        serve_cli.add_server_arenas(engine.ledger, "model", 32 * MIB)
         with pytest.raises(PlanError, match="--grammar-cache-bytes"):
-            serve_cli.with_grammar_arena(engine, 32 * MIB)
+            engine.plan.check()
     finally:
         engine.close()
 

@@ -44,15 +44,15 @@ def load_gguf(
     progress: bool = True,
     blocks: bool = False,
     kernels: Kernels = NO_KERNELS,
-    tokenizer_read: Callable[[], None] | None = None,
+    tokenizer_read: Callable[[], object] | None = None,
 ) -> Model:
     """Load ``path``; the first load dequantises (with a progress bar) and fills the cache.
 
     With ``blocks``, the matrices the block kernel multiplies stay the file's blocks
     (`BlockLinear`, read without the cache: there is nothing to dequantise) and the rest is
     dequantised. ``tokenizer_read`` is called once the tokenizer is built from the file's
-    metadata, before its tensors are read (`slotserve.memory.TokenizerMark`); not on a
-    load from the cache, which reads its weights first."""
+    metadata, before its tensors are read (`slotserve.load` marks the tokenizer's arena
+    there); not on a load from the cache, which reads its weights first."""
     if not path.is_file():
         raise ArtifactError(path, "no such file; pass a path to a .gguf file")
     if blocks:
@@ -107,7 +107,7 @@ def _decode_entry_meta(
 def _read_gguf(
     path: Path,
     progress: bool,
-    tokenizer_read: Callable[[], None] | None,
+    tokenizer_read: Callable[[], object] | None,
     *,
     keep_blocks: bool = False,
 ) -> tuple[ModelInfo, Tokenizer, dict[str, Any]]:

@@ -24,10 +24,11 @@ from slotserve.tokenizer import Tokenizer
 def load_hf_dir(
     path: Path,
     kernels: Kernels = NO_KERNELS,
-    tokenizer_read: Callable[[], None] | None = None,
+    tokenizer_read: Callable[[], object] | None = None,
 ) -> Model:
     """The model in Hugging Face directory ``path``; ``tokenizer_read`` is called once its
-    tokenizer is built, before its weights are read (`slotserve.memory.TokenizerMark`)."""
+    tokenizer is built, before its weights are read (`slotserve.load` marks the
+    tokenizer's arena there)."""
     config = _read_json(path / "config.json")
     info = model_info_from_config(config, path / "config.json")
     tokenizer = _read_tokenizer(path, info)

@@ -124,7 +124,7 @@ class ProgramHalves:
         packed copy. Measured on the bundled model's 8da4w bundle: four 2,040-token prompts
         of random ids took a server's resident pages of the weights file from 0.6 to 27.6
         MiB (``/proc/PID/smaps``), its 27.2 MiB table nearly whole; the plan's weights
-        count them (`EngineConfig.process_plan`)."""
+        count them (`slotserve.load`)."""
         return sum(table.nbytes for table in self._tied)
 
     @property

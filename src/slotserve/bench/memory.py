@@ -17,7 +17,7 @@ from typing import Any
 from slotserve.bench.worst_case import run_worst_case
 from slotserve.info import ModelInfo
 from slotserve.kv import KVConfig, KVPool
-from slotserve.memory import peak_rss_bytes, rss_bytes
+from slotserve.memory import MemoryLedger, read_process
 from slotserve.model import Model
 from slotserve.plan import CapacityPlan
 
@@ -34,7 +34,7 @@ def probe() -> None:
     request = json.loads(sys.stdin.read())
     info = ModelInfo.from_json(request["info"])
     config = KVConfig(**request["config"])
-    before = rss_bytes()
+    before = read_process()
     pool = KVPool(info, config)
     for group in pool.groups:  # touch every page, as sessions at full context would
         for storage in (*group.keys.values(), *group.values.values()):
@@ -43,8 +43,9 @@ def probe() -> None:
         json.dumps(
             {
                 "pool_bytes": pool.nbytes,
-                "rss_growth": rss_bytes() - before,
-                "peak_rss": peak_rss_bytes(),
+                "rss_growth": read_process().resident - before.resident,
+                "anonymous_growth": read_process().anonymous - before.anonymous,
+                "peak_rss": read_process().peak,
             }
         )
     )
@@ -90,13 +91,16 @@ def run_memory(model: Model, repeats: int = 1) -> dict[str, Any]:
     server = run_worst_case(model.source, model.info.vocab_size, server_flags(model), repeats)
     rows = {}
     measurements = _measure_all(model.info, LAYOUTS)
+    weights = MemoryLedger()  # each layout's plan: the model's weights and its pool
+    weights.add("weights", model.weight_bytes, "computed", "the model's weights")
     for name, config in LAYOUTS.items():
-        plan = CapacityPlan(model.info, config, model.weight_bytes)
+        plan = CapacityPlan(model.info, config, weights)
         measured = measurements[name]
         rows[name] = {
             "planned_bytes": plan.kv_bytes,
             "measured_pool_bytes": measured["pool_bytes"],
             "rss_growth_bytes": measured["rss_growth"],
+            "anonymous_growth_bytes": measured["anonymous_growth"],
             "worst_case_bytes": plan.worst_case_bytes,
             "peak_rss_bytes": measured["peak_rss"],
         }

@@ -80,7 +80,7 @@ def _context(model: Model, system: int) -> int:
 def _engine(model: Model, context: int, cache: bool) -> Engine:
     config = EngineConfig(max_seqs=1, max_context=context, kv_layout="cell", block_size=BLOCK_SIZE)
     if cache:
-        pool_bytes = config.plan(model.info, model.weight_bytes).kv_bytes
+        pool_bytes = config.kv_bytes(model.info)
         config = dataclasses.replace(config, prefix_cache_bytes=pool_bytes)
     return Engine(model, config)
 

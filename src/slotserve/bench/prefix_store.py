@@ -72,7 +72,7 @@ def _config(
     config = EngineConfig(
         max_seqs=max_seqs, max_context=context, kv_layout="cell", block_size=BLOCK_SIZE
     )
-    pool_bytes = config.plan(model.info, model.weight_bytes).kv_bytes
+    pool_bytes = config.kv_bytes(model.info)
     return dataclasses.replace(config, prefix_cache_bytes=pool_bytes, prefix_store=store, **extra)
 
 
@@ -179,7 +179,7 @@ def run_restart(model: Model, system: list[int], repeats: int) -> dict[str, Any]
 def _storm_side(
     model: Model, prompt_tokens: int, context: int, store: Path | None
 ) -> dict[str, Any]:
-    snapshot = _config(model, 1, context, None).plan(model.info, model.weight_bytes).kv_bytes
+    snapshot = _config(model, 1, context, None).kv_bytes(model.info)
     budget = STORM_FILES * snapshot * prompt_tokens // context
     extra: dict[str, Any] = {}
     if store is not None:  # every turn written: what the writer costs a step
@@ -258,7 +258,7 @@ def _chat_writes_side(
     want = len(system) + (CHAT_TURNS + 1) * (TURN_TOKENS + REPLY_TOKENS) + REPLY_TOKENS
     context = _whole_blocks(model, want)
     config = _config(model, 2, context, where, **policy)
-    one_conversation = config.plan(model.info, model.weight_bytes).kv_bytes // 2
+    one_conversation = config.kv_bytes(model.info) // 2
     config = dataclasses.replace(config, prefix_cache_bytes=one_conversation)
     params = SamplingParams(temperature=0, max_new_tokens=REPLY_TOKENS, ignore_eos=True)
     histories = [list(system) for _ in range(CHAT_CONVERSATIONS)]

@@ -320,8 +320,8 @@ def _prefix(r: dict[str, Any]) -> list[str]:
 
 def _memory(r: dict[str, Any]) -> list[str]:
     lines = [
-        "## memory: a server's peak RSS at its worst case against its plan, and the KV pool "
-        "per layout",
+        "## memory: a server's peak anonymous memory at its worst case against its plan, "
+        "and the KV pool per layout",
         "",
     ]
     if "server" in r:
@@ -360,7 +360,7 @@ def _memory_server(s: dict[str, Any]) -> list[str]:
         f"snapshots pinning {format_bytes(prefix['bytes_pinned'])} of "
         f"{format_bytes(prefix['budget_bytes'])}, {prefix['evictions']} evictions)"
     )
-    total, peak = plan["worst_case_bytes"], s["peak_rss_bytes"]
+    total, peak = plan["worst_case_bytes"], s["peak_anonymous_bytes"]
     lines = [
         f"`slotserve serve --model {s['model']} {' '.join(s['flags'])}` "
         f"({plan['layout']}, {plan['kv_dtype']} KV), driven to its worst case. Serving: a "
@@ -370,11 +370,14 @@ def _memory_server(s: dict[str, Any]) -> list[str]:
         "(`ignore_eos`), every session at max_context, the concurrent prefill in the largest "
         f"steps. Grammars: {s['requests'].get('grammars', 0)} structured requests (a schema "
         f"each). Then {s['rounds']} more round(s), the prefix cache full again and the "
-        "grammars held. Resident set of the server process from `/proc/PID/status`; its peak "
-        "(VmHWM) is reset when the server is ready and before each phase.",
+        "grammars held. Anonymous bytes of the server process from `/proc/PID/status` "
+        "(RssAnon), what the plan counts; a phase's peak is its resident peak (VmHWM, reset "
+        "when the server is ready and before each phase) less the file pages resident when "
+        "it began.",
         "",
-        f"Peak RSS **{format_bytes(peak)}** against the plan's total "
-        f"{format_bytes(total)}: **{peak / total:.2f}×**. The load's own peak, before "
+        f"Peak anonymous **{format_bytes(peak)}** against the plan's total "
+        f"{format_bytes(total)}: **{peak / total:.2f}×** (peak resident "
+        f"{format_bytes(s['peak_rss_bytes'])}). The load's own resident peak, before "
         f"serving: {format_bytes(s['load_peak_rss_bytes'])}.",
         "",
     ]
@@ -403,15 +406,19 @@ def _memory_side_by_side(r: dict[str, Any]) -> list[str]:
         f"{r['seqs']} distinct prompts of {r['prompt_tokens']} tokens at once, "
         f"{r['decode_tokens']} greedy tokens each. slotserve: `serve --kv-layout cell` "
         "(fp16 KV, the prefix cache on); llama-server: its defaults (f16 KV, allocated at "
-        f"start). Resident set (VmRSS) at ready, right after the last answer and after a "
-        f"{r['pause_s']:g} s pause; the peak is VmHWM over the process's life.",
+        f"start). Resident set (VmRSS) and anonymous bytes (RssAnon: what the plan budgets "
+        "and a device's low-memory killer counts) at ready, right after the last answer and "
+        f"after a {r['pause_s']:g} s pause; the peak is VmHWM over the process's life.",
         "",
     ]
     keys = (
-        ("at ready", "ready_bytes"),
-        ("right after the run", "after_bytes"),
-        (f"after {r['pause_s']:g} s idle", "paused_bytes"),
-        ("peak", "peak_bytes"),
+        ("resident at ready", "ready_bytes"),
+        ("resident right after the run", "after_bytes"),
+        (f"resident after {r['pause_s']:g} s idle", "paused_bytes"),
+        ("resident peak", "peak_bytes"),
+        ("anonymous at ready", "ready_anonymous_bytes"),
+        ("anonymous right after the run", "after_anonymous_bytes"),
+        (f"anonymous after {r['pause_s']:g} s idle", "paused_anonymous_bytes"),
     )
     servers, ratios = r["servers"], r["ratios"]
     rows = [
@@ -423,7 +430,7 @@ def _memory_side_by_side(r: dict[str, Any]) -> list[str]:
         ]
         for label, key in keys
     ]
-    return lines + markdown_table(["RSS", "slotserve", "llama-server", "ratio"], rows)
+    return lines + markdown_table(["memory", "slotserve", "llama-server", "ratio"], rows)
 
 
 SECTIONS = {

@@ -34,7 +34,7 @@ from slotserve.bench.stats import (
     markdown_table,
     side_figures,
 )
-from slotserve.memory import rss_bytes
+from slotserve.memory import Reading, read_process
 from slotserve.model import Model
 
 LEVELS = (1, 2, 4, 8)
@@ -189,7 +189,7 @@ def run_servers(
         ),
     }
     streams: dict[tuple[str, int], list[list[Stream]]] = {}
-    rss: dict[str, int] = {}
+    readings: dict[str, Reading] = {}
     try:
         clients = {
             name: openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
@@ -210,7 +210,7 @@ def run_servers(
         repeated = {
             name: repeated_prompt_ttft(clients[name], names[name], turns) for name in servers
         }
-        rss = {name: rss_bytes(server.process.pid) for name, server in servers.items()}
+        readings = {name: read_process(server.process.pid) for name, server in servers.items()}
     finally:
         for server in servers.values():
             server.stop()
@@ -222,7 +222,8 @@ def run_servers(
         "prompt_tokens": PROMPT_TOKENS,
         "decode_tokens": decode_tokens,
         "repeats": repeats,
-        "rss_bytes": rss,
+        "rss_bytes": {name: reading.resident for name, reading in readings.items()},
+        "anonymous_bytes": {name: reading.anonymous for name, reading in readings.items()},
         "rows": [_row(level, streams) for level in levels],
         "repeated_prompt_ttft_ms": {
             name: statistics.median(times) * 1000 for name, times in repeated.items()
@@ -250,6 +251,7 @@ def servers_section(r: dict[str, Any]) -> list[str]:
     from slotserve.memory import format_bytes
 
     rss = {k: format_bytes(v) if v else "?" for k, v in r["rss_bytes"].items()}
+    anonymous = {k: format_bytes(v) if v else "?" for k, v in r.get("anonymous_bytes", {}).items()}
     lines = [
         title,
         "",
@@ -259,7 +261,9 @@ def servers_section(r: dict[str, Any]) -> list[str]:
         f"completions of {r['prompt_tokens']}-token prompts, {r['decode_tokens']} greedy "
         f"tokens (`ignore_eos`), {r['repeats']} repeats "
         f"after a warm-up. Ratios are slotserve ÷ llama-server. Server RSS at the end: "
-        f"slotserve {rss['slotserve']}, llama-server {rss['llama-server']}.",
+        f"slotserve {rss['slotserve']}, llama-server {rss['llama-server']}; anonymous: "
+        f"slotserve {anonymous.get('slotserve', '?')}, "
+        f"llama-server {anonymous.get('llama-server', '?')}.",
         "",
     ]
     rows = [

@@ -1,5 +1,5 @@
 """Scenario ``memory``, its server half: a real ``slotserve serve`` driven to the worst case
-its memory plan covers, and the server's peak resident set against the plan's total.
+its memory plan covers, and the server's peak anonymous bytes against the plan's total.
 
 The plan is the server's own (the ``plan`` of its ``/dashboard/events`` snapshot: the
 engine's process plan with the grammars arena). Once the server is ready its peak resident
@@ -20,13 +20,15 @@ reported beside it. The worst case, phase by phase, each read from ``/proc/PID/s
 - ``worst case``: ``rounds`` more worst-case rounds, the prefix cache full again before
   each and the grammars held: the whole plan at once.
 
-Arenas are measured where the outside of the process can tell them apart (`ARENA_ROWS`): the
-resident set at ready (the runtime, the tokenizer and the weights), the peak of ``serving`` above it
-(the KV pool, whose pages become resident as sessions write them, the prefix cache's copies and the
-activations, with whatever serving costs once), the growth of ``grammars`` (the grammar compiler's
-tokenizer index, which serve measures at start and builds again at the first structured request, and
-the grammars), and the peak of the last rounds above their start (which the plan has nothing more
-for).
+Everything is compared in anonymous bytes, what the plan counts: the kernel keeps no
+anonymous peak, so a phase's is bounded by its resident peak less the file pages resident
+when the phase began. Arenas are measured where the outside of the process can tell them
+apart (`ARENA_ROWS`): the anonymous bytes at ready (the runtime, the tokenizer and the
+weights), the peak of ``serving`` above it (the KV pool, whose pages become resident as
+sessions write them, the prefix cache's copies and the activations, with whatever serving
+costs once), the growth of ``grammars`` (the grammar compiler's tokenizer index, which serve
+measures at start and builds again at the first structured request, and the grammars), and
+the peak of the last rounds above their start (which the plan has nothing more for).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import httpx
 from rich.progress import Progress
 
 from slotserve.bench.processes import ServerProcess, slotserve_server
+from slotserve.memory import read_process
 
 DECODE_TOKENS = 8  # each worst-case stream's tokens after its prompt
 GRAMMARS = 4  # distinct schemas the grammars phase sends
@@ -51,7 +54,7 @@ PHASES = ("ready", "serving", "grammars", "worst case")
 # of the plan that span holds (``pool``: the KV pool alone, ``copies``: the kv arena less
 # the pool, the prefix cache's copies).
 ARENA_ROWS = (
-    ("at ready", ("runtime", "tokenizer", "weights", "methods")),
+    ("at ready", ("runtime", "tokenizer", "weights", "methods", "responses")),
     ("serving, its peak above ready", ("pool", "copies", "activations")),
     ("grammars, growth", ("grammar_index", "grammars")),
     ("worst case with the grammars, its peak above its start", ()),
@@ -138,7 +141,7 @@ class WorstCaseDriver:
         """Every phase in order, each with its own peak (VmHWM reset before it); the
         result `slotserve.bench.report` reports."""
         load = proc_status(self.pid)  # its VmHWM: the load's peak
-        reset_peak(self.pid)
+        self._reset_peak()
         self._record("ready")
         prefix: dict[str, Any] = {}
 
@@ -151,18 +154,26 @@ class WorstCaseDriver:
         self._phase("grammars", self.structured)
         rounds_peak = []
         for _ in range(max(rounds, 1)):
-            reset_peak(self.pid)
+            self._reset_peak()
             self.fill_prefix_cache()  # full again, as the first round found it
             self.worst_case()
-            rounds_peak.append(proc_status(self.pid)["VmHWM"])
-        self._record("worst case")
-        self.phases["worst case"]["VmHWM"] = max(rounds_peak)
+            self._record("worst case")
+            rounds_peak.append(self.phases["worst case"]["anonymous_peak"])
+        self.phases["worst case"]["anonymous_peak"] = max(rounds_peak)
         return self._result(load, prefix, rounds_peak)
 
     def _phase(self, name: str, drive: Callable[[], object]) -> None:
-        reset_peak(self.pid)
+        self._reset_peak()
         drive()
         self._record(name)
+
+    def _reset_peak(self) -> None:
+        """Start the server's VmHWM again, and keep the file pages resident then: the
+        anonymous peak of what follows is bounded by the resident peak less them
+        (`slotserve.memory.anonymous_peak_since`)."""
+        reset_peak(self.pid)
+        start = read_process(self.pid)
+        self._file_at_reset = start.file + start.shared
 
     def first_requests(self) -> None:
         """A short plain chat turn and a short completion: what serving each costs once."""
@@ -258,15 +269,20 @@ class WorstCaseDriver:
         self.advance(phase, 1)
 
     def _record(self, phase: str) -> None:
-        status = proc_status(self.pid)
-        self.phases[phase] = {"VmRSS": status["VmRSS"], "VmHWM": status["VmHWM"]}
+        now = read_process(self.pid)
+        self.phases[phase] = {
+            "VmRSS": now.resident,
+            "VmHWM": now.peak,
+            "anonymous": now.anonymous,
+            "anonymous_peak": max(now.peak - self._file_at_reset, now.anonymous),
+        }
 
     def _result(
         self, load: dict[str, int], prefix: dict[str, Any], rounds_peak: list[int]
     ) -> dict[str, Any]:
         arenas: dict[str, int] = self.plan["arenas"]
         total = int(self.plan["worst_case_bytes"])
-        peak = max(p["VmHWM"] for p in self.phases.values())
+        peak = max(p["anonymous_peak"] for p in self.phases.values())
         return {
             "plan": {
                 "arenas": arenas,
@@ -279,8 +295,9 @@ class WorstCaseDriver:
             },
             "load_peak_rss_bytes": load["VmHWM"],
             "phases": self.phases,
-            "rounds_peak_rss_bytes": rounds_peak,
-            "peak_rss_bytes": peak,
+            "rounds_peak_anonymous_bytes": rounds_peak,
+            "peak_anonymous_bytes": peak,
+            "peak_rss_bytes": max(p["VmHWM"] for p in self.phases.values()),
             "peak_over_plan": peak / total,
             "arena_rows": arena_rows(self.plan, self.phases),
             "prefix": prefix,
@@ -294,8 +311,8 @@ def arena_rows(plan: dict[str, Any], phases: dict[str, dict[str, int]]) -> list[
     arenas: dict[str, int] = plan["arenas"]
     pool = int(plan.get("kv_pool_bytes") or arenas.get("kv", 0))
     parts = {**arenas, "pool": pool, "copies": arenas.get("kv", 0) - pool}
-    rss = {name: phases[name]["VmRSS"] for name in PHASES}
-    peak = {name: phases[name]["VmHWM"] for name in PHASES}
+    rss = {name: phases[name]["anonymous"] for name in PHASES}
+    peak = {name: phases[name]["anonymous_peak"] for name in PHASES}
     measured = [
         rss["ready"],
         peak["serving"] - rss["ready"],

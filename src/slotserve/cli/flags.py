@@ -21,8 +21,7 @@ from slotserve.engine.config import (
 from slotserve.engine.presets import PRESET_NAMES, PresetChoice, choose_preset
 from slotserve.engine.pressure import PRESSURE_SPELLINGS, PressureSource, pressure_from
 from slotserve.kv.config import KV_DTYPES
-from slotserve.memory import parse_bytes
-from slotserve.plan import MemoryMap
+from slotserve.memory import MemoryLedger, MemoryMap, parse_bytes
 
 # Engine flags: argparse dest → (EngineConfig field, type, choices, help).
 ENGINE_FLAGS: dict[str, tuple[str, Any, tuple[str, ...] | None, str]] = {
@@ -118,14 +117,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--budget-scope",
         choices=BUDGET_SCOPES,
         default="process",
-        help="what --memory-budget holds: process (default) the whole process, its runtime "
-        "and resident weights as measured at load included; model the model's arenas only",
+        help="what --memory-budget holds: process (default) the whole process's anonymous "
+        "memory, its runtime and weights as measured at load included; model the model's "
+        "arenas only",
     )
     parser.add_argument(
         "--memory-map",
         default=None,
-        metavar="W,K,A",
-        help="per-arena budgets: weights,kv,activations (e.g. 600MiB,256MiB,128MiB)",
+        metavar="ARENA=BYTES,...",
+        help="a budget per arena instead of a total, every arena the plan holds named (e.g. "
+        "runtime=300MiB,tokenizer=32MiB,weights=128MiB,kv=64MiB,activations=32MiB,"
+        "grammar_index=64MiB,grammars=128MiB; `slotserve plan` lists them)",
     )
 
 
@@ -229,17 +231,20 @@ def explicit_settings(args: argparse.Namespace) -> dict[str, Any]:
     return settings
 
 
-def engine_config(args: argparse.Namespace, model: Any = None) -> EngineConfig:
+def engine_config(
+    args: argparse.Namespace, model: Any = None, ledger: MemoryLedger | None = None
+) -> EngineConfig:
     """The `EngineConfig` of the engine flags (see `resolve_engine_config`)."""
-    return resolve_engine_config(args, model)[0]
+    return resolve_engine_config(args, model, ledger)[0]
 
 
 def resolve_engine_config(
-    args: argparse.Namespace, model: Any = None
+    args: argparse.Namespace, model: Any = None, ledger: MemoryLedger | None = None
 ) -> tuple[EngineConfig, PresetChoice | None]:
     """The one place engine defaults are resolved: `EngineConfig`'s own defaults, or with
-    ``--preset`` the preset's choice for ``model`` (a loaded `Model`) and the budget, with
-    the reasons; explicit flags override either."""
+    ``--preset`` the preset's choice for ``model`` (a loaded `Model`) and the budget, sized
+    against ``ledger`` (every arena the command adds besides the engine's own: `ledger_for`
+    fills the model's), with the reasons; explicit flags override either."""
     settings = explicit_settings(args)
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     preset = getattr(args, "preset", None)
@@ -247,15 +252,11 @@ def resolve_engine_config(
         return EngineConfig(**settings, memory_budget=budget), None
     if model is None:
         raise ValueError(f"--preset {preset} sizes the engine for a model; load it first")
-    choice = choose_preset(preset, model, budget, **settings)
+    choice = choose_preset(preset, model, budget, ledger=ledger, **settings)
     return choice.config, choice
 
 
 def memory_map_from(text: str | None) -> MemoryMap | None:
-    """``"600MiB,256MiB,128MiB"`` (weights,kv,activations) → `MemoryMap`."""
-    if not text:
-        return None
-    parts = text.split(",")
-    if len(parts) != 3:
-        raise ValueError(f"--memory-map {text!r}: expected weights,kv,activations")
-    return MemoryMap.parse(*parts)
+    """``"runtime=300MiB,weights=100MiB,..."`` → `MemoryMap` (every arena the plan holds
+    needs a limit: `slotserve plan` lists them)."""
+    return MemoryMap.parse(text) if text else None

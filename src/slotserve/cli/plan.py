@@ -25,8 +25,8 @@ from slotserve.cli.flags import (
 )
 from slotserve.cli.serve import (
     add_grammar_args,
+    add_server_arenas,
     grammar_config,
-    grammar_plan,
     prepare_grammars,
     with_server_prefix_cache,
 )
@@ -58,21 +58,27 @@ def run(args: argparse.Namespace) -> int:
     from slotserve.artifact import load
     from slotserve.engine.cancel_bound import declare_cancel_bound, largest_step_tokens
     from slotserve.engine.plan_measure import measure_arenas
+    from slotserve.engine.probe import command_ledger, ledger_for
+    from slotserve.executor import executor_for
     from slotserve.kv import KVPool
     from slotserve.prefix.store import survey_store
 
     grammars = grammar_config(args)  # checked before the model loads, as serve does
     model = load(args.model, weights=args.weights)
-    config, choice = resolve_engine_config(args, model)
-    config = with_server_prefix_cache(config, args, model)  # as `slotserve serve` runs it
-    config = with_prefix_store(config, args)
-    # serve's plan: the engine's, with the grammars arena and the tokenizer index, built and
-    # measured here as serve builds it (`cli.serve.with_grammar_arena`, `prepare_grammars`)
+    # serve's ledger, filled as serve fills it: the load's arenas, the grammar compiler's
+    # index built and measured here, the grammars and the stored responses
+    # (`cli.serve.add_server_arenas`),
+    # then the engine's probes (`ledger_for`), before a preset is sized against it
     compiler, index_bytes = prepare_grammars(model, grammars)
     compiler.close()
-    plan = grammar_plan(
-        config.process_plan(model), config.budget_scope, grammars.cache_bytes, index_bytes
-    )
+    ledger = command_ledger(model, args.budget_scope)
+    add_server_arenas(ledger, args.budget_scope, grammars.cache_bytes, index_bytes)
+    config, choice = resolve_engine_config(args, model, ledger)
+    config = with_server_prefix_cache(config, args, model)  # as `slotserve serve` runs it
+    config = with_prefix_store(config, args)
+    ledger = ledger_for(model, config, executor_for(model), ledger)
+    kernel = config.kernels == "auto" and model.kernels.attention is not None
+    plan = config.plan(model.info, ledger, attention_kernel=kernel)
     report = plan.to_dict()
     report["budget_scope"] = config.budget_scope
     bound = declare_cancel_bound(largest_step_tokens(config), {}, [])
@@ -95,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         }
     if args.measure:
         pool_bytes = KVPool(model.info, plan.kv).nbytes
-        measured = measure_arenas(model, config)
+        measured = measure_arenas(model, config, ledger=ledger)
         bound = measured.cancel_bound
         report["measured"] = {
             "pool_bytes": pool_bytes,

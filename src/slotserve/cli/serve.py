@@ -25,6 +25,7 @@ from slotserve.cli.flags import (
 from slotserve.engine.config import EngineConfig
 
 if TYPE_CHECKING:
+    from slotserve.memory import MemoryLedger
     from slotserve.server.defaults import SamplingDefaults
 
 # The share of the KV pool the server's prefix cache may pin by default (cell layout).
@@ -214,27 +215,28 @@ def grammar_config(args: argparse.Namespace) -> Any:
     )
 
 
-def with_grammar_arena(engine: Any, cache_bytes: int, index_bytes: int = 0) -> None:
-    """Count the grammars arena and the compiler's tokenizer index (``index_bytes``, as
-    `prepare_grammars` measured it) in ``engine``'s plan; `PlanError` if the budget then
-    does not fit (naming --grammar-cache-bytes among the levers)."""
-    plan = grammar_plan(engine.plan, engine.config.budget_scope, cache_bytes, index_bytes)
-    plan.check()
-    engine.plan = plan
+def add_server_arenas(
+    ledger: MemoryLedger, budget_scope: str, cache_bytes: int, index_bytes: int = 0
+) -> None:
+    """Add the server's arenas to ``ledger``: the grammars (``cache_bytes``:
+    --grammar-cache-bytes, computed); and where the budget is the whole process's
+    (``budget_scope`` ``"process"``: they are the process's, not the model's own) the
+    compiler's tokenizer index (``index_bytes``, as `prepare_grammars` measured it) and
+    the Responses API's stored responses (their byte budget, computed)."""
+    from slotserve.server.response_store import DEFAULT_STORED_BYTES
 
-
-def grammar_plan(plan: Any, scope: str, cache_bytes: int, index_bytes: int) -> Any:
-    """``plan`` with the grammars arena, and with the tokenizer index where the budget is
-    the whole process's (``scope`` ``"process"``: like the runtime, the index is measured
-    in the process, not the model's own)."""
-    index = index_bytes if scope == "process" else 0
-    return dataclasses.replace(plan, grammar_cache_bytes=cache_bytes, grammar_index_bytes=index)
+    if budget_scope == "process":
+        if index_bytes:
+            ledger.add("grammar_index", index_bytes, "measured", "the grammar compiler's index")
+        ledger.add("responses", DEFAULT_STORED_BYTES, "computed", "stored responses")
+    if cache_bytes:
+        ledger.add("grammars", cache_bytes, "computed", "--grammar-cache-bytes")
 
 
 def prepare_grammars(model: Any, config: Any) -> tuple[Any, int]:
     """The `GrammarCompiler` a server of ``model`` compiles with (``config``: the
     --grammar-* flags), its tokenizer index built and its first compile taken now, and the
-    resident bytes that cost (the plan's ``grammar_index`` arena). Called before the
+    anonymous bytes that cost (the ledger's ``grammar_index`` arena). Called before the
     engine allocates, so the growth is the index's alone."""
     from slotserve.sampling.grammar import GrammarCompiler
     from slotserve.sampling.grammar_index import prepare
@@ -352,6 +354,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     from slotserve.engine import Engine
+    from slotserve.engine.probe import command_ledger
     from slotserve.server import serve
     from slotserve.server.connections import HTTPLimits
 
@@ -371,18 +374,22 @@ def _serve(args: argparse.Namespace) -> int:
     if template is not None:
         model.tokenizer.set_chat_template(template, source=f"--chat-template {args.chat_template}")
     warn_if_template_fails(model.tokenizer, args.chat_template or spec)
-    config = engine_config(args, model)  # with --preset: sized for this model
-    config = with_server_queue(config, args)
-    config = with_server_prefix_cache(config, args, model)
-    config = with_prefix_store(config, args)
-    compiler, index_bytes = prepare_grammars(model, grammars)  # counted in the plan
+    compiler, index_bytes = prepare_grammars(model, grammars)  # measured before the engine
+    # The one ledger of the process: the load's arenas, the grammars', and the engine's.
+    ledger = command_ledger(model, args.budget_scope)
+    add_server_arenas(ledger, args.budget_scope, grammars.cache_bytes, index_bytes)
     try:
-        engine = Engine(model, config, pressure=pressure_source(args), executor=executor)
+        config = engine_config(args, model, ledger)  # with --preset: sized to the ledger
+        config = with_server_queue(config, args)
+        config = with_server_prefix_cache(config, args, model)
+        config = with_prefix_store(config, args)
+        engine = Engine(
+            model, config, pressure=pressure_source(args), executor=executor, ledger=ledger
+        )
     except BaseException:
         compiler.close()
         raise
     try:
-        with_grammar_arena(engine, grammars.cache_bytes, index_bytes)
         # /slots and /metrics state the cancellation bound in seconds from the start
         log.info("%s", engine.measure_cancel_bound().describe())
     except BaseException:

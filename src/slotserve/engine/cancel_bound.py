@@ -8,8 +8,8 @@ from the step times the engine measured, by step size: the worst measured step o
 when one ran, else a straight line (a fixed cost plus a cost a token) through the worst
 step of each measured size, else, with one size measured, that step scaled by tokens (no
 fixed cost assumed: an upper estimate). Beside it, the measured cancel→release p99, so a
-reader can see the bound hold. `measure_cancel_bound` times the model's own largest step
-before serving (what a plan states).
+reader can see the bound hold. `slotserve.engine.probe.measure_cancel_bound` times the
+model's own largest step before serving (what a plan states).
 
 A workload whose cancellations are critical caps the step (``max_batch_tokens``), and so
 the bound: the ``voice`` preset does (`slotserve.engine.presets`).
@@ -18,19 +18,11 @@ the bound: the ``voice`` preset does (`slotserve.engine.presets`).
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-import torch
-
 from slotserve.engine.config import EngineConfig
-from slotserve.executor import Executor, executor_for
-from slotserve.kv.batch import StepBatch
-from slotserve.kv.config import KVConfig
-from slotserve.kv.pool import KVPool
-from slotserve.model import Model
 
 Basis = Literal["measured", "extrapolated", "proportional", "unmeasured"]
 
@@ -108,30 +100,6 @@ def declare_cancel_bound(
         ordered[-1] if ordered else None,
         len(ordered),
     )
-
-
-def measure_cancel_bound(
-    model: Model, config: EngineConfig, executor: Executor | None = None, repeats: int = 3
-) -> CancelBound:
-    """The bound of ``config`` on ``model`` before serving: its largest step (lowered to
-    what the executor takes) run ``repeats`` times on a one-session scratch pool, the
-    slowest taken."""
-    executor = executor or executor_for(model)
-    tokens = largest_step_tokens(config)
-    if executor.max_step_tokens is not None:
-        tokens = min(tokens, executor.max_step_tokens)
-    pool = KVPool(model.info, KVConfig(layout="flat", max_seqs=1, max_context=tokens))
-    ids = [model.info.bos_id or 1] * tokens
-    times = []
-    for _ in range(max(repeats, 1)):
-        pool.reserve(0, tokens)
-        batch = StepBatch.single(0, tokens)
-        pool.begin_step(batch)
-        began = time.perf_counter()
-        executor.step(torch.tensor(ids), batch, pool)
-        times.append(time.perf_counter() - began)
-        pool.release(0)
-    return declare_cancel_bound(tokens, {tokens: times}, [])
 
 
 def _line(points: Mapping[int, float]) -> tuple[float, float]:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from slotserve.info import ModelInfo
 from slotserve.kv.config import DEFAULT_KV_DTYPE, KVConfig
-from slotserve.memory import parse_bytes
+from slotserve.memory import MemoryLedger, MemoryMap, parse_bytes
 from slotserve.native import KERNEL_CHOICES, KernelChoice
-from slotserve.plan import CapacityPlan, MemoryMap
+from slotserve.plan import CapacityPlan
 
 POLICIES = ("isolate", "fifo")
 BudgetScope = Literal["model", "process"]
@@ -170,72 +170,26 @@ class EngineConfig:
             num_blocks=self.num_blocks,
         )
 
+    def kv_bytes(self, info: ModelInfo) -> int:
+        """The bytes of this config's KV pool for a model of ``info`` (its plan's ``kv``
+        arena, without the prefix cache's copies)."""
+        return CapacityPlan(info, self.kv_config()).kv_bytes
+
     def plan(
-        self,
-        info: ModelInfo,
-        weight_bytes: int,
-        *,
-        runtime_bytes: int = 0,
-        method_bytes: int = 0,
-        tokenizer_bytes: int = 0,
-        load_peak_bytes: int = 0,
-        attention_kernel: bool = False,
+        self, info: ModelInfo, ledger: MemoryLedger, *, attention_kernel: bool = False
     ) -> CapacityPlan:
-        """The plan of this config for a model of ``info`` keeping ``weight_bytes``
-        resident; the measured arenas (``runtime_bytes``, ``method_bytes``,
-        ``tokenizer_bytes``) and the load's peak (``load_peak_bytes``) as given;
-        ``attention_kernel``: the pool attends with the compiled kernel
-        (`CapacityPlan.attention_kernel`)."""
+        """The plan of this config for a model of ``info``: ``ledger``'s arenas (the
+        runtime, the tokenizer, the weights, ...: `slotserve.engine.probe.ledger_for`) and
+        this config's KV pool and activations, against its budget; ``attention_kernel``:
+        the pool attends with the compiled kernel (`CapacityPlan.attention_kernel`)."""
         budget = None if self.memory_budget is None else parse_bytes(self.memory_budget)
         return CapacityPlan(
             info,
             self.kv_config(),
-            weight_bytes,
+            ledger,
             self.max_batch_tokens,
             budget,
             self.memory_map,
             self.prefix_cache_budget,
-            runtime_bytes=runtime_bytes,
-            method_bytes=method_bytes,
-            tokenizer_bytes=tokenizer_bytes,
-            load_peak_bytes=load_peak_bytes,
-            attention_kernel=attention_kernel,
-        )
-
-    def process_plan(self, model: Any, weight_bytes: int | None = None) -> CapacityPlan:
-        """The plan the engine checks the budget against, for ``model`` (a loaded `Model`,
-        or anything with its ``info`` and ``weight_bytes``): a bundle's method memory (the
-        arenas its program plans, ``model.halves.planned_method_bytes``, or what the load
-        measured its methods keep after their largest step, if more) and the computed
-        arenas; with ``budget_scope="process"`` also the runtime arena, the tokenizer's and
-        the resident weights as `slotserve.load` measured them (``model.load_memory``; the
-        weights count as the larger of the load's resident growth past the tokenizer, with a
-        bundle's mapped tables, and their own bytes), and the load's peak resident set,
-        which the budget must hold as well. ``weight_bytes`` (default the model's) is what
-        the executor keeps resident. The activations are planned for the attention the
-        engine will run (the compiled kernel where the model has it and ``kernels`` is
-        ``"auto"``)."""
-        weights = model.weight_bytes if weight_bytes is None else weight_bytes
-        measured = getattr(model, "load_memory", None)
-        if self.budget_scope == "model":
-            measured = None
-        # A bundle's methods: the arenas its program plans, or what they and the delegates'
-        # scratch kept resident after the load's largest step, if more (`LoadMemory`).
-        methods = int(getattr(getattr(model, "halves", None), "planned_method_bytes", 0))
-        methods = max(methods, getattr(measured, "method_bytes", 0))
-        # As the engine builds its pool: the compiled attention where the config runs it.
-        kernels = getattr(model, "kernels", None)
-        kernel = self.kernels == "auto" and getattr(kernels, "attention", None) is not None
-        if measured is None:
-            return self.plan(model.info, weights, method_bytes=methods, attention_kernel=kernel)
-        # A bundle's tied embedding tables are mapped, resident only as tokens are looked up.
-        mapped = int(getattr(getattr(model, "halves", None), "mapped_weight_bytes", 0))
-        return self.plan(
-            model.info,
-            max(weights, measured.growth_bytes + mapped),
-            runtime_bytes=measured.runtime_arena_bytes,
-            method_bytes=methods,
-            tokenizer_bytes=measured.tokenizer_bytes,
-            load_peak_bytes=measured.peak_bytes,
-            attention_kernel=kernel,
+            attention_kernel,
         )

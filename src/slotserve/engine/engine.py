@@ -59,8 +59,8 @@ from slotserve.engine.events import (
     check_priority,
 )
 from slotserve.engine.handle import RequestHandle
-from slotserve.engine.plan_measure import largest_step
 from slotserve.engine.pressure import PressureSource
+from slotserve.engine.probe import largest_step, ledger_for
 from slotserve.engine.request import Request
 from slotserve.engine.scheduler import Scheduler
 from slotserve.engine.stepper import Stepper, Work
@@ -71,9 +71,10 @@ from slotserve.executor import Executor, HiddenStates, executor_for
 from slotserve.kv.batch import StepBatch
 from slotserve.kv.pool import KVPool
 from slotserve.locks import ENGINE, OrderedLock
-from slotserve.memory import parse_bytes, rss_bytes, trim_heap
+from slotserve.memory import MemoryLedger, parse_bytes, trim_heap
 from slotserve.model import Model
 from slotserve.native.threads import on_own_thread
+from slotserve.plan import CapacityPlan
 from slotserve.prefix import PendingRestore, PrefixCache, PrefixStore, open_store
 from slotserve.sampling import SamplingParams
 
@@ -92,7 +93,9 @@ class Engine:
 
     ``on_finished`` observes every request that ran, with its public `Finished` event, on
     the engine thread after its release. ``scheduler`` replaces the step policy (default
-    `Scheduler`); ``clock`` stamps every timestamp of every request.
+    `Scheduler`); ``clock`` stamps every timestamp of every request. ``ledger`` is the
+    process's memory ledger (default: the one `slotserve.load` filled); the engine plans
+    against it and adds its own start state (`plan`).
     """
 
     def __init__(
@@ -105,6 +108,7 @@ class Engine:
         scheduler: Scheduler | None = None,
         on_finished: Callable[[Finished], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        ledger: MemoryLedger | None = None,
     ) -> None:
         self.model = model
         self.config = config or EngineConfig()
@@ -115,9 +119,12 @@ class Engine:
             )
         executor = executor or executor_for(model)
         self.config = _within_step_limit(self.config, executor.max_step_tokens)
-        self.plan = self.config.process_plan(model, executor.weight_bytes)  # measured arenas too
-        self.plan.check()  # PlanError: refuse to start
+        # The memory ledger this engine plans with: passed in, or the load's (with
+        # budget_scope="process"), its start state measured by the probes (`ledger_for`).
+        self.ledger = ledger_for(model, self.config, executor, ledger)
         attention = model.kernels.attention if self.config.kernels == "auto" else None
+        self._attention_kernel = attention is not None
+        self.plan.check()  # PlanError: refuse to start
         self.pool = KVPool(model.info, self.config.kv_config(), attention)
         # One cache per engine, over this engine's pool: every snapshot was computed with
         # this model's weights, weight format, rope settings and KV dtype, so no key needs
@@ -351,6 +358,8 @@ class Engine:
                 prefix=self._prefix_stats(),
                 cancel_bound=self.cancel_bound(),
                 kv_resident_bytes=resident,
+                kv_blocks_parked=usage.parked,
+                slots_parked=self.pool.parked_slots,
             )
 
     def cancel_bound(self) -> CancelBound:
@@ -365,30 +374,34 @@ class Engine:
                 counters.cancel_seconds,
             )
 
+    @property
+    def plan(self) -> CapacityPlan:
+        """The memory plan: the ledger's arenas as they stand now, and this config's KV pool
+        and activations. A part that adds an arena to ``ledger`` checks it again
+        (``engine.plan.check()``)."""
+        return self.config.plan(
+            self.model.info, self.ledger, attention_kernel=self._attention_kernel
+        )
+
     def measure_cancel_bound(self) -> CancelBound:
         """Time the largest step this config allows on the engine's own pool, before it
-        serves, and count it as a measured step of that size, so the declared bound
-        (`cancel_bound`: ``/slots``, ``/metrics``, the dashboard) has seconds from the
-        start (`slotserve serve` calls it). It allocates nothing beyond the plan: the pool
-        is the engine's and the step is the plan's largest (its activations arena). Only
-        while no session is bound, under the engine lock, on a thread of its own (no
-        OpenMP team is left on the caller's); the sessions it reserves are released and
-        the KV it writes is never read. The bound unchanged when sessions are bound or
-        the pool cannot hold that step's sessions at ``max_context``.
-
-        What the step leaves resident beyond the KV pages it wrote (the pool's arena: 11.25
-        MiB at 4 x 2,048 on the bundled model, counted twice before) is one-time state,
-        like the load's first step's:
-        with ``budget_scope="process"`` it joins the plan's runtime arena (`PlanError` if
-        the budget then does not fit). Its thread's own malloc arena keeps pages the trim
-        cannot return: measured 2.1 MiB on a tiny bundle, 0.3 MiB with one arena for every
-        thread."""
+        serves (`slotserve.engine.probe.largest_step`), and count it as a measured step of
+        that size, so the declared bound (`cancel_bound`: ``/slots``, ``/metrics``, the
+        dashboard) has seconds from the start (`slotserve serve` calls it). It allocates
+        nothing beyond the plan: the pool is the engine's and the step is the plan's
+        largest. Only while no session is bound, under the engine lock, on a thread of its
+        own; the sessions it reserves are released and the KV it writes is never read. The
+        bound unchanged when sessions are bound or the pool cannot hold that step's
+        sessions at ``max_context``. What the step leaves beyond the KV pages it wrote is
+        one-time state: with ``budget_scope="process"`` it joins the ledger's runtime arena
+        (`PlanError` if the budget then does not hold the plan)."""
         executor, pool = self._stepper.executor, self.pool
         with self._lock:
             if pool.sessions:
                 return self.cancel_bound()
             trim_heap()  # what earlier work freed must not offset what the step keeps
-            before, kv_before = rss_bytes(), pool.resident_bytes
+            meter = self.ledger.meter("the largest step")
+            kv_before = pool.resident_bytes
             try:
                 tokens, (seconds, _) = on_own_thread(
                     lambda: largest_step(self.model, self.config, executor, pool)
@@ -401,22 +414,11 @@ class Engine:
                 trim_heap()  # the step's freed activations leave before the server is ready
             # The KV pages the step wrote are the pool's arena, not start state.
             kv_written = pool.resident_bytes - kv_before
-            self.count_start_state(rss_bytes() - before - kv_written)
+            if self.config.budget_scope == "process":
+                meter.mark("runtime", extra=-kv_written)
+                self.plan.check()
             self.counters.count_step_time(tokens, seconds)
             return self.cancel_bound()
-
-    def count_start_state(self, kept_bytes: int) -> None:
-        """Add ``kept_bytes`` of one-time state, what the start left resident after the
-        load measured the runtime (the largest step's, a server's own), to the plan's
-        runtime arena, where the budget is the whole process's; `PlanError` if the budget
-        then does not hold the plan."""
-        if self.config.budget_scope != "process" or kept_bytes <= 0:
-            return
-        with self._lock:
-            runtime = self.plan.runtime_bytes + kept_bytes
-            plan = dataclasses.replace(self.plan, runtime_bytes=runtime)
-            plan.check()
-            self.plan = plan
 
     def _prefix_stats(self) -> PrefixStats | None:
         if self.prefix is None:

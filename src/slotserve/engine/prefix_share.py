@@ -7,6 +7,7 @@ import dataclasses
 from typing import Any
 
 from slotserve.engine.config import EngineConfig
+from slotserve.plan import CapacityPlan
 
 
 def is_exact(model: Any, config: EngineConfig) -> bool:
@@ -28,10 +29,10 @@ def with_prefix_cache_share(config: EngineConfig, model: Any, share: float) -> E
     """``config`` with the prefix cache allowed ``share`` of the planned KV pool, in whole
     blocks (the plan's own rounding; cell layout). A pool that parks slots (flat rows,
     `with_parked_slots`) gets its cache whatever the share. Unchanged for another layout,
-    or when the share is under one block. ``model`` has ``info`` and ``weight_bytes``."""
+    or when the share is under one block. ``model`` has ``info``."""
     if not 0.0 < share < 1.0:
         return config
-    plan = config.plan(model.info, model.weight_bytes)
+    plan = CapacityPlan(model.info, config.kv_config())  # the pool alone: no arena needed
     if plan.parks_slots:
         return with_parked_slots(config, model)
     if config.kv_layout != "cell":
@@ -47,7 +48,7 @@ def with_parked_slots(config: EngineConfig, model: Any) -> EngineConfig:
     request needs the slot, so a conversation's next turn computes only its new tokens, and
     nothing is copied or pinned. Its byte budget is one session's KV, what one parked slot
     holds; it bounds nothing beyond the pool. Unchanged for a pool that does not park."""
-    plan = config.plan(model.info, model.weight_bytes)
+    plan = CapacityPlan(model.info, config.kv_config())  # the pool alone: no arena needed
     if not plan.parks_slots:
         return config
     return dataclasses.replace(config, prefix_cache_bytes=plan.bytes_per_session)

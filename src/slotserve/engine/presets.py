@@ -22,14 +22,16 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal, Protocol, get_args
+from typing import Any, Literal, get_args
 
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.prefix_share import with_parked_slots, with_prefix_cache_share
+from slotserve.engine.probe import ledger_for
 from slotserve.errors import PlanError
-from slotserve.info import ModelInfo
-from slotserve.memory import format_bytes, parse_bytes
-from slotserve.plan import CapacityPlan, MemoryMap
+from slotserve.executor import executor_for
+from slotserve.memory import MemoryLedger, MemoryMap, format_bytes, parse_bytes
+from slotserve.model import Model
+from slotserve.plan import CapacityPlan
 
 PresetName = Literal["chat", "chat+background", "voice", "document-agent", "shared-prompt"]
 PRESET_NAMES: tuple[str, ...] = get_args(PresetName)
@@ -55,16 +57,6 @@ TABLE_FIELDS = (
 SIZED_FIELDS = ("max_context", "ring_window", "prefix_cache_bytes")
 _FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
 _DEFAULTS = EngineConfig()
-
-
-class SizedModel(Protocol):
-    """What a preset needs of a loaded `Model`: its shape and its resident weight bytes."""
-
-    @property
-    def info(self) -> ModelInfo: ...
-
-    @property
-    def weight_bytes(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -266,18 +258,32 @@ class PresetChoice:
 
 
 def preset_config(
-    name: str, model: SizedModel, memory_budget: int | str | None, **overrides: Any
+    name: str,
+    model: Model,
+    memory_budget: int | str | None,
+    *,
+    ledger: MemoryLedger | None = None,
+    **overrides: Any,
 ) -> EngineConfig:
     """The `EngineConfig` of preset ``name`` for ``model`` and ``memory_budget`` (see
     `choose_preset`, which also gives the reasons)."""
-    return choose_preset(name, model, memory_budget, **overrides).config
+    return choose_preset(name, model, memory_budget, ledger=ledger, **overrides).config
 
 
 def choose_preset(
-    name: str, model: SizedModel, memory_budget: int | str | None, **overrides: Any
+    name: str,
+    model: Model,
+    memory_budget: int | str | None,
+    *,
+    ledger: MemoryLedger | None = None,
+    **overrides: Any,
 ) -> PresetChoice:
-    """Preset ``name`` (`PRESETS`) for a loaded model (its `ModelInfo` and resident
-    ``weight_bytes``) and a budget (bytes, ``"1GiB"``, or None: unbounded).
+    """Preset ``name`` (`PRESETS`) for a loaded model and a budget (bytes, ``"1GiB"``, or
+    None: unbounded), sized against ``ledger``: every arena the process holds besides the
+    engine's KV and activations, as the engine will plan them (`ledger_for`: the model's
+    ledger and its probes, or the model's computed arenas with budget_scope="model"). A
+    command passes the ledger it will start the engine with, its own arenas (the grammars)
+    already added, so that what the preset sizes is what starts.
 
     ``overrides`` are `EngineConfig` fields the caller fixes; they replace the row's, and
     the sized settings are then computed around them (a ``memory_map`` replaces the
@@ -294,7 +300,7 @@ def choose_preset(
     budget = None if memory_budget is None else parse_bytes(memory_budget)
     if overrides.get("memory_map") is not None:
         budget = None  # the plan takes a memory map or a total, not both
-    sizer = _Sizer(row, model, overrides, budget)
+    sizer = _Sizer(row, model, overrides, budget, ledger)
     decisions = [_decision(row, key, getattr(sizer.config, key), overrides) for key in TABLE_FIELDS]
     decisions += [
         Decision(key, value, "set explicitly", "flag")
@@ -318,7 +324,12 @@ class _Sizer:
     with the engine's own plan (`EngineConfig.plan`), replacing them in ``config``."""
 
     def __init__(
-        self, row: PresetRow, model: SizedModel, fixed: Mapping[str, Any], budget: int | None
+        self,
+        row: PresetRow,
+        model: Model,
+        fixed: Mapping[str, Any],
+        budget: int | None,
+        ledger: MemoryLedger | None,
     ) -> None:
         self.row, self.model = row, model
         self.info, self.weight_bytes = model.info, model.weight_bytes
@@ -331,15 +342,19 @@ class _Sizer:
         self.ceiling = self.info.max_context // step * step  # the model's, in whole blocks
         settings.setdefault("max_context", self.ceiling)
         self.config = dataclasses.replace(_DEFAULTS, memory_budget=budget, **settings)
+        self.ledger = ledger_for(model, self.config, executor_for(model), ledger)
+        self.attention_kernel = (
+            self.config.kernels == "auto" and model.kernels.attention is not None
+        )
 
     @property
     def bounded(self) -> bool:
         return self.budget is not None or self.memory_map is not None
 
     def plan(self, **kv: Any) -> CapacityPlan:
-        """The engine's plan of the current config (its measured arenas too:
-        `EngineConfig.process_plan`), its KV shape changed by ``kv``."""
-        plan = self.config.process_plan(self.model, self.weight_bytes)
+        """The engine's plan of the current config against the ledger, its KV shape
+        changed by ``kv``."""
+        plan = self.config.plan(self.info, self.ledger, attention_kernel=self.attention_kernel)
         return plan.with_kv(**kv) if kv else plan
 
     @property

@@ -73,7 +73,9 @@ class LayerHalves(Protocol):
     """A model family's layers cut at attention (see the module doc). ``weights`` are the
     loaded tensors (None for a program whose weights live in its own files);
     ``weight_bytes`` what the halves keep resident; ``max_step_tokens`` the largest step
-    they take (None: any)."""
+    they take (None: any). A program's halves also have ``planned_method_bytes``, the
+    arenas its methods plan, and ``mapped_weight_bytes``, the weights they use in place
+    from a file map (0 for halves that hold their weights)."""
 
     @property
     def kind(self) -> HalvesKind: ...
@@ -86,6 +88,12 @@ class LayerHalves(Protocol):
 
     @property
     def max_step_tokens(self) -> int | None: ...
+
+    @property
+    def planned_method_bytes(self) -> int: ...
+
+    @property
+    def mapped_weight_bytes(self) -> int: ...
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor: ...
 

@@ -40,6 +40,14 @@ class EagerHalves:
         return self._weights.nbytes
 
     @property
+    def planned_method_bytes(self) -> int:
+        return 0  # no program: no planned method arenas
+
+    @property
+    def mapped_weight_bytes(self) -> int:
+        return 0  # every weight copied out of its file
+
+    @property
     def max_step_tokens(self) -> int | None:
         return None
 

@@ -9,16 +9,14 @@ import torch
 
 from slotserve.info import ModelInfo
 from slotserve.kv.batch import StepBatch
-from slotserve.kv.config import DEFAULT_KV_DTYPE, KVConfig
-from slotserve.kv.pool import KVPool
 from slotserve.kv.store import KVStore
-from slotserve.memory import LoadMemory
+from slotserve.memory import MemoryLedger
 from slotserve.model.block_forward import BlockHalves
 from slotserve.model.halves import LayerHalves, run_layers
 from slotserve.model.layers import RopeTables
 from slotserve.model.llama import EagerHalves
 from slotserve.model.weights import LlamaWeights
-from slotserve.native import NO_KERNELS, Kernels, on_own_thread
+from slotserve.native import NO_KERNELS, Kernels
 from slotserve.tokenizer import Tokenizer
 
 _log = logging.getLogger("slotserve")
@@ -43,9 +41,9 @@ class Model:
         self.halves = halves
         self.source = source
         self.kernels = kernels
-        # What `slotserve.load` measured (the process before and after the weights); None
-        # for a model built another way. The engine's plan counts it (`slotserve.plan`).
-        self.load_memory: LoadMemory | None = None
+        # The memory ledger `slotserve.load` marked this model's arenas in; None for a
+        # model built another way (`slotserve.engine.probe.ledger_for`).
+        self.ledger: MemoryLedger | None = None
         self.rope = RopeTables(info.rope, info.head_dim, info.max_context)
         self.local_rope = (
             RopeTables(info.rope_local, info.head_dim, info.max_context)
@@ -108,30 +106,6 @@ class Model:
         if batch.max_len != 1:
             raise ValueError(f"decode takes one token per sequence, got lengths {batch.lengths}")
         return self.forward(tokens, batch, kv)
-
-    def logits(self, token_ids: list[int], *, kv_dtype: str = DEFAULT_KV_DTYPE) -> torch.Tensor:
-        """Teacher-forced logits ``[T, vocab]`` of ``token_ids`` from an empty context
-        (entry i scores the token after ``token_ids[: i + 1]``), with the KV stored as
-        ``kv_dtype`` (the engine's default unless given; ``"fp32"`` to compare with an
-        fp32 reference). Runs on a thread of its own that ends with the call: the kernels'
-        OpenMP team it starts ends too, so a caller's thread (the main thread, before it
-        starts an `Engine`) keeps none to throttle the engine's (`native.threads`)."""
-        if not token_ids:
-            raise ValueError("logits() needs at least one token")
-        # A scratch pool this call owns and drives, as the engine drives its own.
-        config = KVConfig(layout="flat", max_seqs=1, max_context=len(token_ids), dtype=kv_dtype)
-        kv = KVPool(self.info, config, attention=self.kernels.attention)
-        kv.reserve(0, len(token_ids))
-        batch = StepBatch.single(0, len(token_ids))
-        kv.begin_step(batch)
-        tokens = torch.tensor(token_ids)
-        grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
-
-        def forward() -> torch.Tensor:  # in the caller's autograd modes (thread-local)
-            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                return self.forward(tokens, batch, kv, all_logits=True)
-
-        return on_own_thread(forward)
 
 
 def pick_halves(

@@ -6,8 +6,10 @@ step: an ``allOf`` of N patterns takes time and memory exponential in N whatever
 limits), so each compile first runs in a worker process that can be killed, under the time
 and memory bounds of `GrammarConfig`; only a job that compiled there within them is built
 again in the server's process (the pool's ``finish``), where the grammar is needed. A job
-is a JSON schema (structured outputs, a tool's parameters) or llguidance grammar text (a
-reply's tool calls). The workers are a bounded pool (`GrammarConfig.workers`, one by
+is a JSON schema (structured outputs, a tool's parameters), llguidance grammar text (a
+reply's tool calls, a client's Lark grammar), a GBNF grammar or a regular expression (a
+client's; converted to llguidance's grammar in the worker too, so a conversion that runs
+long is bounded as a compile is). The workers are a bounded pool (`GrammarConfig.workers`, one by
 default) at the lowest CPU priority, fed by a queue with a deadline, so compiles never take
 the cores the engine decodes on.
 
@@ -33,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from slotserve.memory import rss_bytes
+from slotserve.memory import anonymous_bytes
 
 if TYPE_CHECKING:
     from slotserve.sampling.grammar import Grammar
@@ -47,7 +49,10 @@ LEXER_STATE_BYTES = 2048
 POLL_S = 0.01
 _MIB = 2**20
 
-JobKind = Literal["schema", "grammar"]
+# What a job's text is: a JSON schema, llguidance's own grammar text (Lark, as
+# llguidance reads it), a llama.cpp GBNF grammar (converted to Lark: llguidance's
+# converter, which passes Lark through), or a regular expression (the whole output).
+JobKind = Literal["schema", "grammar", "gbnf", "regex"]
 
 
 class GrammarError(ValueError):
@@ -145,7 +150,8 @@ def first_line(message: str) -> str:
 
 class CompileJob:
     """One schema (``kind`` ``"schema"``: a JSON schema's text) or grammar (``"grammar"``:
-    llguidance's grammar text) in the compile pool; ``description`` names it in errors.
+    llguidance's grammar text; ``"gbnf"``, ``"regex"``: see `JobKind`) in the compile
+    pool; ``description`` names it in errors.
     ``future`` gives its `Grammar` or raises; `cancel` stops it wherever it is (a worker
     compiling it is killed); `expire` gives up on it if no worker took it yet."""
 
@@ -327,7 +333,7 @@ class Worker:
     """One worker process: a Python that imports llguidance only (no torch), builds the
     tokenizer index once, then compiles one schema at a time and reports what the grammar
     keeps (malloc's bytes in use). Killed on any bound, cancellation or close.
-    ``bare_rss`` is its resident set before it imported llguidance."""
+    ``bare_anonymous`` is its anonymous bytes before it imported llguidance."""
 
     def __init__(self, source: tuple[Any, int, list[int]]) -> None:
         self.process = subprocess.Popen(
@@ -344,7 +350,7 @@ class Worker:
         if not (isinstance(reply, tuple) and len(reply) == 2 and reply[0] == "ready"):
             self.dispose()
             raise GrammarError(f"the grammar worker did not start: {reply!r}")
-        self.bare_rss = int(reply[1])
+        self.bare_anonymous = int(reply[1])
 
     @property
     def alive(self) -> bool:
@@ -367,7 +373,7 @@ class Worker:
     def compile(self, job: CompileJob, config: GrammarConfig) -> int:
         """The bytes the grammar of ``job`` keeps; raises `GrammarError` for a schema
         llguidance refuses, `GrammarLimitError` past a bound, `GrammarCancelled`."""
-        baseline = rss_bytes(self.process.pid)
+        baseline = anonymous_bytes(self.process.pid)
         try:
             self._send((job.kind, job.text, JSON_OPTIONS, config.limits()))
         except OSError:  # the worker was killed before it had the schema (a broken pipe)
@@ -397,7 +403,7 @@ class Worker:
                     "timeout",
                     config.timeout_s,
                 )
-            grown = rss_bytes(self.process.pid) - baseline
+            grown = anonymous_bytes(self.process.pid) - baseline
             peak = max(peak, grown)
             if grown > config.max_bytes:
                 raise GrammarLimitError(
@@ -463,11 +469,11 @@ class MallInfo2(ctypes.Structure):
         "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
     ).split()]
 
-def resident():
+def resident():  # anonymous bytes (RssAnon): the heap, not the libraries' code pages
     try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
+        with open("/proc/self/status") as f:
+            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("RssAnon:"))
+    except (OSError, ValueError, IndexError, StopIteration):
         return 0
 
 bare = resident()
@@ -506,6 +512,15 @@ while True:
         )
     except ValueError as exc:
         send(("schema", str(exc)))
+        continue
+    try:
+        if kind == "gbnf":
+            from llguidance.gbnf_to_lark import any_to_lark
+            grammar = any_to_lark(text)
+        elif kind == "regex":
+            grammar = llguidance.LLMatcher.grammar_from_regex(text)
+    except (Exception, RecursionError) as exc:
+        send(("convert", str(exc) or type(exc).__name__))
         continue
     matcher = llguidance.LLMatcher(
         index, grammar, log_level=0, limits=llguidance.LLParserLimits(**limits)

@@ -1,20 +1,18 @@
 """The grammar compiler's tokenizer index, measured when a server starts: the
 ``grammar_index`` arena of the memory plan.
 
-llguidance's view of the tokenizer (`GrammarCompiler`: ~60 MiB resident on the bundled
-model's 49k vocabulary), the library itself and the first compile's one-time costs are paid
-once per compiler, in the server's process, by whatever structured request comes first;
-left to it, they are in no arena. `prepare` measures them before the engine's plan is
-checked, and the plan reserves them. It measures them in a grammar worker process (the
-compile pool's `Worker`, a bare interpreter that imports llguidance alone), which builds
-the same index from the same source and takes the same first compile: the server's process
-imports nothing of llguidance until a request needs it, and a server that never gets a
-structured request never holds any of it.
+llguidance's view of the tokenizer (`GrammarCompiler`), the library itself and the first
+compile's one-time costs are paid once per compiler, in the server's process, by whatever
+structured request comes first; left to it, they are in no arena. `prepare` measures them
+before the engine's plan is checked, and the plan reserves them. It measures them in a
+grammar worker process (the compile pool's `Worker`, a bare interpreter that imports
+llguidance alone), which builds the same index from the same source and takes the same first
+compile: the server's process imports nothing of llguidance until a request needs it, and a
+server that never gets a structured request never holds any of it.
 
-What the worker measures is its resident set's peak growth, to which the server adds the
-source it pickles for its own first worker (held twice while it is sent: the text and its
-pickle). On the bundled model that is 61.9 + 2 x 1.5 MiB, against a growth of 65.3 MiB
-measured in a server's process at its first structured request (39.5 MiB once trimmed).
+What the worker measures is its anonymous peak's growth (its resident peak less the file
+pages of llguidance's code), to which the server adds the source it pickles for its own
+first worker (held twice while it is sent: the text and its pickle).
 """
 
 from __future__ import annotations
@@ -23,7 +21,7 @@ import logging
 import pickle
 from typing import Any
 
-from slotserve.memory import peak_rss_bytes, rss_bytes, trim_heap
+from slotserve.memory import anonymous_bytes, read_process, trim_heap
 from slotserve.sampling.compile_pool import CompileJob, Worker
 from slotserve.sampling.grammar import GrammarBusy, GrammarCompiler, GrammarError, schema_text
 
@@ -55,7 +53,11 @@ def prepare(compiler: GrammarCompiler) -> int:
     try:
         job = CompileJob(schema_text(WARM_SCHEMA), compiler.config.queue_timeout_s)
         worker.compile(job, compiler.config)
-        grown = max(peak_rss_bytes(worker.process.pid) - worker.bare_rss, 0)
+        # The resident peak less the file pages now (llguidance's code, mapped before the
+        # index was built): the anonymous peak, above the worker's anonymous bytes before.
+        now = read_process(worker.process.pid)
+        peak = max(now.peak - now.file - now.shared, now.anonymous)
+        grown = max(peak - worker.bare_anonymous, 0)
         return grown + 2 * len(pickle.dumps(source))
     except (GrammarError, OSError) as exc:
         log.warning("grammar worker warm-up failed (%s); measuring the index here", exc)
@@ -65,14 +67,14 @@ def prepare(compiler: GrammarCompiler) -> int:
 
 
 def _measure_here(compiler: GrammarCompiler) -> int:
-    """The index built and a first compile taken in this process: its resident growth,
+    """The index built and a first compile taken in this process: its anonymous growth,
     after which both are released."""
-    before = rss_bytes()
+    before = anonymous_bytes()
     try:
         compiler.json_schema(WARM_SCHEMA)
     except (GrammarError, GrammarBusy) as exc:
         log.warning("the index could not be built (%s); the plan reserves none", exc)
-    grown = max(rss_bytes() - before, 0)
+    grown = max(anonymous_bytes() - before, 0)
     compiler.release()
     trim_heap()
     return grown

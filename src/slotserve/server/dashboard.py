@@ -27,6 +27,8 @@ from fastapi.responses import Response, StreamingResponse
 
 from slotserve.engine import Engine, PoolView, SlotView
 from slotserve.engine.events import Priority
+from slotserve.engine.views import with_parked_slots
+from slotserve.memory import read_process
 from slotserve.server.errors import APIError
 from slotserve.server.metrics import PrometheusMetrics
 from slotserve.server.security import KeyedRoute, require_api_key
@@ -88,10 +90,12 @@ def kv_view(pool: PoolView, slots: Iterable[SlotView]) -> dict[str, Any]:
     Each owner (a running request) lists its block table in position order (the real block
     ids; the first ``written`` hold positions it has written, the rest are reserved ahead)
     and its row in each flat or ring group (``rows``, in the order of the pool's ``rows``).
-    ``snapshots`` are the prefix cache's holders; ``shared`` lists ``[block, refcount]`` for
-    every block more than one table holds (copy-on-write); ``reserved`` counts the blocks
-    reserved ahead, ``cached`` those only snapshots hold. ``slots`` give each owner its
-    class (None for one admitted after they were read)."""
+    ``snapshots`` are the prefix cache's holders (a parked one with its ``slot``);
+    ``shared`` lists ``[block, refcount]`` for every block more than one table holds
+    (copy-on-write); ``reserved`` counts the blocks reserved ahead, ``cached`` the units
+    only snapshots hold (blocks, or the rows of parked slots: reclaimable, counted in
+    ``used``). ``slots`` give each owner its class (None for one admitted after they were
+    read)."""
     classes = {s.request_id: s.priority for s in slots if s.request_id is not None}
     size = pool.block_size
     written = {h.session: math.ceil(h.length / size) if size else 0 for h in pool.sessions}
@@ -114,6 +118,8 @@ def kv_view(pool: PoolView, slots: Iterable[SlotView]) -> dict[str, Any]:
     refcounts = {b: n for h in holders for b, n in zip(h.blocks, h.refcounts, strict=True)}
     in_sessions = {b for h in pool.sessions for b in h.blocks}
     ahead = {b for h in pool.sessions for b in h.blocks[written[h.session] :]}
+    parked_rows = sum(1 for h in pool.snapshots if h.slot is not None)
+    cached = len(refcounts.keys() - in_sessions) if size else parked_rows
     return {
         "unit": pool.unit,
         "layout": pool.layout,
@@ -125,11 +131,12 @@ def kv_view(pool: PoolView, slots: Iterable[SlotView]) -> dict[str, Any]:
         "used": pool.used,
         "free": pool.free,
         "reserved": len(ahead),
-        "cached": len(refcounts.keys() - in_sessions),
+        "cached": cached,
         "shared": sorted([b, n] for b, n in refcounts.items() if n > 1),
         "owners": owners,
         "snapshots": [
-            {"key": h.session, "tokens": h.length, "blocks": list(h.blocks)} for h in pool.snapshots
+            {"key": h.session, "slot": h.slot, "tokens": h.length, "blocks": list(h.blocks)}
+            for h in pool.snapshots
         ],
     }
 
@@ -196,8 +203,16 @@ class SnapshotFeed:
     def __init__(self, engine: Engine, metrics: PrometheusMetrics | None, model: str) -> None:
         self.engine, self.metrics, self.model = engine, metrics, model
         self.latency = ClassLatency()
-        self._plan = plan_view(engine)  # fixed for the engine's life; its levers take a search
+        # The plan changes only when the ledger gains an arena (the server's start); its
+        # levers take a search, so it is built again only then.
+        self._plan: tuple[int, dict[str, Any]] | None = None
         self._cancels = (0.0, 0.0)  # (count, sum) of the cancel→release histogram
+
+    def _plan_view(self) -> dict[str, Any]:
+        entries = len(self.engine.ledger.entries)
+        if self._plan is None or self._plan[0] != entries:
+            self._plan = (entries, plan_view(self.engine))
+        return self._plan[1]
 
     def snapshot(self) -> dict[str, Any]:
         """The engine now, JSON-ready: stats, slots, the KV map, plan, pressure, the latency
@@ -205,8 +220,8 @@ class SnapshotFeed:
         began = time.perf_counter()
         engine = self.engine
         stats = engine.stats()
-        slots = engine.slots()
         pool = engine.pool_view()
+        slots = with_parked_slots(engine.slots(), pool)
         now = engine.clock()
         snapshot: dict[str, Any] = {
             "type": "snapshot",
@@ -217,7 +232,8 @@ class SnapshotFeed:
             "stats": dataclasses.asdict(stats),
             "slots": [slot.to_dict() for slot in slots],
             "kv": kv_view(pool, slots),
-            "plan": self._plan,
+            "plan": self._plan_view(),
+            "memory": read_process().to_dict(),
             "pressure": pressure_view(engine, stats.pressure_level),
             "samples": self.latency.observe(now, slots),
             "latency": self._latency(),

@@ -6,12 +6,13 @@ connections (open, refused by each cap, closed at each deadline) read from its
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from slotserve.engine import EngineStats, Finished, PrefixStats
 from slotserve.engine.cancel_bound import CancelBound
 from slotserve.engine.views import PrefixStoreStats
+from slotserve.memory import read_process
 from slotserve.prefix import REFUSAL_REASONS, SKIP_REASONS
 from slotserve.server.connections import ConnectionStats
 
@@ -45,6 +46,7 @@ class PrometheusMetrics:
         self,
         engine_stats: Callable[[], EngineStats],
         connection_stats: Callable[[], ConnectionStats] | None = None,
+        plan_arenas: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
@@ -67,6 +69,8 @@ class PrometheusMetrics:
         self.registry.register(_EngineCollector(engine_stats))
         if connection_stats is not None:  # served by `serve` (its protocol counts them)
             self.registry.register(_ConnectionCollector(connection_stats))
+        if plan_arenas is not None:
+            self.registry.register(_MemoryCollector(plan_arenas))
 
     def observe(self, finished: Finished) -> None:
         """Record one request that ended (called on the engine thread)."""
@@ -91,6 +95,31 @@ class PrometheusMetrics:
         return bytes(generate_latest(self.registry))
 
 
+class _MemoryCollector:
+    """The process's memory as the kernel reads it (anonymous, the plan's measure, beside
+    the resident set) and the plan's bytes by arena, at scrape time."""
+
+    def __init__(self, plan_arenas: Callable[[], Mapping[str, int]]) -> None:
+        self.plan_arenas = plan_arenas
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        reading = read_process()
+        for name, doc, value in (
+            ("slotserve_process_anonymous_bytes", "Anonymous (dirty) bytes", reading.anonymous),
+            ("slotserve_process_resident_bytes", "Resident set", reading.resident),
+            ("slotserve_process_file_bytes", "Resident file-backed pages", reading.file),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
+        arenas = GaugeMetricFamily(
+            "slotserve_plan_arena_bytes", "The memory plan's bytes by arena", labels=["arena"]
+        )
+        for arena, nbytes in self.plan_arenas().items():
+            arenas.add_metric([arena], nbytes)
+        yield arenas
+
+
 class _EngineCollector:
     def __init__(self, engine_stats: Callable[[], EngineStats]) -> None:
         self.engine_stats = engine_stats
@@ -104,6 +133,22 @@ class _EngineCollector:
             ("slotserve_max_seqs", "The slot ceiling", stats.max_seqs),
             ("slotserve_kv_blocks_used", "KV blocks (or rows) held", stats.kv_blocks_used),
             ("slotserve_kv_blocks_free", "KV blocks (or rows) free", stats.kv_blocks_free),
+            (
+                "slotserve_kv_blocks_parked",
+                "KV blocks (or rows) of the used that only the prefix cache holds (parked: "
+                "reclaimable, not leaked)",
+                stats.kv_blocks_parked,
+            ),
+            (
+                "slotserve_kv_blocks_reclaimable",
+                "KV blocks (or rows) a new request can have: the free and the parked",
+                stats.kv_blocks_reclaimable,
+            ),
+            (
+                "slotserve_slots_parked",
+                "Idle slots keeping a finished request's KV for the prefix cache",
+                stats.slots_parked,
+            ),
             ("slotserve_queue_length", "Requests waiting for a slot", stats.queue_len),
             ("slotserve_kv_pool_bytes", "KV pool reserved by the plan", stats.kv_pool_bytes),
             (

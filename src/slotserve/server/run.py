@@ -19,7 +19,7 @@ from types import FrameType
 import uvicorn
 
 from slotserve.engine import Engine
-from slotserve.memory import rss_bytes, trim_heap
+from slotserve.memory import Meter, trim_heap
 from slotserve.sampling.grammar import GrammarCompiler
 from slotserve.server.app import create_app
 from slotserve.server.connections import ConnectionTracker, HTTPLimits
@@ -66,7 +66,7 @@ def serve(
     tokenizer index was built at start, serves the structured outputs."""
     limits = limits or HTTPLimits()
     connections = ConnectionTracker(limits)
-    before_server = rss_bytes()
+    meter = engine.ledger.meter("the server's start")
     app = create_app(
         engine,
         model_name,
@@ -95,31 +95,31 @@ def serve(
     log.info("sampling defaults: %s", app.state.server.sampling.describe())
     if cors_origins:
         log.info("CORS: allowing %s", ", ".join(cors_origins))
-    CancellingServer(config, app.state.server, engine, before_server).run()
+    CancellingServer(config, app.state.server, engine, meter).run()
     return 0
 
 
 class CancellingServer(uvicorn.Server):
     """uvicorn's server whose shutdown closes the engine first, instead of waiting for
-    running requests to finish on their own; its start counts what it left resident
-    since ``before_bytes`` (the app, the HTTP stack, the code their set-up ran) in the
-    engine's runtime arena. (The Responses API's stored responses are bounded in bytes,
-    `ResponseStore.budget_bytes`, but not yet an arena of the plan.)"""
+    running requests to finish on their own; its start adds what it left (the app, the
+    HTTP stack: the anonymous growth ``meter`` reads) to the ledger's runtime arena, where
+    the budget is the whole process's (serve added the stored responses' budget before)."""
 
     def __init__(
-        self, config: uvicorn.Config, state: ServerState, engine: Engine, before_bytes: int
+        self, config: uvicorn.Config, state: ServerState, engine: Engine, meter: Meter
     ) -> None:
         super().__init__(config)
         self.state = state
         self.engine = engine
-        self.before_bytes = before_bytes
+        self.meter = meter
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         trim_heap()
-        kept = rss_bytes() - self.before_bytes
-        self.engine.count_start_state(kept)  # PlanError: the budget no longer holds it
-        log.info("the server's start kept %.1f MiB resident (runtime arena)", kept / 2**20)
+        if self.engine.config.budget_scope == "process":
+            kept = self.meter.mark("runtime").bytes
+            self.engine.plan.check()  # PlanError: the budget no longer holds it
+            log.info("the server's start kept %.1f MiB (runtime arena)", kept / 2**20)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # A signal handler: it only sets flags; the event loop acts on them within a tick.

@@ -58,7 +58,7 @@ class ServerState:
         """Serve ``engine``: its finished requests feed the Prometheus metrics."""
         self.engine = engine
         connections = self.connections.stats if self.connections is not None else None
-        self.metrics = PrometheusMetrics(engine.stats, connections)
+        self.metrics = PrometheusMetrics(engine.stats, connections, lambda: engine.plan.arenas)
         engine.on_finished = self.metrics.observe
         self.grammars = GrammarCache(engine.model, compiler=self.grammar_compiler)
 
