@@ -241,5 +241,5 @@ def run_bargein(
         "cancel_release_max_s": round(max(latencies), 4),
         "step_p99_s": round(percentile(steps, 99), 4),
         "slots_in_use_end": stats.slots_in_use,
-        "kv_blocks_leaked": stats.kv_blocks_used,
+        "kv_blocks_leaked": stats.kv_blocks_held,  # parked KV is reclaimable, not a leak
     }

@@ -154,7 +154,10 @@ def _read_calls(shape: ReplyShape, replies: list[list[TokenEvent]]) -> list[dict
     function's name and its arguments, parsed; none for a reply that holds no whole call."""
     calls = []
     for events in replies:
-        for name, arguments in read_reply(shape, events).calls:
+        reply = read_reply(shape, events)
+        if reply.cut:  # a call max_tokens cut short: its arguments are not whole
+            continue
+        for name, arguments in reply.calls:
             calls.append({"name": name, "arguments": json.loads(arguments)})
     return calls
 
