@@ -2,7 +2,8 @@
 
 It owns the running set (each request bound to a pool session with its whole worst-case
 reservation), the bounded queue with deadlines, re-admission from the queue, and refusals
-by reason. `build_request` turns a submit call into a checked `Request` (or refuses one
+by reason, and the end of each request (`end`: release, then its terminal event).
+`build_request` turns a submit call into a checked `Request` (or refuses one
 that can never fit the context). The engine calls every `Admission` method under its lock.
 With ``defer_store``, a request bound to be restored from the prefix store is bound with a
 fresh reservation and its `PendingRestore` comes back, for the engine to read without the
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from typing import NoReturn
 
 from slotserve.engine.config import EngineConfig
-from slotserve.engine.events import PRIORITIES, Priority
+from slotserve.engine.events import PRIORITIES, Finished, FinishReason, Priority
 from slotserve.engine.request import Request
 from slotserve.engine.sink import EventSink
 from slotserve.engine.timings import EngineCounters, RequestTimings
@@ -24,6 +25,21 @@ from slotserve.kv.pool import KVPool
 from slotserve.model import Model
 from slotserve.prefix import PendingRestore, PrefixCache
 from slotserve.sampling import RequestSampler, SamplingParams, StopMatcher
+
+
+def check_embedding(params: SamplingParams, embeds: bool) -> None:
+    """`ValueError` unless an embedding request can run: it generates nothing, on an
+    executor that gives final hidden states (``embeds``)."""
+    if params.max_new_tokens != 0:
+        raise ValueError(
+            f"an embedding request generates nothing: max_new_tokens must be 0, "
+            f"not {params.max_new_tokens}"
+        )
+    if not embeds:
+        raise ValueError(
+            "this model cannot embed: its executor gives no final hidden states (a "
+            "bundle's final norm lives in its program)"
+        )
 
 
 def build_request(
@@ -175,6 +191,44 @@ class Admission:
             self.prefix.release_into(request.request_id, tokens)
         else:
             self.pool.release(request.request_id)
+
+    def end(self, request: Request, reason: FinishReason) -> Finished | None:
+        """Release a running request's slot and KV, count its end, then send its terminal
+        event and mark it released; returns the event (None if it had already ended)."""
+        if request.state == "done":
+            return None
+        # A parked slot costs nothing, so a flat pool keeps every generation's KV (as
+        # llama.cpp's slots keep their last prompt); elsewhere only what was asked for.
+        parks = self.pool.parks_slots and request.pooling is None
+        self.release(request, keep=reason != "error" and (request.publish_completion or parks))
+        now = self.clock()
+        request.timings.released = now
+        self.counters.finished[reason] += 1
+        if reason == "cancelled":
+            self.counters.cancellations += 1
+            latency = request.timings.cancel_to_release
+            if latency is not None:
+                self.counters.cancel_seconds.append(latency)
+        finished = request.finish(reason, now, "the step failed" if reason == "error" else None)
+        request.released.set()
+        return finished
+
+    def publish_prompts(self, stepped: list[Request]) -> None:
+        """After a step, before anything is released: offer the prompt of each request whose
+        opening prefill just completed (in a step that did not fail) to the prefix cache."""
+        if self.prefix is None:
+            return
+        for request in stepped:
+            if not request.published and not request.in_prefill and request.state == "running":
+                request.published = True
+                self.prefix.publish(request.request_id, request.prompt)
+
+    def refuse_queued(self, request: Request, reason: str) -> None:
+        """End a queued request that leaves unbound (expired, closed out): its refusal."""
+        request.state = "done"
+        request.timings.released = self.clock()
+        request.sink.put(self.refusal(reason))
+        request.released.set()
 
     def check_integrity(self) -> None:
         assert set(self.running) == self.pool.session_ids(), "running ≠ pool sessions"

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Literal
 
@@ -12,6 +13,7 @@ from slotserve.memory import MemoryLedger, MemoryMap, parse_bytes
 from slotserve.native import KERNEL_CHOICES, KernelChoice
 from slotserve.plan import CapacityPlan
 
+log = logging.getLogger("slotserve")
 POLICIES = ("isolate", "fifo")
 BudgetScope = Literal["model", "process"]
 BUDGET_SCOPES: tuple[BudgetScope, ...] = ("model", "process")
@@ -193,3 +195,21 @@ class EngineConfig:
             self.prefix_cache_budget,
             attention_kernel,
         )
+
+    def within_step_limit(self, limit: int | None) -> EngineConfig:
+        """This config with steps no larger than an executor takes (``limit``: a lowered
+        program's size): a smaller step only splits prefill into smaller chunks. Every
+        running sequence must still fit in one decode step, so ``max_seqs`` above the limit
+        is refused."""
+        if limit is None or self.max_batch_tokens <= limit:
+            return self
+        if self.max_seqs > limit:
+            raise ValueError(
+                f"max_seqs={self.max_seqs} exceeds the {limit} tokens a step of this "
+                f"executor takes (its program was lowered for {limit}); use max_seqs <= "
+                f"{limit} or export again with a larger --max-batch-tokens"
+            )
+        log.info(
+            "max_batch_tokens %d -> %d: the executor's largest step", self.max_batch_tokens, limit
+        )
+        return replace(self, max_batch_tokens=limit, prefill_chunk=min(self.prefill_chunk, limit))

@@ -16,13 +16,10 @@ completion to the cache when it ends (a conversation's next turn restores them);
 flat layout every generation does, its slot parked (`KVPool.parks_slots`). Closing
 empties the cache, so the pool is back at its baseline. With ``prefix_store`` the cache has
 a disk tier (`slotserve.prefix.store`), opened and indexed here: snapshots are written by
-its own thread and a restart restores them; closing waits for its queued writes. A
-request bound to be restored from the store (by `submit`, or re-admitted from the queue) is
-read into its own fresh reservation by the engine's restore thread, never under the engine
-lock (`PrefixCache.read`): `submit` returns at once and the steps of the others go on
-meanwhile; the request is neither stepped nor reaped until the read is committed
-(`_restore`), and a cancel stops the read at its next part, so it is released at the step
-boundary after that.
+its own thread and a restart restores them; closing waits for its queued writes. A request
+bound to be restored from the store is read by the restore thread (`Restorer`), never under
+the engine lock: the others' steps go on meanwhile, and a cancel releases it at the step
+boundary after the read's next part.
 
 Locks: the engine lock ranks first (`slotserve.locks`): under it the engine may take the
 store's lock (inside the cache) and a write ticket's, never the other way round. A handle
@@ -37,18 +34,16 @@ between steps), so a script may end while requests run.
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import itertools
 import logging
 import threading
 import time
 import weakref
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from slotserve.engine.admission import Admission, build_request
+from slotserve.engine.admission import Admission, build_request, check_embedding
 from slotserve.engine.cancel_bound import CancelBound, declare_cancel_bound, largest_step_tokens
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.events import (
@@ -59,31 +54,39 @@ from slotserve.engine.events import (
     check_priority,
 )
 from slotserve.engine.handle import RequestHandle
+from slotserve.engine.prefix_share import open_prefix_cache
 from slotserve.engine.pressure import PressureSource
-from slotserve.engine.probe import largest_step, ledger_for
+from slotserve.engine.probe import ledger_for, time_largest_step
 from slotserve.engine.request import Request
+from slotserve.engine.restore import Restorer
 from slotserve.engine.scheduler import Scheduler
 from slotserve.engine.stepper import Stepper, Work
 from slotserve.engine.timings import EngineCounters
-from slotserve.engine.views import EngineStats, PoolView, PrefixStats, SlotView, store_stats
-from slotserve.errors import AdmissionRefused, KVExhausted
+from slotserve.engine.views import (
+    EngineStats,
+    PoolView,
+    SlotView,
+    engine_stats,
+    pool_view,
+    prefix_stats,
+    slot_views,
+)
+from slotserve.errors import AdmissionRefused
 from slotserve.executor import Executor, HiddenStates, executor_for
 from slotserve.kv.batch import StepBatch
 from slotserve.kv.pool import KVPool
 from slotserve.locks import ENGINE, OrderedLock
-from slotserve.memory import MemoryLedger, parse_bytes, trim_heap
+from slotserve.memory import MemoryLedger, trim_heap
 from slotserve.model import Model
-from slotserve.native.threads import on_own_thread
 from slotserve.plan import CapacityPlan
-from slotserve.prefix import PendingRestore, PrefixCache, PrefixStore, open_store
+from slotserve.prefix import PendingRestore
 from slotserve.sampling import SamplingParams
 
 log = logging.getLogger("slotserve")
 IDLE_WAIT_S = 0.05
 # After this long with nothing to step, the engine gives the C heap's free pages back
-# (`trim_heap`): a step's activations are freed when it ends, but malloc keeps their pages,
-# 16-31 MiB after four 1,500-token prompts on the bundled model. The trim takes 2-3 ms,
-# and the next step faults the pages it uses back in, so it waits for a pause in traffic.
+# (`trim_heap`): malloc keeps the pages of a step's freed activations. The next step faults
+# the pages it uses back in, so the trim waits for a pause in traffic.
 IDLE_TRIM_S = 1.0
 EXIT_CLOSE_TIMEOUT_S = 5.0
 
@@ -118,7 +121,7 @@ class Engine:
                 f"{model.info.max_context}; use at most {model.info.max_context}"
             )
         executor = executor or executor_for(model)
-        self.config = _within_step_limit(self.config, executor.max_step_tokens)
+        self.config = self.config.within_step_limit(executor.max_step_tokens)
         # The memory ledger this engine plans with: passed in, or the load's (with
         # budget_scope="process"), its start state measured by the probes (`ledger_for`).
         self.ledger = ledger_for(model, self.config, executor, ledger)
@@ -126,14 +129,8 @@ class Engine:
         self._attention_kernel = attention is not None
         self.plan.check()  # PlanError: refuse to start
         self.pool = KVPool(model.info, self.config.kv_config(), attention)
-        # One cache per engine, over this engine's pool: every snapshot was computed with
-        # this model's weights, weight format, rope settings and KV dtype, so no key needs
-        # to name them and a change of any of them cannot produce a stale hit.
-        budget = self.config.prefix_cache_budget
-        store = self._open_store(attention is not None) if budget else None
-        write_prompts = self.config.prefix_store_writes == "all"
-        self.prefix = (
-            PrefixCache(self.pool, budget, store, write_prompts=write_prompts) if budget else None
+        self.prefix = open_prefix_cache(
+            self.config, model, self.pool, attention_kernel=attention is not None
         )
         self.pressure = pressure
         self.on_finished = on_finished
@@ -148,13 +145,14 @@ class Engine:
         self._scheduler = scheduler or Scheduler(self.config)
         self._stepper = Stepper(executor, self.pool, clock)
         self._known: weakref.WeakValueDictionary[int, Request] = weakref.WeakValueDictionary()
-        self._restoring: set[int] = set()  # bound, their stored prefix being read (_restore)
         # (An empty store is falsy: its length is its files.)
         self._restorer = (
-            ThreadPoolExecutor(1, thread_name_prefix="slotserve-restore")
-            if store is not None
+            Restorer(self.prefix, self._lock, self._admission, self._end)
+            if self.prefix is not None and self.prefix.store is not None
             else None
         )
+        # Bound, their stored prefix being read: neither stepped nor reaped meanwhile.
+        self._restoring: set[int] = set() if self._restorer is None else self._restorer.restoring
         self._dropped: deque[int] = deque()  # handles collected without cancel (`_drop`)
         self._ids = itertools.count()
         self._steps_taken = 0
@@ -164,19 +162,6 @@ class Engine:
         self._close_at_exit = _exit_closer(weakref.ref(self))
         atexit.register(self._close_at_exit)
         self._thread.start()
-
-    def _open_store(self, attention_kernel: bool) -> PrefixStore | None:
-        """The prefix cache's disk tier (``prefix_store``), indexed now, so the first
-        request can hit; `PrefixStoreError` if its directory cannot be written."""
-        config = self.config
-        if config.prefix_store is None:
-            return None
-        return open_store(
-            config.prefix_store, config.prefix_store_budget, self.model, self.pool,
-            attention_kernel=attention_kernel,
-            write_rate=parse_bytes(config.prefix_store_write_rate),
-            min_tokens=config.prefix_store_min_tokens,
-        )  # fmt: skip
 
     # -- caller API (any thread) -----------------------------------------------------
 
@@ -200,7 +185,7 @@ class Engine:
         pooled into ``Finished.embedding``."""
         params = params or SamplingParams()
         if pooling is not None:
-            self._check_embedding(params)
+            check_embedding(params, self.embeds)
         try:
             request = build_request(
                 next(self._ids),
@@ -228,49 +213,13 @@ class Engine:
     def _start_restore(self, request: Request, pending: PendingRestore) -> None:
         """Under the lock: hand ``request``'s stored prefix to the restore thread."""
         assert self._restorer is not None  # a pending restore comes only from the store
-        self._restoring.add(request.request_id)
-        self._restorer.submit(self._restore, request, pending)
-
-    def _restore(self, request: Request, pending: PendingRestore) -> None:
-        """On the restore thread: read ``request``'s stored prefix into its own cells
-        without the lock (the engine thread steps the others meanwhile; this one it neither
-        steps nor reaps), then commit it under the lock: all of it, or, if the file fails a
-        check or the request was cancelled meanwhile (the read stops at its next part),
-        none (it is bound as without the file). A request the engine ended meanwhile (its
-        loop failed) stays ended."""
-        assert self.prefix is not None
-        try:
-            read = self.prefix.read(pending, stop=request.cancelled.is_set)
-        except Exception:  # a read that fails commits nothing: computed instead
-            log.exception("reading a stored prefix failed; computed instead")
-            read = False
-        with self._lock:
-            self._restoring.discard(request.request_id)
-            if request.state != "done":
-                try:
-                    self._admission.finish_restore(request, pending, read)
-                except Exception:
-                    log.exception("committing a stored prefix failed; ending its request")
-                    self._end(request, "error")
-            self._lock.notify_all()
+        self._restorer.start(request, pending)
 
     @property
     def embeds(self) -> bool:
         """Whether this engine's executor gives final hidden states (embedding requests)."""
         executor = self._stepper.executor
         return isinstance(executor, HiddenStates) and executor.embeds
-
-    def _check_embedding(self, params: SamplingParams) -> None:
-        if params.max_new_tokens != 0:
-            raise ValueError(
-                f"an embedding request generates nothing: max_new_tokens must be 0, "
-                f"not {params.max_new_tokens}"
-            )
-        if not self.embeds:
-            raise ValueError(
-                "this model cannot embed: its executor gives no final hidden states (a "
-                "bundle's final norm lives in its program)"
-            )
 
     def _drop(self, request_id: int) -> None:
         """A handle collected without cancel: note its id for the engine thread, which
@@ -283,9 +232,7 @@ class Engine:
             request = self._known.get(request_id)
             if request is None or request.state == "done":
                 return CancelAck(0.0) if wait else None
-            if request.timings.cancel_requested is None:
-                request.timings.cancel_requested = self.clock()
-            request.cancelled.set()
+            request.cancel(self.clock())
             self._lock.notify_all()
         if not wait:
             return None
@@ -302,9 +249,7 @@ class Engine:
             self._admission.closing = True
             running = [] if drain else list(self._admission.running.values())
             for request in [*self._admission.queue, *running]:
-                if request.timings.cancel_requested is None:
-                    request.timings.cancel_requested = self.clock()
-                request.cancelled.set()
+                request.cancel(self.clock())
             self._lock.notify_all()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
@@ -312,7 +257,7 @@ class Engine:
             log.warning("engine did not stop within %ss", timeout)
             return
         if self._restorer is not None:
-            self._restorer.shutdown(wait=True)  # a read the failed loop left (none, else)
+            self._restorer.shutdown()
         if self.prefix is not None and self.prefix.store is not None:
             self.prefix.store.close()  # its queue was flushed when the cache was cleared
 
@@ -328,38 +273,21 @@ class Engine:
         self.close()
 
     def stats(self) -> EngineStats:
+        """A snapshot of the engine's counters and gauges (`EngineStats`)."""
         # Outside the lock: the pool's storage never moves, and reading the page map of a
         # large pool takes a few milliseconds that no step should wait for.
         resident = self.pool.resident_bytes
         with self._lock:
-            running = list(self._admission.running.values())
-            usage = self.pool.usage()
-            counters = self.counters
-            return EngineStats(
-                slots_in_use=len(running),
-                max_seqs=self.config.max_seqs,
-                sessions_by_class=dict(Counter(r.priority for r in running)),
-                sessions_by_state=dict(
-                    Counter("prefill" if r.in_prefill else "decode" for r in running)
-                    + Counter(queued=len(self._admission.queue))
-                ),
-                kv_blocks_free=usage.free,
-                kv_blocks_used=usage.used,
-                kv_pool_bytes=self.pool.nbytes,
-                queue_len=len(self._admission.queue),
-                admitted=counters.admitted,
-                finished=dict(counters.finished),
-                refusals=dict(counters.refusals),
-                cancellations=counters.cancellations,
-                steps=sum(counters.steps_by_batch_size.values()),
-                steps_by_batch_size=dict(counters.steps_by_batch_size),
-                steps_by_class=dict(counters.steps_by_class),
+            return engine_stats(
+                self.pool,
+                self.config.max_seqs,
+                list(self._admission.running.values()),
+                len(self._admission.queue),
+                self.counters,
                 pressure_level=None if self.pressure is None else self.pressure.reading(),
-                prefix=self._prefix_stats(),
+                prefix=prefix_stats(self.prefix),
                 cancel_bound=self.cancel_bound(),
                 kv_resident_bytes=resident,
-                kv_blocks_parked=usage.parked,
-                slots_parked=self.pool.parked_slots,
             )
 
     def cancel_bound(self) -> CancelBound:
@@ -384,85 +312,37 @@ class Engine:
         )
 
     def measure_cancel_bound(self) -> CancelBound:
-        """Time the largest step this config allows on the engine's own pool, before it
-        serves (`slotserve.engine.probe.largest_step`), and count it as a measured step of
-        that size, so the declared bound (`cancel_bound`: ``/slots``, ``/metrics``, the
-        dashboard) has seconds from the start (`slotserve serve` calls it). It allocates
-        nothing beyond the plan: the pool is the engine's and the step is the plan's
-        largest. Only while no session is bound, under the engine lock, on a thread of its
-        own; the sessions it reserves are released and the KV it writes is never read. The
-        bound unchanged when sessions are bound or the pool cannot hold that step's
-        sessions at ``max_context``. What the step leaves beyond the KV pages it wrote is
-        one-time state: with ``budget_scope="process"`` it joins the ledger's runtime arena
-        (`PlanError` if the budget then does not hold the plan)."""
-        executor, pool = self._stepper.executor, self.pool
+        """Time the largest step this config allows on the engine's own pool before it
+        serves (`slotserve.engine.probe.time_largest_step`) and count it as a measured step
+        of that size, so the declared bound (`cancel_bound`: ``/slots``, ``/metrics``, the
+        dashboard) has seconds from the start (`slotserve serve` calls it). Only while no
+        session is bound, under the engine lock; the bound unchanged when sessions are bound
+        or the pool cannot hold that step's sessions. What the step leaves is one-time state
+        in the ledger's runtime arena (process scope: `PlanError` if the budget then does
+        not hold the plan)."""
         with self._lock:
-            if pool.sessions:
+            if self.pool.sessions:
                 return self.cancel_bound()
-            trim_heap()  # what earlier work freed must not offset what the step keeps
-            meter = self.ledger.meter("the largest step")
-            kv_before = pool.resident_bytes
-            try:
-                tokens, (seconds, _) = on_own_thread(
-                    lambda: largest_step(self.model, self.config, executor, pool)
-                )
-            except KVExhausted:
-                return self.cancel_bound()
-            finally:
-                for session in list(pool.sessions):
-                    pool.release(session)
-                trim_heap()  # the step's freed activations leave before the server is ready
-            # The KV pages the step wrote are the pool's arena, not start state.
-            kv_written = pool.resident_bytes - kv_before
-            if self.config.budget_scope == "process":
-                meter.mark("runtime", extra=-kv_written)
+            executor = self._stepper.executor
+            timed = time_largest_step(self.model, self.config, executor, self.pool, self.ledger)
+            if timed is not None:
                 self.plan.check()
-            self.counters.count_step_time(tokens, seconds)
+                self.counters.count_step_time(*timed)
             return self.cancel_bound()
-
-    def _prefix_stats(self) -> PrefixStats | None:
-        if self.prefix is None:
-            return None
-        counters = self.prefix.stats
-        return PrefixStats(
-            budget_bytes=self.prefix.budget_bytes,
-            hits=counters.hits,
-            misses=counters.misses,
-            rejections=counters.rejections,
-            rejections_by_rule=dict(counters.rejections_by_rule),
-            tokens_restored=counters.tokens_restored,
-            bytes_pinned=self.prefix.bytes_pinned,
-            snapshots=len(self.prefix),
-            evictions=counters.evictions,
-            store=None if self.prefix.store is None else store_stats(self.prefix.store.report()),
-        )
 
     def slots(self) -> list[SlotView]:
         """Each slot of the pool: idle, or the request it serves (state, class, tokens, age)."""
         now = self.clock()
         with self._lock:
-            by_slot = {self.pool.slot_of(r.request_id): r for r in self._admission.running.values()}
-            return [_slot_view(i, by_slot.get(i), now) for i in range(self.config.max_seqs)]
+            running = self._admission.running.values()
+            return slot_views(self.pool, self.config.max_seqs, running, now)
 
     def pool_view(self) -> PoolView:
         """The KV pool's occupancy and exactly which blocks and rows each running request
         (by request id) and each prefix-cache snapshot holds, read from the pool's own
         tables in one go under the engine lock."""
         with self._lock:
-            usage = self.pool.usage()
-            held = self.pool.holdings()
-            return PoolView(
-                layout=self.config.kv_layout,
-                unit="blocks" if held.block_size is not None else "rows",
-                total=usage.free + usage.used,
-                used=usage.used,
-                free=usage.free,
-                nbytes=self.pool.nbytes,
-                block_size=held.block_size,
-                row_groups=held.row_groups,
-                sessions=held.sessions,
-                snapshots=held.snapshots,
-            )
+            return pool_view(self.pool, self.config.kv_layout)
 
     def check_integrity(self) -> None:
         """Pool and admission invariants (every running request bound in the pool)."""
@@ -561,44 +441,18 @@ class Engine:
             tokens = sum(n for _, n in work)
             self.counters.count_step(len(work), work[0][0].priority, seconds, tokens)
             failed = {id(r) for r, reason in finished if reason == "error"}
-            self._publish([r for r, _ in work if id(r) not in failed])
+            self._admission.publish_prompts([r for r, _ in work if id(r) not in failed])
             for request, reason in finished:
                 self._end(request, reason)
-
-    def _publish(self, stepped: list[Request]) -> None:
-        """Under the lock, before anything is released: offer the prompt of each request
-        whose opening prefill just completed (in a step that did not fail) to the cache."""
-        if self.prefix is None:
-            return
-        for request in stepped:
-            if not request.published and not request.in_prefill and request.state == "running":
-                request.published = True
-                self.prefix.publish(request.request_id, request.prompt)
 
     def _clear_prefix(self) -> None:
         if self.prefix is not None:
             self.prefix.clear()
 
     def _end(self, request: Request, reason: FinishReason) -> None:
-        """Release the slot and KV first, then send the terminal event."""
-        if request.state == "done":
-            return
-        # A parked slot costs nothing, so a flat pool keeps every generation's KV (as
-        # llama.cpp's slots keep their last prompt); elsewhere only what was asked for.
-        parks = self.pool.parks_slots and request.pooling is None
-        keep = reason != "error" and (request.publish_completion or parks)
-        self._admission.release(request, keep=keep)
-        now = self.clock()
-        request.timings.released = now
-        self.counters.finished[reason] += 1
-        if reason == "cancelled":
-            self.counters.cancellations += 1
-            latency = request.timings.cancel_to_release
-            if latency is not None:
-                self.counters.cancel_seconds.append(latency)
-        finished = request.finish(reason, now, "the step failed" if reason == "error" else None)
-        request.released.set()
-        if self.on_finished is not None:
+        """Release the slot and KV first, then send the terminal event (`Admission.end`)."""
+        finished = self._admission.end(request, reason)
+        if finished is not None and self.on_finished is not None:
             try:
                 self.on_finished(finished)
             except Exception:  # an observer's bug must not take the engine down
@@ -611,9 +465,7 @@ class Engine:
         while self._dropped:
             request = self._known.get(self._dropped.popleft())
             if request is not None and request.state != "done":
-                if request.timings.cancel_requested is None:
-                    request.timings.cancel_requested = self.clock()
-                request.cancelled.set()
+                request.cancel(self.clock())
         for request in list(self._admission.running.values()):
             if request.cancelled.is_set() and request.request_id not in self._restoring:
                 self._end(request, "cancelled")  # (one being restored: once it is)
@@ -621,13 +473,7 @@ class Engine:
             if outcome == "cancelled":
                 self._end(request, "cancelled")
             else:
-                self._refuse_queued(request, outcome)
-
-    def _refuse_queued(self, request: Request, reason: str) -> None:
-        request.state = "done"
-        request.timings.released = self.clock()
-        request.sink.put(self._admission.refusal(reason))
-        request.released.set()
+                self._admission.refuse_queued(request, outcome)
 
     def _fail_all(self) -> None:
         """After the loop died: close, end running requests with an error, refuse the queue."""
@@ -636,7 +482,7 @@ class Engine:
             for request in list(self._admission.running.values()):
                 self._end(request, "error")
             for request, _ in self._admission.take_leaving(self.clock()):
-                self._refuse_queued(request, "closed")
+                self._admission.refuse_queued(request, "closed")
             self._clear_prefix()
 
 
@@ -649,37 +495,3 @@ def _exit_closer(engine_ref: weakref.ref[Engine]) -> Callable[[], None]:
             engine.close(timeout=EXIT_CLOSE_TIMEOUT_S)
 
     return close_at_exit
-
-
-def _slot_view(slot: int, request: Request | None, now: float) -> SlotView:
-    if request is None:
-        return SlotView(slot)
-    return SlotView(
-        slot,
-        "prefill" if request.in_prefill else "decode",
-        request.request_id,
-        request.priority,
-        len(request.prompt),
-        len(request.generated),
-        round(now - request.timings.submitted, 3),
-    )
-
-
-def _within_step_limit(config: EngineConfig, limit: int | None) -> EngineConfig:
-    """``config`` with steps no larger than the executor takes (a lowered program's size):
-    a smaller step only splits prefill into smaller chunks. Every running sequence must still
-    fit in one decode step, so ``max_seqs`` above the limit is refused."""
-    if limit is None or config.max_batch_tokens <= limit:
-        return config
-    if config.max_seqs > limit:
-        raise ValueError(
-            f"max_seqs={config.max_seqs} exceeds the {limit} tokens a step of this executor "
-            f"takes (its program was lowered for {limit}); use max_seqs <= {limit} or export "
-            "again with a larger --max-batch-tokens"
-        )
-    log.info(
-        "max_batch_tokens %d -> %d: the executor's largest step", config.max_batch_tokens, limit
-    )
-    return dataclasses.replace(
-        config, max_batch_tokens=limit, prefill_chunk=min(config.prefill_chunk, limit)
-    )

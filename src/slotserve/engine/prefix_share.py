@@ -1,5 +1,6 @@
-"""The prefix cache's share of the KV pool, and whether a model keeps the exactness the
-cache's default relies on (`slotserve serve` turns it on only then; presets size it)."""
+"""The prefix cache's share of the KV pool, whether a model keeps the exactness the
+cache's default relies on (`slotserve serve` turns it on only then; presets size it), and
+opening an engine's cache over its pool."""
 
 from __future__ import annotations
 
@@ -7,7 +8,35 @@ import dataclasses
 from typing import Any
 
 from slotserve.engine.config import EngineConfig
+from slotserve.kv.pool import KVPool
+from slotserve.memory import parse_bytes
+from slotserve.model import Model
 from slotserve.plan import CapacityPlan
+from slotserve.prefix import PrefixCache, open_store
+
+
+def open_prefix_cache(
+    config: EngineConfig, model: Model, pool: KVPool, *, attention_kernel: bool
+) -> PrefixCache | None:
+    """The prefix cache of an engine over its ``pool`` (None when ``config`` gives it no
+    bytes), with its disk tier when ``prefix_store`` is set, indexed now so the first
+    request can hit (`PrefixStoreError` if its directory cannot be written). One cache per
+    engine: every snapshot was computed with this model's weights, weight format, rope
+    settings and KV dtype, so no key needs to name them and a change of any of them cannot
+    produce a stale hit."""
+    budget = config.prefix_cache_budget
+    if not budget:
+        return None
+    store = None
+    if config.prefix_store is not None:
+        store = open_store(
+            config.prefix_store, config.prefix_store_budget, model, pool,
+            attention_kernel=attention_kernel,
+            write_rate=parse_bytes(config.prefix_store_write_rate),
+            min_tokens=config.prefix_store_min_tokens,
+        )  # fmt: skip
+    write_prompts = config.prefix_store_writes == "all"
+    return PrefixCache(pool, budget, store, write_prompts=write_prompts)
 
 
 def is_exact(model: Any, config: EngineConfig) -> bool:

@@ -22,6 +22,7 @@ import torch
 
 from slotserve.engine.cancel_bound import CancelBound, declare_cancel_bound, largest_step_tokens
 from slotserve.engine.config import EngineConfig
+from slotserve.errors import KVExhausted
 from slotserve.executor import Executor
 from slotserve.kv.batch import StepBatch
 from slotserve.kv.config import DEFAULT_KV_DTYPE, KVConfig
@@ -182,6 +183,32 @@ def largest_step(
     elapsed = time.perf_counter() - began
     peak = read_process().peak - before.file - before.shared - before.anonymous
     return chunk * seqs, (elapsed, max(peak, 0))
+
+
+def time_largest_step(
+    model: Model, config: EngineConfig, executor: Executor, pool: KVPool, ledger: MemoryLedger
+) -> tuple[int, float] | None:
+    """Run `largest_step` on an engine's own ``pool`` (which holds no session) on a thread
+    of its own, release its sessions, and return its tokens and seconds (None when the pool
+    cannot hold that step's sessions at ``max_context``). It allocates nothing beyond the
+    plan: the pool is the engine's and the step is the plan's largest. What the step leaves
+    beyond the KV pages it wrote is one-time state: with ``budget_scope="process"`` it joins
+    ``ledger``'s runtime arena (the caller checks the plan again)."""
+    trim_heap()  # what earlier work freed must not offset what the step keeps
+    meter = ledger.meter("the largest step")
+    kv_before = pool.resident_bytes
+    try:
+        tokens, (seconds, _) = on_own_thread(lambda: largest_step(model, config, executor, pool))
+    except KVExhausted:
+        return None
+    finally:
+        for session in list(pool.sessions):
+            pool.release(session)
+        trim_heap()  # the step's freed activations leave before the server is ready
+    if config.budget_scope == "process":
+        # The KV pages the step wrote are the pool's arena, not start state.
+        meter.mark("runtime", extra=-(pool.resident_bytes - kv_before))
+    return tokens, seconds
 
 
 def measure_cancel_bound(

@@ -104,6 +104,13 @@ class Request:
         norm = float(vector.norm())
         return tuple((vector / norm if norm > 0 else vector).float().tolist())
 
+    def cancel(self, now: float) -> None:
+        """Ask for this request's end at the next step boundary (the first ask's time is the
+        start of its cancel→release latency)."""
+        if self.timings.cancel_requested is None:
+            self.timings.cancel_requested = now
+        self.cancelled.set()
+
     def finish(self, reason: FinishReason, now: float, error: str | None = None) -> Finished:
         """Flush held-back text, send the terminal event and return it."""
         if not self.stops.stopped and reason != "error":

@@ -10,12 +10,18 @@ snapshot holds, from the pool's own tables (`KVPool.holdings`).
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from slotserve.engine.cancel_bound import CancelBound
 from slotserve.engine.events import Priority
+from slotserve.engine.request import Request
+from slotserve.engine.timings import EngineCounters
 from slotserve.kv.holdings import Holding, RowGroup
+from slotserve.kv.pool import KVPool
+from slotserve.prefix import PrefixCache
 from slotserve.prefix.store import StoreReport
 
 SlotState = Literal["idle", "prefill", "decode"]
@@ -89,6 +95,25 @@ class PrefixStats:
     store: PrefixStoreStats | None = None
 
 
+def prefix_stats(cache: PrefixCache | None) -> PrefixStats | None:
+    """``cache``'s counters as a frozen view (None with the prefix cache off)."""
+    if cache is None:
+        return None
+    counters = cache.stats
+    return PrefixStats(
+        budget_bytes=cache.budget_bytes,
+        hits=counters.hits,
+        misses=counters.misses,
+        rejections=counters.rejections,
+        rejections_by_rule=dict(counters.rejections_by_rule),
+        tokens_restored=counters.tokens_restored,
+        bytes_pinned=cache.bytes_pinned,
+        snapshots=len(cache),
+        evictions=counters.evictions,
+        store=None if cache.store is None else store_stats(cache.store.report()),
+    )
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine. KV blocks are cell blocks (cell layout) or slot rows.
@@ -135,6 +160,49 @@ class EngineStats:
         return self.kv_blocks_free + self.kv_blocks_parked
 
 
+def engine_stats(
+    pool: KVPool,
+    max_seqs: int,
+    running: list[Request],
+    queued: int,
+    counters: EngineCounters,
+    *,
+    pressure_level: float | None,
+    prefix: PrefixStats | None,
+    cancel_bound: CancelBound,
+    kv_resident_bytes: int,
+) -> EngineStats:
+    """The engine's `EngineStats`, read under its lock: ``running`` requests, ``queued``
+    ones, the pool's occupancy and the engine's ``counters``."""
+    usage = pool.usage()
+    return EngineStats(
+        slots_in_use=len(running),
+        max_seqs=max_seqs,
+        sessions_by_class=dict(Counter(r.priority for r in running)),
+        sessions_by_state=dict(
+            Counter("prefill" if r.in_prefill else "decode" for r in running)
+            + Counter(queued=queued)
+        ),
+        kv_blocks_free=usage.free,
+        kv_blocks_used=usage.used,
+        kv_pool_bytes=pool.nbytes,
+        queue_len=queued,
+        admitted=counters.admitted,
+        finished=dict(counters.finished),
+        refusals=dict(counters.refusals),
+        cancellations=counters.cancellations,
+        steps=sum(counters.steps_by_batch_size.values()),
+        steps_by_batch_size=dict(counters.steps_by_batch_size),
+        steps_by_class=dict(counters.steps_by_class),
+        pressure_level=pressure_level,
+        prefix=prefix,
+        cancel_bound=cancel_bound,
+        kv_resident_bytes=kv_resident_bytes,
+        kv_blocks_parked=usage.parked,
+        slots_parked=pool.parked_slots,
+    )
+
+
 @dataclass(frozen=True)
 class SlotView:
     """One slot of the pool: ``idle``, or the request it serves (its id, class, prompt and
@@ -175,6 +243,28 @@ class SlotView:
         }
 
 
+def slot_views(
+    pool: KVPool, max_seqs: int, running: Iterable[Request], now: float
+) -> list[SlotView]:
+    """Each of ``max_seqs`` slots of ``pool``: idle, or the running request bound to it."""
+    by_slot = {pool.slot_of(r.request_id): r for r in running}
+    return [_slot_view(slot, by_slot.get(slot), now) for slot in range(max_seqs)]
+
+
+def _slot_view(slot: int, request: Request | None, now: float) -> SlotView:
+    if request is None:
+        return SlotView(slot)
+    return SlotView(
+        slot,
+        "prefill" if request.in_prefill else "decode",
+        request.request_id,
+        request.priority,
+        len(request.prompt),
+        len(request.generated),
+        round(now - request.timings.submitted, 3),
+    )
+
+
 @dataclass(frozen=True)
 class PoolView:
     """The KV pool as it is held. ``unit`` counts cell blocks (any layer in cells) or slot
@@ -193,6 +283,24 @@ class PoolView:
     row_groups: tuple[RowGroup, ...]
     sessions: tuple[Holding, ...]
     snapshots: tuple[Holding, ...]
+
+
+def pool_view(pool: KVPool, layout: str) -> PoolView:
+    """``pool``'s occupancy and holdings, read from its own tables (under the engine lock)."""
+    usage = pool.usage()
+    held = pool.holdings()
+    return PoolView(
+        layout=layout,
+        unit="blocks" if held.block_size is not None else "rows",
+        total=usage.free + usage.used,
+        used=usage.used,
+        free=usage.free,
+        nbytes=pool.nbytes,
+        block_size=held.block_size,
+        row_groups=held.row_groups,
+        sessions=held.sessions,
+        snapshots=held.snapshots,
+    )
 
 
 def with_parked_slots(slots: list[SlotView], pool: PoolView) -> list[SlotView]:
