@@ -5,12 +5,13 @@
     weights.ptd     the program's weights (ExecuTorch named data), shared by every method
     tokenizer.json  the tokenizer and chat template (`Tokenizer.to_json`)
 
-`read_bundle` reads the manifest and checks the schema version and every file's SHA-256: a
-bundle this runtime cannot read, or whose files are missing, damaged or from another export,
-is refused here with a typed error, before any weights are read or any memory is planned.
-The checks that need the ExecuTorch runtime (the formats of the program and weights files
-against the ones it reads, its delegates, the program's methods, the program/weights
-pairing id) are `slotserve.artifact.program`'s; `file_identifier` reads a file's format.
+`read_bundle` reads the manifest and checks the schema version, every file's SHA-256 and the
+KV contract: a bundle this runtime cannot read, or whose files are missing, damaged or from
+another export, is refused here with a typed error, before any weights are read or any
+memory is planned. The checks that need the ExecuTorch runtime (the formats of the program
+and weights files against the ones it reads, its delegates, the program's methods, its
+constant methods against the manifest, the program/weights pairing id) are
+`slotserve.artifact.program`'s; `file_identifier` reads a file's format.
 """
 
 from __future__ import annotations
@@ -45,6 +46,38 @@ KV_CONTRACT = (
     "the runtime writes k, v into its pool and attends (flat, ring or cell layout); "
     "layer{i}_out takes the attention output."
 )
+
+CONSTANT_FIELDS = {
+    "get_max_seq_len": "max_tokens",
+    "get_max_context_len": "max_context",
+    "get_bos_id": "info.bos_id",
+    "get_eos_ids": "info.eos_ids",
+    "get_vocab_size": "info.vocab_size",
+    "get_n_layers": "info.n_layers",
+    "use_kv_cache": "kv_contract",
+    "enable_dynamic_shape": "methods",
+    "get_bundle_schema": "schema",
+}
+"""The program's constant methods (ExecuTorch's runner metadata and the bundle's schema),
+each with the manifest field that records the same fact (`constant_methods`)."""
+
+
+def constant_methods(
+    info: ModelInfo, max_tokens: int, max_context: int, schema: int
+) -> dict[str, Any]:
+    """What each of `CONSTANT_FIELDS` returns: written into the program at export, compared
+    with the manifest at load (`Manifest.constants`), so both describe the same program."""
+    return {
+        "get_max_seq_len": max_tokens,
+        "get_max_context_len": max_context,
+        "get_bos_id": info.bos_id if info.bos_id is not None else -1,
+        "get_eos_ids": list(info.eos_ids) or [-1],
+        "get_vocab_size": info.vocab_size,
+        "get_n_layers": info.n_layers,
+        "use_kv_cache": True,  # off-graph: the runtime's pool holds the KV (`KV_CONTRACT`)
+        "enable_dynamic_shape": True,  # the token axis of every method is dynamic
+        "get_bundle_schema": schema,
+    }
 
 
 @dataclass(frozen=True)
@@ -86,6 +119,11 @@ class Manifest:
     @property
     def method_names(self) -> tuple[str, ...]:
         return tuple(method.name for method in self.methods)
+
+    @property
+    def constants(self) -> dict[str, Any]:
+        """What the program's constant methods must return for this manifest."""
+        return constant_methods(self.info, self.max_tokens, self.max_context, self.schema)
 
     def to_json(self) -> str:
         fields = asdict(self)
@@ -151,6 +189,7 @@ def read_bundle(directory: str | Path) -> Bundle:
     directory = Path(directory)
     manifest = read_manifest(directory)
     check_files(directory, manifest)
+    check_kv_contract(directory, manifest)
     check_tied_embedding(directory, manifest)
     tokenizer = Tokenizer.from_json(
         (directory / TOKENIZER).read_text(),
@@ -218,6 +257,18 @@ def check_files(directory: Path, manifest: Manifest) -> None:
                 f"{expected[:16]}…: the file is damaged or belongs to another export; copy the "
                 "bundle again or export it again",
             )
+
+
+def check_kv_contract(directory: Path, manifest: Manifest) -> None:
+    """The manifest's ``kv_contract`` is the one this runtime keeps: its program's methods
+    take and return the step's rows, and the runtime's pool holds the KV."""
+    if manifest.kv_contract != KV_CONTRACT:
+        raise ArtifactError(
+            directory / MANIFEST,
+            f"KV contract {manifest.kv_contract!r}, but this runtime keeps {KV_CONTRACT!r}; "
+            "export the model again with this slotserve (`slotserve export`)",
+            "kv_contract",
+        )
 
 
 TIED_DTYPES = {"float32": 4, "int8": 1}  # what a tied embedding's rows and scales may be

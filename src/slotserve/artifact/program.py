@@ -7,9 +7,11 @@ flatbuffer identifiers, ``ET12`` and ``FT01``) are ones this runtime reads (a
 `FormatVersionError`, a `SchemaVersionError`, naming the file, the format, the runtime's
 formats and the manifest's ``writer.executorch``); then, in the runtime, that each delegate
 the program was lowered for is registered, that the program has every method the manifest
-lists, and that the program and the weights file carry the same pairing id. Only then are
-the methods loaded (this is when XNNPACK packs the weights). Whatever else makes ExecuTorch
-refuse a file is an `ArtifactError` too, so ``serve --fallback`` catches every refusal.
+lists, that the program and the weights file carry the same pairing id, and that its
+constant methods (context, step size, end tokens, layers, schema) return what the manifest
+records. Only then are the methods loaded (this is when XNNPACK packs the weights).
+Whatever else makes ExecuTorch refuse a file is an `ArtifactError` too, so
+``serve --fallback`` catches every refusal.
 
 The methods are the eager halves lowered (`slotserve.export`): ``embed``, per layer
 ``layer{i}_qkv`` (before the pool's ``update_and_attend``) and ``layer{i}_out``, and
@@ -30,7 +32,14 @@ from typing import Any
 
 import torch
 
-from slotserve.artifact.bundle import MANIFEST, PROGRAM, WEIGHTS, Bundle, file_identifier
+from slotserve.artifact.bundle import (
+    CONSTANT_FIELDS,
+    MANIFEST,
+    PROGRAM,
+    WEIGHTS,
+    Bundle,
+    file_identifier,
+)
 from slotserve.errors import ArtifactError, FormatVersionError
 from slotserve.model import Model
 from slotserve.model.halves import HalvesKind, StepContext
@@ -88,6 +97,7 @@ class ProgramHalves:
             ) from error
         _check_methods(bundle, set(program.method_names))
         _check_pairing(bundle, program)
+        _check_constants(bundle, program)
         _set_threads(self.options.threads)
         order = self.options.load_order or manifest.method_names
         methods = {name: _load_method(bundle, program, name) for name in order}
@@ -317,7 +327,7 @@ def _check_delegates(bundle: Bundle) -> Any:
 
 def _check_methods(bundle: Bundle, present: set[str]) -> None:
     info = bundle.manifest.info
-    needed = {"embed", "head", "weights_id", "get_pair_id"}
+    needed = {"embed", "head", "weights_id", "get_pair_id", *CONSTANT_FIELDS}
     needed |= {f"layer{i}_{half}" for i in range(info.n_layers) for half in ("qkv", "out")}
     missing = sorted((needed | set(bundle.manifest.method_names)) - present)
     if missing:
@@ -352,6 +362,29 @@ def _check_pairing(bundle: Bundle, program: Any) -> None:
             "file exported with this program",
             "pair_id",
         )
+
+
+def _check_constants(bundle: Bundle, program: Any) -> None:
+    """Each constant method returns what the manifest records (`Manifest.constants`): the
+    runtime serves by the manifest (its context, step size, end tokens, layer count), so a
+    program that says otherwise is not the program the manifest describes."""
+    for name, recorded in bundle.manifest.constants.items():
+        expected = recorded if isinstance(recorded, list) else [recorded]
+        try:
+            found = list(program.load_method(name).execute([]))
+        except (RuntimeError, ValueError) as error:
+            raise ArtifactError(
+                bundle.program, f"constant method {name} cannot be read ({error})", name
+            ) from error
+        if found != expected:
+            shown = found if len(found) != 1 else found[0]
+            raise ArtifactError(
+                bundle.program,
+                f"{name}() returns {shown!r}, but {bundle.directory / MANIFEST} records "
+                f"{CONSTANT_FIELDS[name]} = {recorded!r}: the manifest does not describe this "
+                "program; export the model again (or restore the manifest exported with it)",
+                name,
+            )
 
 
 def _load_method(bundle: Bundle, program: Any, name: str) -> Any:

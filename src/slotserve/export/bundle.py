@@ -31,6 +31,7 @@ from slotserve.artifact.bundle import (
     WEIGHTS_TAG,
     Manifest,
     MethodSpec,
+    constant_methods,
     is_bundle,
 )
 from slotserve.artifact.weight_cache import file_digest
@@ -354,20 +355,10 @@ def _tag_weights(graph: torch.fx.GraphModule) -> None:
 def _constant_methods(
     model: Model, options: ExportOptions, max_context: int, pair_id: bytes, schema: int
 ) -> dict[str, Any]:
-    """ExecuTorch's runner metadata, and the bundle's own (schema, layer count, pairing id)."""
-    info = model.info
-    return {
-        "get_max_seq_len": options.max_tokens,
-        "get_max_context_len": max_context,
-        "get_bos_id": info.bos_id if info.bos_id is not None else -1,
-        "get_eos_ids": list(info.eos_ids) or [-1],
-        "get_vocab_size": info.vocab_size,
-        "get_n_layers": info.n_layers,
-        "use_kv_cache": True,
-        "enable_dynamic_shape": True,
-        "get_bundle_schema": schema,
-        "get_pair_id": list(pair_id),
-    }
+    """ExecuTorch's runner metadata and the bundle's schema (`constant_methods`, which the
+    runtime compares with the manifest at load), and the pairing id."""
+    constants = constant_methods(model.info, options.max_tokens, max_context, schema)
+    return {**constants, "get_pair_id": list(pair_id)}
 
 
 def _method_spec(name: str, entry: tuple[nn.Module, Inputs]) -> MethodSpec:
