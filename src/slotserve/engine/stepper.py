@@ -3,7 +3,10 @@ sample, stream.
 
 Runs on the engine thread without the engine lock. The engine has already validated the
 step and committed it in the pool (`KVPool.begin_step`, under the lock); the executor sees
-the pool only through ``update_and_attend``.
+the pool only through ``update_and_attend``. A request with a draft (`Speculator.draft`)
+feeds its pending token and the drafted ones; the step then gives the logits of every row,
+and the request's sampler verifies the draft left to right (`_verify`), delivering exactly
+the tokens plain decoding would.
 """
 
 from __future__ import annotations
@@ -15,19 +18,30 @@ import torch
 
 from slotserve.engine.events import FinishReason
 from slotserve.engine.request import Request
-from slotserve.executor import Executor, HiddenStates
+from slotserve.engine.speculate import Speculator, Work
+from slotserve.executor import Executor, HiddenStates, TorchExecutor
 from slotserve.kv.batch import StepBatch
 from slotserve.kv.store import KVStore
 from slotserve.native.contention import Threaded, ThreadGovernor
 from slotserve.native.threads import process_cores
 from slotserve.sampling import sample_batch, token_logprobs
+from slotserve.sampling.cpu import greedy_tokens
 
-Work = list[tuple[Request, int]]  # each chosen request with the number of tokens it feeds
+__all__ = ["Stepper", "Work"]
 
 
 class Stepper:
-    def __init__(self, executor: Executor, kv: KVStore, clock: Callable[[], float]) -> None:
+    """Runs the engine's steps; ``speculator`` (None: no drafts) holds this step's drafts."""
+
+    def __init__(
+        self,
+        executor: Executor,
+        kv: KVStore,
+        clock: Callable[[], float],
+        speculator: Speculator | None = None,
+    ) -> None:
         self.executor, self.kv, self.clock = executor, kv, clock
+        self.speculator = speculator
         self.governor = _governor_for(executor)
 
     def run(self, work: Work, batch: StepBatch) -> list[tuple[Request, FinishReason]]:
@@ -42,16 +56,28 @@ class Stepper:
             else:
                 assert request.pending_token is not None
                 feeds.append(request.pending_token)
+                if self.speculator is not None:
+                    feeds.extend(self.speculator.fed(request))
         # Real time, not `clock` (tests run the engine on a synthetic one): the governor
         # weighs the cores this step really got.
         wall, cpu = time.perf_counter(), time.process_time()
+        rows: torch.Tensor | None = None  # every row's logits (a step with drafts)
         if any(request.pooling is not None for request, _ in work):
             logits = self._step_pooling(work, torch.tensor(feeds), batch)
+        elif self.speculator is not None and self.speculator.drafts:
+            assert isinstance(self.executor, TorchExecutor)  # `speculator_for` checks it
+            rows = self.executor.model.forward(torch.tensor(feeds), batch, self.kv, all_logits=True)
+            logits = rows[batch.last_token_rows()]
         else:
             logits = self.executor.step(torch.tensor(feeds), batch, self.kv)
         if self.governor is not None:
             self.governor.observe(time.perf_counter() - wall, time.process_time() - cpu)
-        return self._sample_and_stream(work, logits)
+        if rows is None:
+            return self._sample_and_stream(work, logits)
+        plain = [index for index, (r, _) in enumerate(work) if not self._drafted(r)]
+        return self._verify_drafts(work, rows) + self._sample_and_stream(
+            [work[index] for index in plain], logits, plain
+        )
 
     def _step_pooling(self, work: Work, feeds: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """The step, with the final hidden states of each embedding request's rows pooled
@@ -65,11 +91,76 @@ class Stepper:
             row += n
         return logits
 
+    def _drafted(self, request: Request) -> bool:
+        return self.speculator is not None and request.request_id in self.speculator.drafts
+
+    def _verify_drafts(self, work: Work, rows: torch.Tensor) -> list[tuple[Request, FinishReason]]:
+        """Verify each drafting request's draft on its rows of the step's logits."""
+        finished: list[tuple[Request, FinishReason]] = []
+        first = 0
+        for request, n in work:
+            if self._drafted(request):
+                reason = self._verify(request, rows[first : first + n])
+                if reason is not None:
+                    finished.append((request, reason))
+            first += n
+        return finished
+
+    def _verify(self, request: Request, rows: torch.Tensor) -> FinishReason | None:
+        """Deliver ``request``'s tokens from its ``rows`` (the pending token's, then each
+        drafted token's): the sampler picks at each row in turn, as plain decoding would
+        one step at a time, and the draft is accepted while it equals those picks."""
+        assert self.speculator is not None
+        draft = self.speculator.fed(request)
+        request.pending_token = None
+        sampler = request.sampler
+        began = self.clock()
+        # A greedy pick that nothing shapes is each row's argmax: all rows at once.
+        picks = (
+            greedy_tokens(rows)
+            if sampler.params.greedy and not sampler.restricts and not sampler.shapes_logits
+            else None
+        )
+        accepted, reason = 0, None
+        for index in range(len(rows)):
+            if picks is None:
+                token = sample_batch(rows[index : index + 1], [sampler])[0]
+            else:
+                token = picks[index]
+                sampler.accept(token)
+            now = self.clock()
+            reason = self._deliver(request, token, rows[index], now)
+            if reason is not None or index == len(draft) or token != draft[index]:
+                break
+            accepted += 1
+        request.timings.sampling_time += self.clock() - began
+        self.speculator.verified(request, accepted)
+        return reason
+
+    def _deliver(
+        self, request: Request, token: int, row: torch.Tensor, now: float
+    ) -> FinishReason | None:
+        """Stream ``token`` (picked from logits ``row``); why ``request`` ended with it, or
+        None with the token pending (to be fed by the next step)."""
+        top = request.params.logprobs
+        logprob, best = token_logprobs(row, token, top) if top is not None else (None, ())
+        if token in request.eos_ids:
+            request.eos_token = token
+            request.timings.token_times.append(now)  # it was produced, too
+            return "stop"
+        if request.emit_token(token, now, logprob, best):
+            return "stop" if request.stops.stopped else "length"
+        request.pending_token = token
+        return None
+
     def _sample_and_stream(
-        self, work: Work, logits: torch.Tensor
+        self, work: Work, logits: torch.Tensor, logit_rows: list[int] | None = None
     ) -> list[tuple[Request, FinishReason]]:
+        """Sample and stream one token for each request of ``work`` whose prefill is done;
+        its logits are ``logits[logit_rows[i]]`` (default: row ``i``)."""
         sampling_rows, sampling = [], []
-        for row, (request, n) in enumerate(work):
+        for index, (request, n) in enumerate(work):
+            row = index if logit_rows is None else logit_rows[index]
             if request.in_prefill:
                 request.prefilled += n
                 if request.in_prefill:
@@ -97,16 +188,9 @@ class Stepper:
         share = (now - began) / len(sampling)
         for request, token, row in zip(sampling, tokens, rows, strict=True):
             request.timings.sampling_time += share
-            top = request.params.logprobs
-            logprob, best = token_logprobs(row, token, top) if top is not None else (None, ())
-            if token in request.eos_ids:
-                request.eos_token = token
-                request.timings.token_times.append(now)  # it was produced, too
-                finished.append((request, "stop"))
-            elif request.emit_token(token, now, logprob, best):
-                finished.append((request, "stop" if request.stops.stopped else "length"))
-            else:
-                request.pending_token = token
+            reason = self._deliver(request, token, row, now)
+            if reason is not None:
+                finished.append((request, reason))
         return finished
 
 

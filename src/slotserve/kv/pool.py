@@ -27,6 +27,12 @@ drives the pool), `read_payload` copies its cells out (from another thread too: 
 snapshot's blocks are never written while it holds them), and `load_payload` writes one
 into a freshly reserved session: `write_payload` (from another thread too, while whoever
 drives the pool neither steps nor releases that session) then `commit_payload`.
+
+A speculative step writes positions that may be rejected: `hold_tentative` (before the
+step) records what a rejection must restore and `roll_back` (after it) keeps the accepted
+positions. Flat and cell rows past a session's length are never read, so shortening the
+length undoes them; a ring's rejected rows overwrote cells the window may still need, so
+`hold_tentative` copies those cells first and `roll_back` writes them back.
 """
 
 from __future__ import annotations
@@ -90,6 +96,22 @@ class SnapshotPayload:
     high_water: int
     table: tuple[int, ...]
     rows: tuple[torch.Tensor, ...]
+
+
+@dataclass(frozen=True)
+class TentativeRows:
+    """What `KVPool.roll_back` needs to undo a speculative step of ``session``: its length
+    and high-water mark before the step, the first position the step may reject
+    (``from_position``; those before it are kept whatever happens), and copies of the ring
+    cells positions ``from_position .. end - 1`` overwrite (one (cells, data, scales) triple
+    per ring storage, `KVPool._row_storages` order; empty without rings)."""
+
+    session: int
+    length: int
+    high_water: int
+    from_position: int
+    end: int
+    rings: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], ...]
 
 
 class KVPool:
@@ -247,6 +269,70 @@ class KVPool:
 
     def length(self, session: int) -> int:
         return self._get(session).length
+
+    # -- speculative steps -----------------------------------------------------------
+
+    @property
+    def tentative_span(self) -> int:
+        """The most rows one session's step may append and still be rolled back: a ring
+        writes only the last ``window`` rows of a step, so a longer step would leave a kept
+        row unwritten (``max_context`` without rings)."""
+        return min((ring.window for ring in self._rings), default=self.config.max_context)
+
+    def hold_tentative(self, session: int, from_position: int, end: int) -> TentativeRows:
+        """Before a step that appends up to position ``end - 1`` of ``session`` and may
+        reject positions ``from_position ..`` of it: what `roll_back` restores. Call it
+        before `begin_step`, while the storage still holds what those positions would
+        overwrite; it changes nothing in the pool."""
+        bound = self._get(session)
+        if not bound.length <= from_position <= end <= bound.capacity:
+            raise SessionError(
+                f"tentative positions {from_position}..{end - 1} of session {session} must lie "
+                f"between its length {bound.length} and its reservation {bound.capacity}"
+            )
+        if end - bound.length > self.tentative_span:
+            raise SessionError(
+                f"a step of {end - bound.length} rows for session {session} cannot be rolled "
+                f"back: a ring keeps only the last {self.tentative_span} rows a step writes; "
+                f"draft at most {self.tentative_span - 1} tokens"
+            )
+        rings = []
+        positions = torch.arange(from_position, end)
+        for group, storage in self._row_storages():
+            if isinstance(group, RingGroup) and len(positions):
+                cells = group.cell_index(bound, positions)
+                scales = None if storage.scales is None else storage.scales[cells].clone()
+                rings.append((cells, storage.data[cells].clone(), scales))
+        return TentativeRows(
+            session, bound.length, bound.high_water, from_position, end, tuple(rings)
+        )
+
+    def roll_back(self, held: TentativeRows, keep: int) -> None:
+        """After the step `hold_tentative` prepared: keep ``session``'s first ``keep``
+        positions (at least ``from_position``, at most the step's end) and undo the rest:
+        the length becomes ``keep``, each ring cell a rejected position overwrote gets its
+        old contents back, and the high-water mark is what it would be had the step
+        appended only up to ``keep``. The session must still be bound, stepped to ``end``."""
+        bound = self._get(held.session)
+        if bound.length != held.end or not held.from_position <= keep <= held.end:
+            raise SessionError(
+                f"roll_back of session {held.session} to {keep}: it holds {bound.length} "
+                f"positions, the step appended {held.from_position}..{held.end - 1}"
+            )
+        if keep == held.end:
+            return
+        rejected = keep - held.from_position  # the first rejected row in the copies
+        storages = [s for g, s in self._row_storages() if isinstance(g, RingGroup)]
+        for storage, (cells, data, scales) in zip(storages, held.rings, strict=True):
+            # Where two rejected positions share a cell (a draft longer than the window),
+            # the earliest's copy is the cell's old contents: write the copies back to front.
+            for row in _restore_order(cells, rejected):
+                storage.data.index_copy_(0, cells[row], data[row])
+                if scales is not None:
+                    assert storage.scales is not None
+                    storage.scales.index_copy_(0, cells[row], scales[row])
+        bound.length = keep
+        bound.high_water = max(held.high_water, keep)
 
     # -- snapshots (cell layout) -----------------------------------------------------
 
@@ -781,3 +867,12 @@ class KVPool:
         tables = [s.table for s in (*self.sessions.values(), *self.snapshots.values())]
         self.blocks.check_integrity(tables)
         assert self._cow_needed(self.sessions) <= self.blocks.n_free, "copy-on-write overcommitted"
+
+
+def _restore_order(cells: torch.Tensor, first: int) -> list[slice]:
+    """Rows ``first ..`` of ``cells`` as runs to write back in order: the whole tail at
+    once when its cells are distinct, else one row at a time, last row first."""
+    tail = cells[first:]
+    if len(torch.unique(tail)) == len(tail):
+        return [slice(first, len(cells))]
+    return [slice(row, row + 1) for row in range(len(cells) - 1, first - 1, -1)]

@@ -56,6 +56,9 @@ class SamplingParams:
     # whoever builds the params supplies) cannot be drawn before that many tokens.
     min_tokens: int = 0
     min_tokens_ids: tuple[int, ...] = ()
+    # Whether the engine may verify drafted tokens for this request (where it speculates);
+    # the output is the same either way, only the number of steps changes.
+    speculate: bool = True
 
     def __post_init__(self) -> None:
         _check(0.0 <= self.temperature <= 100.0, "temperature", self.temperature, "0..100")

@@ -1,0 +1,248 @@
+"""Speculative decoding: drafts that change nothing but speed.
+
+A request in decode feeds its pending token; with a draft it also feeds the ``k`` tokens
+guessed to follow, as one chunk, and the step gives the logits of every row. The request's
+own sampler then picks, left to right, the token at each position from that position's
+logits, with its own random stream and history exactly as plain decoding would (it has
+accepted the same tokens before it): a drafted token is accepted while it equals that pick,
+and the first pick that differs is delivered in its place, the rest of the draft discarded.
+A request's logits do not depend on how its tokens are chunked (the engine's exactness
+rule), so every delivered token, its log-probabilities and the sampler's state are those of
+plain decoding, bit for bit; only the number of steps changes.
+
+Owns the drafts (`NgramDrafter`: prompt lookup in the request's own prompt and output), the
+draft length's adaptation to recent acceptance (`DraftLength`), which requests draft in a
+step and how much (`Speculator.draft`), and the rollback of rejected rows in the pool
+(`Speculator.settle`, through `KVPool.hold_tentative` / `KVPool.roll_back`). The
+verification itself is the stepper's (`slotserve.engine.stepper`): it samples as ever.
+
+Threading: `draft` and `settle` run on the engine thread under the engine lock (they change
+the pool's lengths); `verified` runs on the engine thread without it, between them.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from slotserve.engine.request import Request
+from slotserve.kv.pool import KVPool, TentativeRows
+
+log = logging.getLogger("slotserve")
+
+SpeculateMode = Literal["ngram", "off"]
+SPECULATE_MODES: tuple[SpeculateMode, ...] = ("ngram", "off")
+Work = list[tuple[Request, int]]  # each chosen request with the number of tokens it feeds
+
+# The longest n-gram looked up (the longest match wins), and the shortest.
+NGRAM_MAX = 3
+NGRAM_MIN = 1
+# After a draft of which nothing was accepted, a request skips drafting for this many
+# steps, doubling with each further miss up to `MAX_BACKOFF` (a free-form answer then pays
+# for a draft row rarely).
+MAX_BACKOFF = 16
+
+
+class NgramDrafter:
+    """Prompt lookup over one request's tokens (prompt, then output): the tokens that
+    followed the latest earlier occurrence of its last ``n`` tokens, for the longest ``n``
+    from `NGRAM_MAX` down to `NGRAM_MIN` that occurred before.
+
+    Incremental: each n-gram is indexed (by where it ends) once the token after it is
+    known, so a lookup is a dictionary read per ``n`` whatever the length."""
+
+    def __init__(self, n_max: int = NGRAM_MAX, n_min: int = NGRAM_MIN) -> None:
+        if not 1 <= n_min <= n_max:
+            raise ValueError(f"n-gram sizes n_min={n_min}, n_max={n_max}: need 1 <= n_min <= n_max")
+        self.n_max, self.n_min = n_max, n_min
+        self.tokens: list[int] = []
+        self._latest: dict[tuple[int, ...], int] = {}  # n-gram -> where its latest copy ends
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        """Append ``tokens`` to the history (the request's next prompt or output tokens)."""
+        for token in tokens:
+            end = len(self.tokens) - 1  # the n-grams ending here now have a follower
+            for n in range(self.n_min, min(self.n_max, end + 1) + 1):
+                self._latest[tuple(self.tokens[end - n + 1 : end + 1])] = end
+            self.tokens.append(token)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to ``k`` tokens guessed to follow the history (none: no earlier match)."""
+        size = len(self.tokens)
+        if k <= 0:
+            return []
+        for n in range(min(self.n_max, size), self.n_min - 1, -1):
+            end = self._latest.get(tuple(self.tokens[size - n :]))
+            if end is not None:
+                return self.tokens[end + 1 : end + 1 + k]
+        return []
+
+
+@dataclass
+class DraftLength:
+    """How many tokens a request drafts next: grows while its drafts are accepted whole,
+    shrinks to what was accepted, and backs off for a while after drafts that missed."""
+
+    limit: int
+    length: int = 0
+    skip: int = 0  # steps left without a draft
+    misses: int = 0  # drafts in a row of which nothing was accepted
+
+    def __post_init__(self) -> None:
+        self.length = self.limit
+
+    def next(self) -> int:
+        """The draft length for this step (0: do not draft this step)."""
+        if self.skip > 0:
+            self.skip -= 1
+            return 0
+        return self.length
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """A draft of ``drafted`` tokens of which the first ``accepted`` were accepted."""
+        if drafted == 0:
+            return
+        if accepted == 0:
+            self.misses += 1
+            self.skip = min(2 ** (self.misses - 1), MAX_BACKOFF)
+            self.length = 1
+            return
+        self.misses = 0
+        self.length = min(self.limit, 2 * drafted if accepted == drafted else accepted + 1)
+
+
+@dataclass
+class SpeculationCounters:
+    """Totals over an engine's life: drafted tokens, accepted and rejected ones, and the
+    steps in which at least one request verified a draft."""
+
+    drafted: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    steps: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+@dataclass
+class _RequestState:
+    request: weakref.ref[Request]
+    drafter: NgramDrafter
+    length: DraftLength
+
+
+@dataclass
+class Draft:
+    """One request's draft in the current step: the tokens fed after its pending one, what
+    the pool needs to undo rejected rows, and (once verified) how many were accepted."""
+
+    tokens: list[int]
+    held: TentativeRows
+    accepted: int | None = None  # None: not verified (the step failed or it finished)
+
+
+@dataclass
+class Speculator:
+    """Drafts for the requests of an engine's decode steps, and their rollback.
+
+    ``max_draft`` bounds one request's draft; ``max_step_tokens`` the tokens of a step with
+    drafts (the engine's ``max_batch_tokens``). A step drafts only when it is decode only
+    (a prefill chunk already fills the step's rows) and each request's drafts adapt to its
+    acceptance (`DraftLength`)."""
+
+    mode: SpeculateMode
+    max_draft: int
+    max_step_tokens: int
+    counters: SpeculationCounters = field(default_factory=SpeculationCounters)
+    drafts: dict[int, Draft] = field(default_factory=dict)  # request id -> this step's
+    _states: dict[int, _RequestState] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.mode not in SPECULATE_MODES:
+            raise ValueError(f"speculate={self.mode!r} is not one of {SPECULATE_MODES}")
+        if self.max_draft < 1:
+            raise ValueError(f"speculate_max_draft={self.max_draft} must be >= 1")
+
+    def draft(self, work: Work, pool: KVPool) -> Work:
+        """Under the engine lock, before the step is committed: ``work`` with each drafting
+        request's draft added to the tokens it feeds (``drafts`` holds them until
+        `settle`)."""
+        self._forget_finished()
+        if self.mode == "off" or any(r.in_prefill or r.pooling is not None for r, _ in work):
+            return work
+        room = self.max_step_tokens - sum(n for _, n in work)
+        span = pool.tentative_span - 1  # a ring rolls back at most this many drafted rows
+        drafted: Work = []
+        for request, n in work:
+            k = min(room, span, self._length_for(request)) if room > 0 else 0
+            tokens = self._state(request).drafter.propose(k) if k > 0 else []
+            if tokens:
+                start = pool.length(request.request_id)
+                held = pool.hold_tentative(request.request_id, start + 1, start + 1 + len(tokens))
+                self.drafts[request.request_id] = Draft(tokens, held)
+                room -= len(tokens)
+            drafted.append((request, n + len(tokens)))
+        return drafted
+
+    def fed(self, request: Request) -> list[int]:
+        """The tokens ``request`` feeds after its pending one in this step."""
+        draft = self.drafts.get(request.request_id)
+        return [] if draft is None else draft.tokens
+
+    def verified(self, request: Request, accepted: int) -> None:
+        """The stepper's verdict: the first ``accepted`` drafted tokens of ``request`` were
+        delivered (and fed: its KV keeps them)."""
+        self.drafts[request.request_id].accepted = accepted
+
+    def settle(self, pool: KVPool) -> None:
+        """Under the engine lock, after the step and before anything is released: roll
+        every verified draft's rejected rows back in the pool and count the step. A draft
+        never verified (the step failed) is left alone: its request ends with an error."""
+        if not self.drafts:
+            return
+        counters = self.counters
+        counters.steps += 1
+        for request_id, draft in self.drafts.items():
+            if draft.accepted is None:
+                continue
+            held, drafted = draft.held, len(draft.tokens)
+            pool.roll_back(held, held.from_position + draft.accepted)
+            counters.drafted += drafted
+            counters.accepted += draft.accepted
+            counters.rejected += drafted - draft.accepted
+            state = self._states.get(request_id)
+            if state is not None:
+                state.length.observe(drafted, draft.accepted)
+        self.drafts.clear()
+
+    def _length_for(self, request: Request) -> int:
+        """This step's draft length for ``request`` (0: it does not draft)."""
+        if not request.params.speculate or request.pending_token is None:
+            return 0
+        # Every position drafted past the request's last one would be discarded.
+        remaining = request.max_new_tokens - len(request.generated) - 1
+        if remaining <= 0:
+            return 0
+        return min(self._state(request).length.next(), remaining)
+
+    def _state(self, request: Request) -> _RequestState:
+        """``request``'s drafter and draft length, its history brought up to date."""
+        state = self._states.get(request.request_id)
+        if state is None:
+            state = _RequestState(weakref.ref(request), NgramDrafter(), DraftLength(self.max_draft))
+            state.drafter.extend(request.prompt)
+            self._states[request.request_id] = state
+        known = len(state.drafter.tokens) - len(request.prompt)
+        state.drafter.extend(request.generated[known:])
+        return state
+
+    def _forget_finished(self) -> None:
+        for request_id, state in list(self._states.items()):
+            request = state.request()
+            if request is None or request.state == "done":
+                del self._states[request_id]
