@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import tomllib
+from pathlib import Path
 from typing import Any
 
 from slotserve.engine.config import (
@@ -97,9 +99,33 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     add_weights_arg(parser)
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Flags shared by every command that sizes a KV pool (read by `engine_config`)."""
-    parser.add_argument("--model", default="bundled", help="'bundled', a .gguf file or an HF dir")
+def add_engine_args(parser: argparse.ArgumentParser, *, model_set: bool = False) -> None:
+    """Flags shared by every command that sizes a KV pool (read by `engine_config`).
+    ``model_set``: ``--model`` may be repeated (``NAME=SPEC`` or ``SPEC``) and ``--models
+    FILE`` names a TOML set (`model_specs`); one plain ``--model`` behaves as without it."""
+    if model_set:
+        parser.add_argument(
+            "--model",
+            action="append",
+            default=None,
+            metavar="[NAME=]SPEC",
+            help="'bundled', a .gguf file, an HF dir or a named model (default bundled); "
+            "repeat to serve several in one process, each as NAME (default: its own id)",
+        )
+        parser.add_argument(
+            "--models",
+            type=Path,
+            default=None,
+            metavar="FILE",
+            help="a TOML file of models, one [models.NAME] table each: source, resident "
+            "(default true; false: loaded on demand), keep_alive (seconds), and engine "
+            "settings (max_seqs, max_context, kv_layout, kv_dtype, prefix_cache, preset …); "
+            "see docs/MODELS.md",
+        )
+    else:
+        parser.add_argument(
+            "--model", default="bundled", help="'bundled', a .gguf file or an HF dir"
+        )
     add_weights_arg(parser)
     add_preset_arg(parser)
     for dest, (field, kind, choices, text) in ENGINE_FLAGS.items():
@@ -260,3 +286,79 @@ def memory_map_from(text: str | None) -> MemoryMap | None:
     """``"runtime=300MiB,weights=100MiB,..."`` → `MemoryMap` (every arena the plan holds
     needs a limit: `slotserve plan` lists them)."""
     return MemoryMap.parse(text) if text else None
+
+
+# The settings a --models table may give besides source, resident and keep_alive: the
+# engine flags (`ENGINE_FLAGS`, by dest) and these.
+MODEL_FILE_KEYS = ("source", "resident", "keep_alive", "preset", "weights", *ENGINE_FLAGS)
+
+
+def model_specs(args: argparse.Namespace, name_of: Any) -> list[Any] | None:
+    """The `ModelSpec`s of ``--model`` (repeated, ``NAME=SPEC`` or ``SPEC`` named
+    ``name_of(SPEC)``) and ``--models FILE``; None for the one-model server (one plain
+    ``--model``, or none), which then runs exactly as before. Sets ``args.model`` to the
+    one model's spec in that case. `ValueError` naming a bad entry."""
+    from slotserve.engine.models import ModelSpec
+
+    given = args.model or []
+    file = getattr(args, "models", None)
+    if file is None and len(given) <= 1 and not any("=" in g for g in given):
+        args.model = given[0] if given else "bundled"
+        return None
+    specs = []
+    for text in given:
+        name, sep, source = text.partition("=")
+        if not sep:
+            name, source = name_of(text), text
+        specs.append(ModelSpec(name=name.strip(), source=source.strip()))
+    if file is not None:
+        specs.extend(_file_specs(file))
+    return specs
+
+
+def _file_specs(path: Path) -> list[Any]:
+    from slotserve.engine.models import ModelSpec
+
+    try:
+        tables = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"--models {path}: cannot read it ({exc})") from None
+    models = tables.get("models")
+    if not isinstance(models, dict) or not models:
+        raise ValueError(
+            f'--models {path}: no [models.NAME] table; write e.g. [models.chat] source = "bundled"'
+        )
+    specs = []
+    for name, table in models.items():
+        if not isinstance(table, dict) or "source" not in table:
+            raise ValueError(f'--models {path}: [models.{name}] needs source = "SPEC"')
+        unknown = sorted(set(table) - set(MODEL_FILE_KEYS))
+        if unknown:
+            raise ValueError(
+                f"--models {path}: [models.{name}] has unknown keys {unknown}; "
+                f"known: {sorted(MODEL_FILE_KEYS)}"
+            )
+        settings = {k: v for k, v in table.items() if k not in ("source", "resident", "keep_alive")}
+        keep_alive = table.get("keep_alive")
+        specs.append(
+            ModelSpec(
+                name=name,
+                source=str(table["source"]),
+                resident=bool(table.get("resident", True)),
+                keep_alive_s=None if keep_alive is None else float(keep_alive),
+                settings=settings,
+            )
+        )
+    return specs
+
+
+def model_namespace(args: argparse.Namespace, spec: Any) -> argparse.Namespace:
+    """``args`` as one model of a set sees them: ``--model`` its source, its own settings
+    over the shared engine flags, no budget of its own (the set's device plan holds the
+    budget: `slotserve.engine.models`)."""
+    values = dict(vars(args))
+    values.update(model=spec.source, memory_budget=None, memory_map=None)
+    for key, value in spec.settings.items():
+        kind = ENGINE_FLAGS[key][1] if key in ENGINE_FLAGS else None
+        values[key] = kind(value) if kind is not None and isinstance(value, str) else value
+    return argparse.Namespace(**values)

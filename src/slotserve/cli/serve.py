@@ -19,12 +19,16 @@ from slotserve.cli.flags import (
     add_prefix_store_args,
     add_pressure_arg,
     engine_config,
+    model_namespace,
+    model_specs,
     pressure_source,
     with_prefix_store,
 )
 from slotserve.engine.config import EngineConfig
 
 if TYPE_CHECKING:
+    from slotserve.engine.device import DeviceScheduler
+    from slotserve.engine.models import Loaded, ModelSet, ModelSpec
     from slotserve.memory import MemoryLedger
     from slotserve.server.defaults import SamplingDefaults
 
@@ -60,7 +64,7 @@ def register(commands: Any) -> None:
         f"in a queue of {QUEUE_PER_SLOT} x --max-seqs (deadline --queue-timeout); "
         "--queue-depth 0 refuses them at once (429).",
     )
-    add_engine_args(parser)
+    add_engine_args(parser, model_set=True)
     add_executor_args(parser)
     add_pressure_arg(parser)
     parser.add_argument(
@@ -349,7 +353,10 @@ def chat_template_text(path: Path | None) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return _serve(args)
+    specs = model_specs(args, served_name)
+    if specs is None:  # one model: today's server, flag for flag
+        return _serve(args)
+    return _serve_models(args, specs)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -414,4 +421,147 @@ def _serve(args: argparse.Namespace) -> int:
         web=not args.no_web,
         reasoning_format=args.reasoning_format,
         grammar_compiler=compiler,
+    )
+
+
+def _serve_models(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
+    """Serve a set of models in one process (docs/MODELS.md): one device ledger (the
+    runtime before any model, the server's arenas) beside each model's own, one budget
+    (--memory-budget) held by the `ModelSet`, one `DeviceScheduler` for their steps."""
+    from slotserve.server import serve
+    from slotserve.server.connections import HTTPLimits
+
+    if not any(spec.resident for spec in specs):
+        raise ValueError(
+            "a model set needs at least one resident model (it answers /health and feeds "
+            "/metrics); set resident = true on one"
+        )
+    if args.memory_map is not None or args.budget_scope != "process":
+        raise ValueError(
+            "several models share one --memory-budget of the whole process; --memory-map "
+            "and --budget-scope model apply to one model"
+        )
+    limits = HTTPLimits(
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        max_connections=args.max_connections,
+        max_connections_per_client=args.max_connections_per_client,
+    )
+    grammars = grammar_config(args)
+    models = model_set(args, specs, grammars)
+    models.start()  # PlanError: the residents (and the largest on-demand model) do not fit
+    primary_spec = next(spec for spec in specs if spec.resident)
+    primary = primary_spec.name
+    engine = models.engine(primary)
+    assert engine is not None
+    from slotserve.server import structured
+
+    structured.configure(grammars)
+    return serve(
+        engine,
+        primary,
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        max_body_bytes=args.max_body_bytes,
+        log_level=args.log_level,
+        limits=limits,
+        sampling=sampling_defaults(model_namespace(args, primary_spec)),
+        metrics_key=args.metrics_key,
+        cors_origins=args.cors_origin,
+        web=not args.no_web,
+        reasoning_format=args.reasoning_format,
+        grammar_compiler=None,
+        models=models,
+    )
+
+
+def model_set(args: argparse.Namespace, specs: list[ModelSpec], grammars: Any) -> ModelSet:
+    """The `ModelSet` of ``specs`` as ``serve`` runs it (and ``plan`` plans it): the
+    device ledger (the process's runtime before any model, the server's grammars and
+    stored responses), one `DeviceScheduler`, each model loaded by `load_member`, against
+    --memory-budget. Not started (`ModelSet.start` loads and plans every model)."""
+    from slotserve.engine.device import DeviceScheduler
+    from slotserve.engine.models import ModelSet
+    from slotserve.memory import MemoryLedger, parse_bytes, read_process
+
+    template = chat_template_text(args.chat_template)
+    ledger = MemoryLedger()  # the device's: what no one model owns
+    ledger.add("runtime", read_process().anonymous, "measured", "the process before a model")
+    add_server_arenas(ledger, "process", grammars.cache_bytes)
+    device = DeviceScheduler()
+    budget = parse_bytes(args.memory_budget) if args.memory_budget else None
+    return ModelSet(
+        specs,
+        lambda spec: load_member(args, spec, grammars, template, device),
+        budget=budget,
+        shared_bytes=lambda: ledger.total,
+        shared_arenas=ledger.arenas,
+    )
+
+
+def load_member(
+    args: argparse.Namespace,
+    spec: ModelSpec,
+    grammars: Any,
+    template: str | None,
+    device: DeviceScheduler,
+) -> Loaded:
+    """Load one model of a set as `_serve` loads the one model (its tokenizer, weights,
+    grammar index and first step in a ledger of its own, then its engine), its steps
+    taking turns on ``device``; nothing stays when any part fails."""
+    from slotserve.artifact import load
+    from slotserve.engine import Engine
+    from slotserve.engine.device import DeviceSeat
+    from slotserve.engine.models import Loaded
+    from slotserve.executor import executor_for
+    from slotserve.memory import MemoryLedger, read_process
+    from slotserve.native import KernelChoice
+
+    member = model_namespace(args, spec)
+    ledger = MemoryLedger()
+    # The process's runtime is the device ledger's; this model's runtime is what its own
+    # first step and largest step leave (`ledger_for`).
+    ledger.add("runtime", 0, "computed", "the process's runtime: the device ledger's")
+    before = read_process().anonymous
+    kernels: KernelChoice = "off" if member.kernels == "off" else "auto"
+    weights = spec.settings.get("weights", args.weights)
+    model = load(spec.source, weights=weights, kernels=kernels, ledger=ledger)
+    if template is not None:
+        model.tokenizer.set_chat_template(template, source=f"--chat-template {args.chat_template}")
+    warn_if_template_fails(model.tokenizer, spec.source)
+    compiler, index_bytes = prepare_grammars(model, grammars)
+    try:
+        ledger.add("grammar_index", index_bytes, "measured", "the grammar compiler's index")
+        config = engine_config(member, model, ledger)
+        config = with_server_queue(config, member)
+        config = with_server_prefix_cache(config, member, model)
+        config = dataclasses.replace(config, memory_budget=None, memory_map=None)
+        # Its steps take turns on the device with the other models' (`DeviceScheduler`).
+        seat = DeviceSeat(device, spec.name)
+        engine = Engine(model, config, executor=executor_for(model), ledger=ledger, device=seat)
+    except BaseException:
+        compiler.close()
+        raise
+    plan = engine.plan
+    load_growth = max(ledger.peak_bytes - before, 0)  # the load's transient copies
+
+    def busy() -> bool:
+        stats = engine.stats()
+        return stats.slots_in_use - stats.slots_parked > 0 or stats.queue_len > 0
+
+    def close() -> None:
+        engine.close()
+        compiler.close()
+
+    arenas = {name: nbytes for name, nbytes in plan.arenas.items() if nbytes}
+    return Loaded(
+        engine=engine,
+        kind="generate",  # a decoder; an encoder model's loader says "embed"
+        plan_bytes=max(plan.worst_case_bytes, load_growth),
+        arenas=arenas,
+        busy=busy,
+        close=close,
+        grammar_compiler=compiler,
+        sampling_defaults=sampling_defaults(member),
     )

@@ -12,6 +12,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from slotserve.engine import Engine
+from slotserve.engine.models import ModelSet
 from slotserve.sampling.grammar import GrammarCompiler
 from slotserve.server import dashboard, page
 from slotserve.server.connections import ConnectionTracker
@@ -42,11 +43,13 @@ def create_app(
     connections: ConnectionTracker | None = None,  # the server's, exposed in /metrics
     reasoning_format: ReasoningFormat = "auto",  # a thinking model's, unless a request says
     grammar_compiler: GrammarCompiler | None = None,  # its tokenizer index built at start
+    models: ModelSet | None = None,  # the served set, ``engine`` its first resident model
 ) -> FastAPI:
     """The app serving ``engine`` as ``model_name``; closing the app closes the engine.
-    ``web``: serve the page at ``/`` and its files (`page`) and its dashboard feed
-    (`dashboard`). ``connections``: the tracker of the protocol serving the app
-    (`serve`), whose counts /metrics shows."""
+        ``web``: serve the page at ``/`` and its files (`page`) and its dashboard feed
+        (`dashboard`). ``connections``: the tracker of the protocol serving the app
+        (`serve`), whose counts /metrics shows. ``models``: a served set of models
+    (`ModelSet`), each request routed by its ``model`` field (docs/MODELS.md)."""
     state = ServerState(
         None,
         model_name,
@@ -58,7 +61,10 @@ def create_app(
         connections=connections,
         reasoning_format=reasoning_format,
         grammar_compiler=grammar_compiler,
+        models=models,
     )
+    if models is not None and engine is not None:
+        state.grammar_compiler = models.grammar_compiler(model_name)
     if engine is not None:
         state.attach(engine)
 

@@ -27,6 +27,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from slotserve.engine import Engine, PoolView, SlotView
 from slotserve.engine.events import Priority
+from slotserve.engine.models import ModelSet
 from slotserve.engine.views import with_parked_slots
 from slotserve.memory import read_process
 from slotserve.server.errors import APIError
@@ -196,12 +197,32 @@ class ClassLatency:
         return samples
 
 
+def models_view(models: ModelSet) -> dict[str, Any]:
+    """Every model of a served set: its card (state, kind, bytes, loads), its slots and
+    queue when loaded, and the device plan's bytes against the budget."""
+    cards = models.cards()
+    for card in cards:
+        engine = models.engine(card["id"])
+        if engine is not None and hasattr(engine, "stats"):
+            stats = engine.stats()
+            card["slots"] = {"in_use": stats.slots_in_use, "max": stats.max_seqs,
+                             "queue": stats.queue_len}  # fmt: skip
+    return {"cards": cards, "used": models.used_bytes, "budget": models.budget}
+
+
 class SnapshotFeed:
     """One page's view of the engine. Builds JSON-ready snapshots; remembers only the
     previous token counts (`ClassLatency`) and the cancel histogram's totals."""
 
-    def __init__(self, engine: Engine, metrics: PrometheusMetrics | None, model: str) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        metrics: PrometheusMetrics | None,
+        model: str,
+        models: ModelSet | None = None,
+    ) -> None:
         self.engine, self.metrics, self.model = engine, metrics, model
+        self.models = models  # a served set: every model's state beside the first's view
         self.latency = ClassLatency()
         # The plan changes only when the ledger gains an arena (the server's start); its
         # levers take a search, so it is built again only then.
@@ -238,6 +259,8 @@ class SnapshotFeed:
             "samples": self.latency.observe(now, slots),
             "latency": self._latency(),
         }
+        if self.models is not None:
+            snapshot["models"] = models_view(self.models)
         snapshot["build_ms"] = (time.perf_counter() - began) * 1e3
         return snapshot
 
@@ -291,7 +314,7 @@ async def dashboard_events(request: Request, interval: float = DEFAULT_INTERVAL_
     state = _state(request)
     if state.engine is None:
         raise APIError(503, "the model is not ready (still loading)", "server_error")
-    feed = SnapshotFeed(state.engine, state.metrics, state.model_name)
+    feed = SnapshotFeed(state.engine, state.metrics, state.model_name, state.models)
     pace = max(MIN_INTERVAL_S, interval)
     return StreamingResponse(
         _events(request, feed, pace),

@@ -3,7 +3,10 @@ messages, plus health, metrics, slots and tokenize/detokenize."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
@@ -12,11 +15,12 @@ from fastapi.responses import JSONResponse, Response
 from slotserve.engine import Engine, EngineStats
 from slotserve.engine.cancel_bound import CancelBound
 from slotserve.engine.views import with_parked_slots
+from slotserve.errors import AdmissionRefused
 from slotserve.server import anthropic
 from slotserve.server.chat_run import reads_reasoning
 from slotserve.server.completions import chat_tokens, generate
 from slotserve.server.embeddings import EmbeddingRequest, embed
-from slotserve.server.errors import APIError
+from slotserve.server.errors import APIError, refusal_error
 from slotserve.server.peer_fields import ignored_header
 from slotserve.server.responses_api import create_response
 from slotserve.server.responses_input import ResponsesRequest
@@ -59,14 +63,42 @@ def live_engine(state: ServerState) -> Engine:
 
 
 def check_model(state: ServerState, name: str) -> None:
-    if name != state.model_name:
+    served = state.models.names if state.models is not None else [state.model_name]
+    if name not in served:
+        listed = ", ".join(f"'{n}'" for n in served)
         raise APIError(
             404,
-            f"The model '{name}' does not exist; this server serves '{state.model_name}'",
+            f"The model '{name}' does not exist; this server serves {listed}",
             "invalid_request_error",
             param="model",
             code="model_not_found",
         )
+
+
+@asynccontextmanager
+async def served(request: Request, name: str) -> AsyncIterator[tuple[ServerState, Engine]]:
+    """The state (as model ``name`` sees it) and the engine of the model a request names.
+    One model: the engine, then the name checked (404 ``model_not_found``). A set: the
+    name checked, then the model leased (`ModelSet.lease`: loaded first when it is not,
+    off the event loop) until the block ends, so it is not unloaded before the request is
+    submitted; a load without room is 429 ``model_capacity`` with Retry-After."""
+    state = state_of(request)
+    models = state.models
+    if models is None:
+        engine = live_engine(state)
+        check_model(state, name)
+        yield state, engine
+        return
+    live_engine(state)  # 503 while shutting down
+    check_model(state, name)
+    try:
+        engine = await asyncio.to_thread(models.acquire, name)
+    except AdmissionRefused as refusal:
+        raise refusal_error(refusal) from None
+    try:
+        yield state.view_of(name, engine), engine
+    finally:
+        models.release(name)
 
 
 def reported(response: Response, body: SamplingFields) -> Response:
@@ -81,9 +113,13 @@ def reported(response: Response, body: SamplingFields) -> Response:
 
 @v1.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    state = state_of(request)
-    engine = live_engine(state)
-    check_model(state, body.model)
+    async with served(request, body.model) as (state, engine):
+        return await _chat_completions(state, engine, body, request)
+
+
+async def _chat_completions(
+    state: ServerState, engine: Engine, body: ChatCompletionRequest, request: Request
+) -> Response:
     tokenizer = engine.model.tokenizer
     tools = plan_tools(tokenizer, body)
     if tools is not None or reads_reasoning(tokenizer, state, body, tools):
@@ -100,27 +136,21 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
 
 @v1.post("/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
-    state = state_of(request)
-    engine = live_engine(state)
-    check_model(state, body.model)
-    prompt = body.prompt_input()
-    return reported(await generate(state, engine, body, request, prompt, "text"), body)
+    async with served(request, body.model) as (state, engine):
+        prompt = body.prompt_input()
+        return reported(await generate(state, engine, body, request, prompt, "text"), body)
 
 
 @v1.post("/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
-    state = state_of(request)
-    engine = live_engine(state)
-    check_model(state, body.model)
-    return await embed(state, engine, body, request)
+    async with served(request, body.model) as (state, engine):
+        return await embed(state, engine, body, request)
 
 
 @v1.post("/responses")
 async def responses(body: ResponsesRequest, request: Request) -> Response:
-    state = state_of(request)
-    engine = live_engine(state)
-    check_model(state, body.model)
-    return await create_response(state, engine, body, request)
+    async with served(request, body.model) as (state, engine):
+        return await create_response(state, engine, body, request)
 
 
 @v1.get("/responses/{response_id}")
@@ -135,22 +165,20 @@ async def retrieve_response(response_id: str, request: Request) -> dict[str, Any
 async def messages(request: Request) -> Response:
     """Anthropic's Messages API; every error in its own shape (`anthropic.error_response`)."""
     try:
-        state = state_of(request)
-        engine = live_engine(state)
+        live_engine(state_of(request))  # 503 before the body is read
         body = await anthropic.parsed(request, anthropic.MessagesRequest)
-        check_model(state, body.model)
-        return await anthropic.create_message(state, engine, body, request)
+        async with served(request, body.model) as (state, engine):
+            return await anthropic.create_message(state, engine, body, request)
     except APIError as exc:
         return anthropic.error_response(exc.status, exc.message, exc.headers)
 
 
 async def count_tokens(request: Request) -> Response:
     try:
-        state = state_of(request)
-        engine = live_engine(state)
+        live_engine(state_of(request))  # 503 before the body is read
         body = await anthropic.parsed(request, anthropic.CountTokensRequest)
-        check_model(state, body.model)
-        return JSONResponse(await anthropic.count_tokens(engine, body))
+        async with served(request, body.model) as (_state, engine):
+            return JSONResponse(await anthropic.count_tokens(engine, body))
     except APIError as exc:
         return anthropic.error_response(exc.status, exc.message, exc.headers)
 
@@ -170,6 +198,8 @@ v1.add_api_route(
 @v1.get("/models")
 async def list_models(request: Request) -> dict[str, Any]:
     state = state_of(request)
+    if state.models is not None:
+        return {"object": "list", "data": _set_cards(state)}
     return {"object": "list", "data": [_model_card(state)]}
 
 
@@ -177,7 +207,25 @@ async def list_models(request: Request) -> dict[str, Any]:
 async def retrieve_model(model: str, request: Request) -> dict[str, Any]:
     state = state_of(request)
     check_model(state, model)
+    if state.models is not None:
+        return next(card for card in _set_cards(state) if card["id"] == model)
     return _model_card(state)
+
+
+def _set_cards(state: ServerState) -> list[dict[str, Any]]:
+    """Each model of the served set: OpenAI's card, with slotserve's state (loaded,
+    loading, unloaded), planned bytes and kind (generate, embed)."""
+    assert state.models is not None
+    return [
+        {
+            "id": card["id"],
+            "object": "model",
+            "created": state.created,
+            "owned_by": "slotserve",
+            "slotserve": {k: v for k, v in card.items() if k != "id"},
+        }
+        for card in state.models.cards()
+    ]
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:

@@ -19,6 +19,7 @@ from types import FrameType
 import uvicorn
 
 from slotserve.engine import Engine
+from slotserve.engine.models import ModelSet
 from slotserve.memory import Meter, trim_heap
 from slotserve.sampling.grammar import GrammarCompiler
 from slotserve.server.app import create_app
@@ -55,6 +56,7 @@ def serve(
     web: bool = True,
     reasoning_format: ReasoningFormat = "auto",
     grammar_compiler: GrammarCompiler | None = None,
+    models: ModelSet | None = None,
 ) -> int:
     """Serve ``engine`` as ``model_name`` until SIGINT/SIGTERM; returns the exit status (0).
 
@@ -63,7 +65,9 @@ def serve(
     out (logged here, at startup); ``metrics_key`` guards /metrics; ``cors_origins`` may
     call the API from a browser; ``reasoning_format`` is how a thinking model's reasoning
     is returned when a request does not say (`reasoning`); ``grammar_compiler``, one whose
-    tokenizer index was built at start, serves the structured outputs."""
+    tokenizer index was built at start, serves the structured outputs; ``models``, a set
+    of models served in one process (``engine`` its first resident model's), routes each
+    request by its ``model`` field."""
     limits = limits or HTTPLimits()
     connections = ConnectionTracker(limits)
     meter = engine.ledger.meter("the server's start")
@@ -79,6 +83,7 @@ def serve(
         connections=connections,
         reasoning_format=reasoning_format,
         grammar_compiler=grammar_compiler,
+        models=models,
     )
     warn_if_exposed(host, api_key)
     warn_if_descriptors_short(limits.max_connections)
@@ -91,7 +96,8 @@ def serve(
         timeout_keep_alive=KEEP_ALIVE_S,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
-    log.info("serving %s at http://%s:%s/v1", model_name, host, port)
+    served = ", ".join(models.names) if models is not None else model_name
+    log.info("serving %s at http://%s:%s/v1", served, host, port)
     log.info("sampling defaults: %s", app.state.server.sampling.describe())
     if cors_origins:
         log.info("CORS: allowing %s", ", ".join(cors_origins))

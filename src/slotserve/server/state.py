@@ -4,12 +4,14 @@ server's shutdown: stop admitting, then close the engine off the event loop."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import secrets
 import threading
 from dataclasses import dataclass, field
 
 from slotserve.engine import Engine
+from slotserve.engine.models import ModelSet
 from slotserve.sampling.grammar import GrammarCompiler
 from slotserve.server.connections import ConnectionTracker
 from slotserve.server.defaults import SamplingDefaults
@@ -42,6 +44,10 @@ class ServerState:
     # The compiler whose tokenizer index ``serve`` built (and counted in the plan) at
     # start: the grammar cache takes it instead of building a second index.
     grammar_compiler: GrammarCompiler | None = None
+    # The served set when the server serves several models (`serve --model A --model B`);
+    # None for the one model. ``engine`` is then the first resident model's.
+    models: ModelSet | None = None
+    _views: dict[str, tuple[Engine, ServerState]] = field(default_factory=dict, repr=False)
     _closer: threading.Thread | None = field(default=None, repr=False)
     _id_base: str = field(default_factory=lambda: secrets.token_hex(8), repr=False)
     _id_count: itertools.count[int] = field(default_factory=itertools.count, repr=False)
@@ -62,6 +68,30 @@ class ServerState:
         engine.on_finished = self.metrics.observe
         self.grammars = GrammarCache(engine.model, compiler=self.grammar_compiler)
 
+    def view_of(self, name: str, engine: Engine) -> ServerState:
+        """This state as a request to model ``name`` (served by ``engine``) sees it: its
+        name in replies, its grammar cache and sampling defaults; everything else shared.
+        One view per loaded engine (a reloaded model gets a new one)."""
+        if engine is self.engine:
+            return self
+        known = self._views.get(name)
+        if known is not None and known[0] is engine:
+            return known[1]
+        loaded = self.models.loaded(name) if self.models is not None else None
+        compiler = loaded.grammar_compiler if loaded is not None else None
+        sampling = loaded.sampling_defaults if loaded is not None else None
+        view = dataclasses.replace(
+            self,
+            engine=engine,
+            model_name=name,
+            sampling=sampling or self.sampling,
+            grammars=GrammarCache(engine.model, compiler=compiler),
+            grammar_compiler=compiler,
+            _views={},
+        )
+        self._views[name] = (engine, view)
+        return view
+
     def grammars_of(self, engine: Engine) -> GrammarCache:
         """The grammar cache of the served model (made by `attach`)."""
         assert self.grammars is not None and engine is self.engine, "attach() the engine first"
@@ -78,9 +108,8 @@ class ServerState:
         self.stop_admitting()
         if self.engine is None or self._closer is not None:
             return
-        self._closer = threading.Thread(
-            target=self.engine.close, name="slotserve-shutdown", daemon=True
-        )
+        close = self.engine.close if self.models is None else self.models.close
+        self._closer = threading.Thread(target=close, name="slotserve-shutdown", daemon=True)
         self._closer.start()
 
     async def finish_shutdown(self) -> None:

@@ -102,6 +102,7 @@ export class Dashboard {
     drawTimeSeries(document.getElementById("ttft-chart"), this.ttft, { now: s.t, windowS, empty: "no requests yet" });
     this.renderClassLegend();
     this.renderPlan(s.plan);
+    if (s.models) this.renderModels(s.models);
     this.renderLatency(s.latency);
     setText("build-cost", `this snapshot took ${s.build_ms.toFixed(2)} ms to build.`);
   }
@@ -222,6 +223,25 @@ export class Dashboard {
     const levers = `max_seqs ${plan.max_seqs} × ${bytes(plan.bytes_per_session)} KV a session at max_context ${plan.max_context}`;
     this.root.querySelector("#plan").innerHTML =
       rows.join("") + `<p class="note">${budget}.<br>${levers}.</p>`;
+  }
+
+  // A server of several models: each model's state (loaded, loading, unloaded), kind,
+  // planned bytes and slots, under the device plan's one budget (docs/MODELS.md).
+  renderModels(models) {
+    const rows = models.cards.map((m) => {
+      const slots = m.slots ? ` · ${m.slots.in_use}/${m.slots.max} slots, queue ${m.slots.queue}` : "";
+      return (
+        `<div class="bar-row"><span class="name">${m.id}</span>` +
+        `<span>${m.state}${m.progress && m.state === "loading" ? " …" : ""} · ${m.kind}` +
+        `${m.resident ? "" : " · on demand"}${slots}</span>` +
+        `<span class="num">${bytes(m.bytes)}</span></div>`
+      );
+    });
+    const budget = models.budget ? ` of ${bytes(models.budget)}` : " (no budget)";
+    this.root.querySelector("#plan").insertAdjacentHTML(
+      "beforeend",
+      `<h3>Models</h3>${rows.join("")}<p class="note">device plan ${bytes(models.used)}${budget}.</p>`,
+    );
   }
 
   renderLatency(latency) {
