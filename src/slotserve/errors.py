@@ -109,6 +109,7 @@ REFUSAL_REASONS = (
     "queue_timeout",
     "pressure",
     "closed",
+    "model_capacity",  # an on-demand model whose load has no room in the memory plan
 )
 
 

@@ -41,11 +41,13 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 from slotserve.engine.admission import Admission, build_request, check_embedding
 from slotserve.engine.cancel_bound import CancelBound, declare_cancel_bound, largest_step_tokens
 from slotserve.engine.config import EngineConfig
+from slotserve.engine.device import DeviceSeat
 from slotserve.engine.events import (
     CancelAck,
     Finished,
@@ -60,6 +62,7 @@ from slotserve.engine.probe import ledger_for, time_largest_step
 from slotserve.engine.request import Request
 from slotserve.engine.restore import Restorer
 from slotserve.engine.scheduler import Scheduler
+from slotserve.engine.speculate import speculator_for
 from slotserve.engine.stepper import Stepper, Work
 from slotserve.engine.timings import EngineCounters
 from slotserve.engine.views import (
@@ -98,7 +101,8 @@ class Engine:
     the engine thread after its release. ``scheduler`` replaces the step policy (default
     `Scheduler`); ``clock`` stamps every timestamp of every request. ``ledger`` is the
     process's memory ledger (default: the one `slotserve.load` filled); the engine plans
-    against it and adds its own start state (`plan`).
+    against it and adds its own start state (`plan`). ``device``: its seat at a served
+    set's `DeviceScheduler`, whose turn each step takes (docs/MODELS.md).
     """
 
     def __init__(
@@ -112,6 +116,7 @@ class Engine:
         on_finished: Callable[[Finished], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         ledger: MemoryLedger | None = None,
+        device: DeviceSeat | None = None,
     ) -> None:
         self.model = model
         self.config = config or EngineConfig()
@@ -135,6 +140,7 @@ class Engine:
         self.pressure = pressure
         self.on_finished = on_finished
         self.clock = clock
+        self.device = device  # a served set's: each step takes its turn on the device
         self.counters = EngineCounters()
         # (A Condition takes any lock with the RLock's methods; typeshed names only its own.)
         lock: Any = OrderedLock("engine", ENGINE, reentrant=True)
@@ -143,7 +149,7 @@ class Engine:
             self.config, self.pool, self.counters, clock, self._under_pressure, self.prefix
         )
         self._scheduler = scheduler or Scheduler(self.config)
-        self._stepper = Stepper(executor, self.pool, clock)
+        self._stepper = Stepper(executor, self.pool, clock, speculator_for(self.config, executor))
         self._known: weakref.WeakValueDictionary[int, Request] = weakref.WeakValueDictionary()
         # (An empty store is falsy: its length is its files.)
         self._restorer = (
@@ -288,6 +294,7 @@ class Engine:
                 prefix=prefix_stats(self.prefix),
                 cancel_bound=self.cancel_bound(),
                 kv_resident_bytes=resident,
+                speculation=self._stepper.speculation(),
             )
 
     def cancel_bound(self) -> CancelBound:
@@ -388,7 +395,7 @@ class Engine:
                     r for r in self._admission.running.values()
                     if r.request_id not in self._restoring
                 ]  # fmt: skip
-                work = self._scheduler.select(ready, self._max_batch())
+                work = self._stepper.draft(self._scheduler.select(ready, self._max_batch()), self.pool)
                 if not work:
                     self._trim_when_idle()
                     self._lock.wait(IDLE_WAIT_S)
@@ -432,7 +439,9 @@ class Engine:
     def _run(self, work: Work, batch: StepBatch) -> None:
         began = self.clock()
         try:
-            finished = self._stepper.run(work, batch)
+            turn = nullcontext() if self.device is None else self.device.turn(work[0][0].priority)
+            with turn:
+                finished = self._stepper.run(work, batch)
         except Exception:  # a failing step ends its requests, never the engine
             log.exception("step failed; ending its %d requests", len(work))
             finished = [(request, "error") for request, _ in work]
@@ -441,6 +450,7 @@ class Engine:
             tokens = sum(n for _, n in work)
             self.counters.count_step(len(work), work[0][0].priority, seconds, tokens)
             failed = {id(r) for r, reason in finished if reason == "error"}
+            self._stepper.settle(self.pool)  # rejected draft rows, before any release
             self._admission.publish_prompts([r for r, _ in work if id(r) not in failed])
             for request, reason in finished:
                 self._end(request, reason)
