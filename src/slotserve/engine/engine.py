@@ -62,7 +62,6 @@ from slotserve.engine.probe import ledger_for, time_largest_step
 from slotserve.engine.request import Request
 from slotserve.engine.restore import Restorer
 from slotserve.engine.scheduler import Scheduler
-from slotserve.engine.speculate import speculator_for
 from slotserve.engine.stepper import Stepper, Work
 from slotserve.engine.timings import EngineCounters
 from slotserve.engine.views import (
@@ -149,7 +148,7 @@ class Engine:
             self.config, self.pool, self.counters, clock, self._under_pressure, self.prefix
         )
         self._scheduler = scheduler or Scheduler(self.config)
-        self._stepper = Stepper(executor, self.pool, clock, speculator_for(self.config, executor))
+        self._stepper = Stepper(executor, self.pool, clock)
         self._known: weakref.WeakValueDictionary[int, Request] = weakref.WeakValueDictionary()
         # (An empty store is falsy: its length is its files.)
         self._restorer = (
@@ -294,7 +293,6 @@ class Engine:
                 prefix=prefix_stats(self.prefix),
                 cancel_bound=self.cancel_bound(),
                 kv_resident_bytes=resident,
-                speculation=self._stepper.speculation(),
             )
 
     def cancel_bound(self) -> CancelBound:
@@ -395,7 +393,7 @@ class Engine:
                     r for r in self._admission.running.values()
                     if r.request_id not in self._restoring
                 ]  # fmt: skip
-                work = self._stepper.draft(self._scheduler.select(ready, self._max_batch()), self.pool)
+                work = self._scheduler.select(ready, self._max_batch())
                 if not work:
                     self._trim_when_idle()
                     self._lock.wait(IDLE_WAIT_S)
@@ -450,7 +448,6 @@ class Engine:
             tokens = sum(n for _, n in work)
             self.counters.count_step(len(work), work[0][0].priority, seconds, tokens)
             failed = {id(r) for r, reason in finished if reason == "error"}
-            self._stepper.settle(self.pool)  # rejected draft rows, before any release
             self._admission.publish_prompts([r for r, _ in work if id(r) not in failed])
             for request, reason in finished:
                 self._end(request, reason)
