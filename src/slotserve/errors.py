@@ -110,6 +110,7 @@ REFUSAL_REASONS = (
     "pressure",
     "closed",
     "model_capacity",  # an on-demand model whose load has no room in the memory plan
+    "batch_too_large",  # an encoder request of more texts than its engine admits at once
 )
 
 

@@ -5,9 +5,19 @@ Pure policy over `Request` objects: it never touches tensors or the KV pool.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Protocol
+
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.events import PRIORITIES, Priority
 from slotserve.engine.request import Request
+
+
+class Classed(Protocol):
+    """Work with a priority class (a `Request`, an encoder's embedding request)."""
+
+    @property
+    def priority(self) -> Priority: ...
 
 
 class Scheduler:
@@ -19,7 +29,7 @@ class Scheduler:
         # nothing, so a fresh or idle scheduler never lets background jump the queue.
         self._background_credit = 0.0
 
-    def pick_class(self, ready: list[Request]) -> Priority | None:
+    def pick_class(self, ready: Sequence[Classed]) -> Priority | None:
         """isolate: the highest class with ready work, except that background takes one
         step in every ``1 / background_min_share`` steps where it competes with another
         class, so it is never starved."""

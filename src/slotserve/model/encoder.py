@@ -1,0 +1,268 @@
+"""A BERT-family text encoder (sentence-transformers' embedding models): bidirectional
+attention over each text with a padding mask, no KV pool, pooled and optionally
+L2-normalised final hidden states.
+
+The model is pure: `EncoderModel.embed` maps a batch of token-id lists (texts of different
+lengths) to one vector each and keeps no state between calls. The texts' rows are packed
+(no padding) through every projection, which goes through the `Linear` seam (dense fp32, or
+Q8_0 blocks on the compiled block kernel of `slotserve.model.gguf_linear`); only the attention scores are
+computed on a padded ``[texts, heads, longest, longest]`` grid, with padded keys masked out.
+A text's embedding does not depend on what it is batched with beyond the rounding of the
+products (tests hold it within 1e-5 of the text alone).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Literal, get_args
+
+import gguf
+import tokenizers
+import torch
+import torch.nn.functional as F
+
+from slotserve.memory import MemoryLedger
+from slotserve.model.layers import DenseLinear, Linear
+from slotserve.model.gguf_linear import BlockLinear
+
+EncoderPooling = Literal["mean", "cls"]
+ENCODER_POOLINGS: tuple[EncoderPooling, ...] = get_args(EncoderPooling)
+EncoderWeightFormat = Literal["fp32", "q8_0"]
+ENCODER_WEIGHT_FORMATS: tuple[EncoderWeightFormat, ...] = get_args(EncoderWeightFormat)
+
+
+@dataclass(frozen=True)
+class EncoderInfo:
+    """The shape of an encoder and how its outputs become an embedding: ``pooling`` of the
+    final hidden states, ``normalize`` (L2) after it, ``max_seq_len`` tokens a text keeps
+    (special tokens included; longer texts are truncated, as sentence-transformers does)."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    ffn_dim: int
+    max_positions: int
+    norm_eps: float
+    pooling: EncoderPooling
+    normalize: bool
+    max_seq_len: int
+    lowercase: bool = False  # sentence-transformers' do_lower_case, before the tokenizer
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} is not a multiple of n_heads={self.n_heads}")
+        if self.pooling not in ENCODER_POOLINGS:
+            raise ValueError(f"pooling={self.pooling!r} is not one of {ENCODER_POOLINGS}")
+        if not 2 <= self.max_seq_len <= self.max_positions:
+            raise ValueError(
+                f"max_seq_len={self.max_seq_len} must be in 2..{self.max_positions} (max_positions)"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+@dataclass(frozen=True)
+class LayerNorm:
+    weight: torch.Tensor
+    bias: torch.Tensor
+
+    def __call__(self, x: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, eps)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + self.bias.nbytes
+
+
+@dataclass(frozen=True)
+class EncoderLayer:
+    """One post-norm transformer layer: fused Q/K/V, output, its norm; up (GELU), down,
+    its norm."""
+
+    qkv: Linear
+    o: Linear
+    attn_norm: LayerNorm
+    up: Linear
+    down: Linear
+    mlp_norm: LayerNorm
+
+    @property
+    def linears(self) -> tuple[Linear, ...]:
+        return self.qkv, self.o, self.up, self.down
+
+    @property
+    def nbytes(self) -> int:
+        norms = self.attn_norm.nbytes + self.mlp_norm.nbytes
+        return norms + sum(linear.nbytes for linear in self.linears)
+
+
+@dataclass(frozen=True)
+class EncoderWeights:
+    """Token, position and (segment 0's) token-type embeddings, their norm, the layers."""
+
+    words: torch.Tensor
+    positions: torch.Tensor
+    token_type: torch.Tensor  # [dim]: every text is one segment
+    embed_norm: LayerNorm
+    layers: tuple[EncoderLayer, ...]
+
+    @property
+    def nbytes(self) -> int:
+        embeds = self.words.nbytes + self.positions.nbytes + self.token_type.nbytes
+        return embeds + self.embed_norm.nbytes + sum(layer.nbytes for layer in self.layers)
+
+
+def _q8_0(linear: Linear) -> Linear:
+    """``linear``'s weights as llama.cpp's Q8_0 blocks (32 weights with one fp16 scale) for
+    the block kernel; the bias stays fp32."""
+    assert isinstance(linear, DenseLinear), "only dense weights can be quantised"
+    rows = gguf.quants.quantize(linear.weight.float().numpy(), gguf.GGMLQuantizationType.Q8_0)
+    blocks = BlockLinear.from_gguf(torch.from_numpy(rows), "Q8_0")
+    return replace(blocks, bias=linear.bias)
+
+
+def with_encoder_weights(weights: EncoderWeights, fmt: EncoderWeightFormat) -> EncoderWeights:
+    """``weights`` held as ``fmt``: ``"fp32"`` as read, ``"q8_0"`` with every layer's
+    projections in Q8_0 blocks on the compiled block kernel (`BlockLinear`: activations
+    quantised per block of 32, integer dot products, as llama.cpp multiplies)."""
+    if fmt not in ENCODER_WEIGHT_FORMATS:
+        raise ValueError(f"weights={fmt!r} is not one of {ENCODER_WEIGHT_FORMATS}")
+    if fmt == "fp32":
+        return weights
+    layers = tuple(
+        replace(layer, qkv=_q8_0(layer.qkv), o=_q8_0(layer.o), up=_q8_0(layer.up), down=_q8_0(layer.down))
+        for layer in weights.layers
+    )
+    return replace(weights, layers=layers)
+
+
+@dataclass(frozen=True)
+class TextBatch:
+    """A step's texts as packed rows: ``tokens[N]`` and ``positions[N]`` of every text in
+    turn, ``text_of_row[N]`` (which text a row belongs to), ``lengths[B]``, and where each
+    row sits on the padded ``[B, longest]`` grid (``grid_index[N]``)."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    text_of_row: torch.Tensor
+    lengths: torch.Tensor
+    grid_index: torch.Tensor
+    longest: int
+
+    @classmethod
+    def of(cls, texts: Sequence[Sequence[int]]) -> TextBatch:
+        if not texts or any(len(text) == 0 for text in texts):
+            raise ValueError("a batch needs at least one text, each of at least one token")
+        lengths = torch.tensor([len(text) for text in texts])
+        longest = int(lengths.max())
+        positions = torch.cat([torch.arange(n) for n in lengths.tolist()])
+        text_of_row = torch.repeat_interleave(torch.arange(len(texts)), lengths)
+        return cls(
+            tokens=torch.tensor([t for text in texts for t in text], dtype=torch.long),
+            positions=positions,
+            text_of_row=text_of_row,
+            lengths=lengths,
+            grid_index=text_of_row * longest + positions,
+            longest=longest,
+        )
+
+    @property
+    def n_texts(self) -> int:
+        return int(self.lengths.shape[0])
+
+    def key_mask(self) -> torch.Tensor:
+        """``[B, 1, 1, longest]``: True where a key is one of the text's own tokens."""
+        keys = torch.arange(self.longest).unsqueeze(0) < self.lengths.unsqueeze(1)
+        return keys[:, None, None, :]
+
+
+class EncoderModel:
+    """A loaded encoder: ``info``, ``weights``, the ``tokenizer`` (Hugging Face
+    ``tokenizers``, truncating at ``info.max_seq_len``, never padding), and where it came
+    from. `tokenize` then `embed` is sentence-transformers' ``encode``."""
+
+    def __init__(
+        self,
+        info: EncoderInfo,
+        weights: EncoderWeights,
+        tokenizer: tokenizers.Tokenizer,
+        source: str,
+        weight_format: EncoderWeightFormat = "fp32",
+    ) -> None:
+        self.info, self.weights, self.source = info, weights, source
+        self.weight_format = weight_format
+        tokenizer.no_padding()
+        tokenizer.enable_truncation(max_length=info.max_seq_len)
+        self.tokenizer = tokenizer
+        self.ledger: MemoryLedger | None = None  # the ledger its load filled, if any
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.weights.nbytes
+
+    def tokenize(self, texts: Sequence[str]) -> list[list[int]]:
+        """Each text's token ids, special tokens included, at most ``info.max_seq_len``."""
+        prepared = [text.lower() for text in texts] if self.info.lowercase else list(texts)
+        return [encoding.ids for encoding in self.tokenizer.encode_batch(prepared)]
+
+    def embed(self, texts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """``[len(texts), dim]`` embeddings of token-id lists (`tokenize`'s)."""
+        batch = TextBatch.of(texts)
+        longest = batch.longest
+        if longest > self.info.max_positions:
+            raise ValueError(
+                f"a text of {longest} tokens exceeds max_positions={self.info.max_positions}"
+            )
+        with torch.inference_mode():
+            x = self._embed_rows(batch)
+            mask = batch.key_mask()
+            for layer in self.weights.layers:
+                x = self._layer(layer, x, batch, mask)
+            return self._pool(x, batch)
+
+    def _embed_rows(self, batch: TextBatch) -> torch.Tensor:
+        w = self.weights
+        x = w.words[batch.tokens] + w.positions[batch.positions] + w.token_type
+        return w.embed_norm(x, self.info.norm_eps)
+
+    def _layer(
+        self, layer: EncoderLayer, x: torch.Tensor, batch: TextBatch, mask: torch.Tensor
+    ) -> torch.Tensor:
+        eps = self.info.norm_eps
+        attended = self._attend(layer.qkv(x), batch, mask)
+        x = layer.attn_norm(layer.o(attended) + x, eps)
+        return layer.mlp_norm(layer.down(F.gelu(layer.up(x))) + x, eps)
+
+    def _attend(self, qkv: torch.Tensor, batch: TextBatch, mask: torch.Tensor) -> torch.Tensor:
+        """Packed ``qkv[N, 3·dim]`` → packed attention output ``[N, dim]``: each text's
+        queries attend to all of its own keys (bidirectional), none of the padding."""
+        info, n_texts, longest = self.info, batch.n_texts, batch.longest
+        grid = qkv.new_zeros(n_texts * longest, qkv.shape[1])
+        grid[batch.grid_index] = qkv
+        heads = grid.view(n_texts, longest, 3, info.n_heads, info.head_dim).permute(2, 0, 3, 1, 4)
+        out = F.scaled_dot_product_attention(heads[0], heads[1], heads[2], attn_mask=mask)
+        rows = out.transpose(1, 2).reshape(n_texts * longest, info.dim)
+        return rows[batch.grid_index]
+
+    def _pool(self, x: torch.Tensor, batch: TextBatch) -> torch.Tensor:
+        if self.info.pooling == "cls":
+            starts = torch.cumsum(batch.lengths, 0) - batch.lengths
+            pooled = x[starts]
+        else:
+            sums = x.new_zeros(batch.n_texts, x.shape[1]).index_add_(0, batch.text_of_row, x)
+            pooled = sums / batch.lengths.unsqueeze(1).to(x.dtype)
+        return F.normalize(pooled, p=2.0, dim=1) if self.info.normalize else pooled
+
+    def step_bytes(self, n_texts: int, longest: int) -> int:
+        """A lower bound on a step's transient bytes (fp32): the packed rows of the widest
+        projection, the padded Q/K/V grid and one layer's attention scores."""
+        info = self.info
+        rows = n_texts * longest
+        packed = rows * (3 * info.dim + info.ffn_dim + 2 * info.dim)
+        grid = 2 * rows * 3 * info.dim
+        scores = n_texts * info.n_heads * longest * longest
+        return 4 * (packed + grid + scores)
