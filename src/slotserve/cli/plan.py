@@ -20,6 +20,7 @@ from rich.table import Table
 from slotserve.cli.flags import (
     add_engine_args,
     add_prefix_store_args,
+    model_specs,
     resolve_engine_config,
     with_prefix_store,
 )
@@ -27,7 +28,9 @@ from slotserve.cli.serve import (
     add_grammar_args,
     add_server_arenas,
     grammar_config,
+    model_set,
     prepare_grammars,
+    served_name,
     with_server_prefix_cache,
 )
 from slotserve.memory import format_bytes
@@ -35,7 +38,7 @@ from slotserve.memory import format_bytes
 
 def register(commands: Any) -> None:
     parser = commands.add_parser("plan", help="memory plan for a model and engine settings")
-    add_engine_args(parser)
+    add_engine_args(parser, model_set=True)  # several --model, or --models FILE: their set
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument(
         "--measure",
@@ -53,6 +56,52 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    specs = model_specs(args, served_name)
+    if specs is not None:
+        return _plan_models(args, specs)
+    return _plan_one(args)
+
+
+def _plan_models(args: argparse.Namespace, specs: list[Any]) -> int:
+    """The device plan of a set of models, made as ``serve`` makes it (`model_set`: every
+    model loaded and planned, the on-demand ones then unloaded): the shared arenas, each
+    model's bytes and arenas, what the budget must hold, and whether it does."""
+    models = model_set(args, specs, grammar_config(args))
+    try:
+        models.start(check=False)
+        report = {
+            "budget": models.budget,
+            "shared_bytes": models.shared_bytes,
+            "models": models.cards(),
+            "arenas": models.arenas(),
+            "required_bytes": models.required_bytes,
+            "problems": models.problems(),
+        }
+    finally:
+        models.close()
+    report["fits"] = not report["problems"]
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0 if report["fits"] else 1
+    table = Table(title="device plan (every model, one budget)")
+    table.add_column("model")
+    table.add_column("kept", justify="left")
+    table.add_column("planned", justify="right")
+    table.add_row("(shared arenas)", "always", format_bytes(report["shared_bytes"]))
+    for card in report["models"]:
+        kept = "resident" if card["resident"] else "on demand"
+        table.add_row(card["id"], kept, format_bytes(card["bytes"]))
+    table.add_row("required (largest on-demand once)", "", format_bytes(report["required_bytes"]))
+    console = Console()
+    console.print(table)
+    budget = report["budget"]
+    console.print(f"fits: {report['fits']} (budget {format_bytes(budget) if budget else 'none'})")
+    for problem in report["problems"]:
+        console.print(problem)
+    return 0 if report["fits"] else 1
+
+
+def _plan_one(args: argparse.Namespace) -> int:
     import torch
 
     from slotserve.artifact import load

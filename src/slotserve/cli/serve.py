@@ -485,7 +485,7 @@ def model_set(args: argparse.Namespace, specs: list[ModelSpec], grammars: Any) -
     from slotserve.engine.models import ModelSet
     from slotserve.memory import MemoryLedger, parse_bytes, read_process
 
-    template = chat_template_text(args.chat_template)
+    template = chat_template_text(getattr(args, "chat_template", None))  # plan has none
     ledger = MemoryLedger()  # the device's: what no one model owns
     ledger.add("runtime", read_process().anonymous, "measured", "the process before a model")
     add_server_arenas(ledger, "process", grammars.cache_bytes)
@@ -563,5 +563,6 @@ def load_member(
         busy=busy,
         close=close,
         grammar_compiler=compiler,
-        sampling_defaults=sampling_defaults(member),
+        # (plan, which serves nothing, has no sampling flags)
+        sampling_defaults=sampling_defaults(member) if hasattr(member, "temperature") else None,
     )

@@ -388,6 +388,11 @@ class ModelSet:
         return self._shared() + models + self._reserved
 
     @property
+    def shared_bytes(self) -> int:
+        """The process's arenas outside every model (the device ledger's)."""
+        return self._shared()
+
+    @property
     def required_bytes(self) -> int:
         """What the budget must hold at worst: the shared arenas, every resident model's
         plan and the largest on-demand model's (one is loaded at a time at worst, when the
@@ -434,7 +439,8 @@ class ModelSet:
         }
 
     def cards(self) -> list[dict[str, Any]]:
-        """Each model's state, kind, planned bytes, leases and load counts."""
+        """Each model's state, kind, planned bytes, leases, whether its engine holds or
+        queues a request (``busy``) and its load counts."""
         with self._cond:
             return [
                 {
@@ -445,6 +451,7 @@ class ModelSet:
                     "resident": e.spec.resident,
                     "bytes": e.planned_bytes,
                     "leases": e.leases,
+                    "busy": e.loaded is not None and e.loaded.busy(),
                     "loads": e.loads,
                     "unloads": e.unloads,
                     "progress": e.progress,

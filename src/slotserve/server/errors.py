@@ -24,6 +24,7 @@ _REFUSAL_STATUS = {
     "queue_full": 429,
     "queue_timeout": 429,
     "pressure": 429,
+    "model_capacity": 429,  # an on-demand model's load has no room now: retry
     "context_too_long": 400,
     "closed": 503,
 }
