@@ -69,36 +69,38 @@ def _plan_models(args: argparse.Namespace, specs: list[Any]) -> int:
     models = model_set(args, specs, grammar_config(args))
     try:
         models.start(check=False)
-        report = {
+        cards, problems = models.cards(), models.problems()
+        shared, required = models.shared_bytes, models.required_bytes
+        report: dict[str, Any] = {
             "budget": models.budget,
-            "shared_bytes": models.shared_bytes,
-            "models": models.cards(),
+            "shared_bytes": shared,
+            "models": cards,
             "arenas": models.arenas(),
-            "required_bytes": models.required_bytes,
-            "problems": models.problems(),
+            "required_bytes": required,
+            "problems": problems,
+            "fits": not problems,
         }
     finally:
         models.close()
-    report["fits"] = not report["problems"]
     if args.json:
         print(json.dumps(report, indent=2))
-        return 0 if report["fits"] else 1
+        return 0 if not problems else 1
     table = Table(title="device plan (every model, one budget)")
     table.add_column("model")
     table.add_column("kept", justify="left")
     table.add_column("planned", justify="right")
-    table.add_row("(shared arenas)", "always", format_bytes(report["shared_bytes"]))
-    for card in report["models"]:
+    table.add_row("(shared arenas)", "always", format_bytes(shared))
+    for card in cards:
         kept = "resident" if card["resident"] else "on demand"
         table.add_row(card["id"], kept, format_bytes(card["bytes"]))
-    table.add_row("required (largest on-demand once)", "", format_bytes(report["required_bytes"]))
+    table.add_row("required (largest on-demand once)", "", format_bytes(required))
     console = Console()
     console.print(table)
-    budget = report["budget"]
-    console.print(f"fits: {report['fits']} (budget {format_bytes(budget) if budget else 'none'})")
-    for problem in report["problems"]:
+    budget = models.budget
+    console.print(f"fits: {not problems} (budget {format_bytes(budget) if budget else 'none'})")
+    for problem in problems:
         console.print(problem)
-    return 0 if report["fits"] else 1
+    return 0 if not problems else 1
 
 
 def _plan_one(args: argparse.Namespace) -> int:
