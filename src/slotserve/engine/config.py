@@ -32,6 +32,10 @@ DEFAULT_PREFIX_STORE_WRITE_RATE = "4MiB"
 DEFAULT_PREFIX_STORE_MIN_TOKENS = 64
 StoreWrites = Literal["reused", "all"]
 STORE_WRITES: tuple[StoreWrites, ...] = ("reused", "all")
+SpeculateMode = Literal["ngram", "off"]
+SPECULATE_MODES: tuple[SpeculateMode, ...] = ("ngram", "off")
+# The longest draft one request verifies in a step (speculate_max_draft's default).
+DEFAULT_MAX_DRAFT = 8
 
 
 @dataclass(frozen=True)
@@ -71,6 +75,10 @@ class EngineConfig:
     under the runtime alone is refused with that number; ``"model"`` (the default here) the
     model's arenas only, the weights at their own bytes, for a program that embeds the engine
     and budgets the rest of its process itself.
+    ``speculate="ngram"`` drafts tokens for decoding requests from their own prompt and
+    output and verifies them in one step (`slotserve.engine.speculate`), at most
+    ``speculate_max_draft`` a request a step; the output is the same as with ``"off"``, bit
+    for bit: only the number of steps changes.
     A workload preset (`slotserve.engine.presets.preset_config`) is a set of overrides of
     these fields, sized to a budget; the defaults here are the only ones.
     """
@@ -99,12 +107,21 @@ class EngineConfig:
     prefix_store_writes: StoreWrites = "reused"
     kernels: KernelChoice = "auto"
     budget_scope: BudgetScope = "model"
+    speculate: SpeculateMode = "off"
+    speculate_max_draft: int = DEFAULT_MAX_DRAFT
 
     def __post_init__(self) -> None:
         if self.budget_scope not in BUDGET_SCOPES:
             raise ValueError(f"budget_scope={self.budget_scope!r} is not one of {BUDGET_SCOPES}")
         if self.kernels not in KERNEL_CHOICES:
             raise ValueError(f"kernels={self.kernels!r} is not one of {KERNEL_CHOICES}")
+        if self.speculate not in SPECULATE_MODES:
+            raise ValueError(f"speculate={self.speculate!r} is not one of {SPECULATE_MODES}")
+        if self.speculate_max_draft < 1:
+            raise ValueError(
+                f"speculate_max_draft={self.speculate_max_draft} must be >= 1 (to turn "
+                "speculation off: speculate='off')"
+            )
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} is not one of {POLICIES}")
         if self.prefill_chunk < 1 or self.max_batch_tokens < 1:

@@ -62,6 +62,7 @@ from slotserve.engine.probe import ledger_for, time_largest_step
 from slotserve.engine.request import Request
 from slotserve.engine.restore import Restorer
 from slotserve.engine.scheduler import Scheduler
+from slotserve.engine.speculate import speculator_for
 from slotserve.engine.stepper import Stepper, Work
 from slotserve.engine.timings import EngineCounters
 from slotserve.engine.views import (
@@ -148,7 +149,8 @@ class Engine:
             self.config, self.pool, self.counters, clock, self._under_pressure, self.prefix
         )
         self._scheduler = scheduler or Scheduler(self.config)
-        self._stepper = Stepper(executor, self.pool, clock)
+        speculator = speculator_for(self.config, executor)
+        self._stepper = Stepper(executor, self.pool, clock, speculator)
         self._known: weakref.WeakValueDictionary[int, Request] = weakref.WeakValueDictionary()
         # (An empty store is falsy: its length is its files.)
         self._restorer = (
@@ -293,6 +295,7 @@ class Engine:
                 prefix=prefix_stats(self.prefix),
                 cancel_bound=self.cancel_bound(),
                 kv_resident_bytes=resident,
+                speculation=self._stepper.speculation(),
             )
 
     def cancel_bound(self) -> CancelBound:
@@ -394,6 +397,7 @@ class Engine:
                     if r.request_id not in self._restoring
                 ]  # fmt: skip
                 work = self._scheduler.select(ready, self._max_batch())
+                work = self._stepper.draft(work, self.pool)
                 if not work:
                     self._trim_when_idle()
                     self._lock.wait(IDLE_WAIT_S)
@@ -448,6 +452,7 @@ class Engine:
             tokens = sum(n for _, n in work)
             self.counters.count_step(len(work), work[0][0].priority, seconds, tokens)
             failed = {id(r) for r, reason in finished if reason == "error"}
+            self._stepper.settle(self.pool)  # rejected draft rows, before any release
             self._admission.publish_prompts([r for r, _ in work if id(r) not in failed])
             for request, reason in finished:
                 self._end(request, reason)

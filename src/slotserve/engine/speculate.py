@@ -26,15 +26,14 @@ import logging
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
+from slotserve.engine.config import SPECULATE_MODES, EngineConfig, SpeculateMode
 from slotserve.engine.request import Request
+from slotserve.executor import Executor, TorchExecutor
 from slotserve.kv.pool import KVPool, TentativeRows
 
 log = logging.getLogger("slotserve")
 
-SpeculateMode = Literal["ngram", "off"]
-SPECULATE_MODES: tuple[SpeculateMode, ...] = ("ngram", "off")
 Work = list[tuple[Request, int]]  # each chosen request with the number of tokens it feeds
 
 # The longest n-gram looked up (the longest match wins), and the shortest.
@@ -129,6 +128,19 @@ class SpeculationCounters:
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
+@dataclass(frozen=True)
+class SpeculationStats:
+    """An engine's speculation so far (`EngineStats.speculation`): tokens drafted, accepted
+    and rejected, the steps that verified a draft, and the share of drafted tokens
+    accepted."""
+
+    drafted: int
+    accepted: int
+    rejected: int
+    steps: int
+    acceptance_rate: float
+
+
 @dataclass
 class _RequestState:
     request: weakref.ref[Request]
@@ -173,6 +185,7 @@ class Speculator:
         request's draft added to the tokens it feeds (``drafts`` holds them until
         `settle`)."""
         self._forget_finished()
+        self.drafts.clear()  # a step that was never run (its commit refused) left them
         if self.mode == "off" or any(r.in_prefill or r.pooling is not None for r, _ in work):
             return work
         room = self.max_step_tokens - sum(n for _, n in work)
@@ -220,6 +233,16 @@ class Speculator:
                 state.length.observe(drafted, draft.accepted)
         self.drafts.clear()
 
+    def stats(self) -> SpeculationStats:
+        counters = self.counters
+        return SpeculationStats(
+            counters.drafted,
+            counters.accepted,
+            counters.rejected,
+            counters.steps,
+            counters.acceptance_rate,
+        )
+
     def _length_for(self, request: Request) -> int:
         """This step's draft length for ``request`` (0: it does not draft)."""
         if not request.params.speculate or request.pending_token is None:
@@ -246,3 +269,19 @@ class Speculator:
             request = state.request()
             if request is None or request.state == "done":
                 del self._states[request_id]
+
+
+def speculator_for(config: EngineConfig, executor: Executor) -> Speculator | None:
+    """The engine's `Speculator` (None with ``speculate="off"``, or where drafts cannot be
+    verified: an executor that gives only each sequence's last logits; the reason logged)."""
+    if config.speculate == "off":
+        return None
+    if not isinstance(executor, TorchExecutor):
+        log.info(
+            "speculate=%s refused: the executor %s gives only each sequence's last logits, "
+            "and a draft is verified on every row's",
+            config.speculate,
+            type(executor).__name__,
+        )
+        return None
+    return Speculator(config.speculate, config.speculate_max_draft, config.max_batch_tokens)

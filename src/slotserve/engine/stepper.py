@@ -18,9 +18,10 @@ import torch
 
 from slotserve.engine.events import FinishReason
 from slotserve.engine.request import Request
-from slotserve.engine.speculate import Speculator, Work
+from slotserve.engine.speculate import SpeculationStats, Speculator, Work
 from slotserve.executor import Executor, HiddenStates, TorchExecutor
 from slotserve.kv.batch import StepBatch
+from slotserve.kv.pool import KVPool
 from slotserve.kv.store import KVStore
 from slotserve.native.contention import Threaded, ThreadGovernor
 from slotserve.native.threads import process_cores
@@ -43,6 +44,20 @@ class Stepper:
         self.executor, self.kv, self.clock = executor, kv, clock
         self.speculator = speculator
         self.governor = _governor_for(executor)
+
+    def draft(self, work: Work, pool: KVPool) -> Work:
+        """Under the engine lock, before the step is committed: ``work`` with the drafts
+        of the requests that speculate this step (`Speculator.draft`)."""
+        return work if self.speculator is None else self.speculator.draft(work, pool)
+
+    def settle(self, pool: KVPool) -> None:
+        """Under the engine lock, after the step: roll rejected draft rows back."""
+        if self.speculator is not None:
+            self.speculator.settle(pool)
+
+    def speculation(self) -> SpeculationStats | None:
+        """Drafted, accepted and rejected tokens so far (None: this engine never drafts)."""
+        return None if self.speculator is None else self.speculator.stats()
 
     def run(self, work: Work, batch: StepBatch) -> list[tuple[Request, FinishReason]]:
         """Advance ``work`` by one step; ``(request, finish reason)`` for those that ended."""

@@ -18,6 +18,7 @@ from typing import Literal
 from slotserve.engine.cancel_bound import CancelBound
 from slotserve.engine.events import Priority
 from slotserve.engine.request import Request
+from slotserve.engine.speculate import SpeculationStats
 from slotserve.engine.timings import EngineCounters
 from slotserve.kv.holdings import Holding, RowGroup
 from slotserve.kv.pool import KVPool
@@ -148,6 +149,7 @@ class EngineStats:
     kv_resident_bytes: int = 0
     kv_blocks_parked: int = 0
     slots_parked: int = 0
+    speculation: SpeculationStats | None = None  # None: the engine does not speculate
 
     @property
     def kv_blocks_held(self) -> int:
@@ -171,6 +173,7 @@ def engine_stats(
     prefix: PrefixStats | None,
     cancel_bound: CancelBound,
     kv_resident_bytes: int,
+    speculation: SpeculationStats | None = None,
 ) -> EngineStats:
     """The engine's `EngineStats`, read under its lock: ``running`` requests, ``queued``
     ones, the pool's occupancy and the engine's ``counters``."""
@@ -200,6 +203,7 @@ def engine_stats(
         kv_resident_bytes=kv_resident_bytes,
         kv_blocks_parked=usage.parked,
         slots_parked=pool.parked_slots,
+        speculation=speculation,
     )
 
 
