@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from slotserve.cli.flags import add_preset_arg, add_sampling_args
+from slotserve.engine.config import SPECULATE_MODES
 
 log = logging.getLogger("slotserve")
 
@@ -22,6 +23,14 @@ def register(commands: Any) -> None:
     add_preset_arg(parser)
     parser.add_argument(
         "--memory-budget", default=None, help="with --preset: the budget it sizes for"
+    )
+    parser.add_argument(
+        "--speculate",
+        choices=SPECULATE_MODES,
+        default="ngram",
+        help="ngram (default): verify tokens drafted from the prompt and output in one step, "
+        "the output unchanged bit for bit (where the model keeps that exact); off: one token "
+        "a step",
     )
 
 
@@ -51,7 +60,9 @@ def _generate(args: argparse.Namespace) -> int:
     from slotserve.runner import TextLLMRunner
 
     model, context = _model_and_context(args)
-    runner = TextLLMRunner(model, max_context=context, weights=args.weights)
+    runner = TextLLMRunner(
+        model, max_context=context, weights=args.weights, speculate=args.speculate
+    )
     runner.load()
     tokenizer = runner.model.tokenizer
     if args.chat:

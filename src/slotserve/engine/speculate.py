@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from slotserve.engine.config import SPECULATE_MODES, EngineConfig, SpeculateMode
+from slotserve.engine.prefix_share import is_exact
 from slotserve.engine.request import Request
 from slotserve.executor import Executor, TorchExecutor
 from slotserve.kv.pool import KVPool, TentativeRows
@@ -273,7 +274,8 @@ class Speculator:
 
 def speculator_for(config: EngineConfig, executor: Executor) -> Speculator | None:
     """The engine's `Speculator` (None with ``speculate="off"``, or where drafts cannot be
-    verified: an executor that gives only each sequence's last logits; the reason logged)."""
+    verified exactly: an executor that gives only each sequence's last logits, or a model
+    whose logits may depend on the chunking (`is_exact`); the reason logged)."""
     if config.speculate == "off":
         return None
     if not isinstance(executor, TorchExecutor):
@@ -282,6 +284,18 @@ def speculator_for(config: EngineConfig, executor: Executor) -> Speculator | Non
             "and a draft is verified on every row's",
             config.speculate,
             type(executor).__name__,
+        )
+        return None
+    model = executor.model
+    if not is_exact(model, config):
+        log.info(
+            "speculate=%s refused: %s runs %s halves (attention kernel %s), where a chunk's "
+            "logits may differ from one token's in the last bits, so a draft could change "
+            "the output; GGUF block weights on the compiled kernels keep it exact",
+            config.speculate,
+            model.source or model.info.arch,
+            model.halves.kind,
+            "on" if model.kernels.attention is not None and config.kernels == "auto" else "off",
         )
         return None
     return Speculator(config.speculate, config.speculate_max_draft, config.max_batch_tokens)

@@ -81,7 +81,7 @@ class Stepper:
             logits = self._step_pooling(work, torch.tensor(feeds), batch)
         elif self.speculator is not None and self.speculator.drafts:
             assert isinstance(self.executor, TorchExecutor)  # `speculator_for` checks it
-            rows = self.executor.model.forward(torch.tensor(feeds), batch, self.kv, all_logits=True)
+            rows = self.executor.step(torch.tensor(feeds), batch, self.kv, all_logits=True)
             logits = rows[batch.last_token_rows()]
         else:
             logits = self.executor.step(torch.tensor(feeds), batch, self.kv)

@@ -29,8 +29,12 @@ class TorchExecutor:
     def max_step_tokens(self) -> int | None:
         return self.model.halves.max_step_tokens
 
-    def step(self, tokens: torch.Tensor, batch: StepBatch, kv: KVStore) -> torch.Tensor:
-        return self.model.forward(tokens, batch, kv)
+    def step(
+        self, tokens: torch.Tensor, batch: StepBatch, kv: KVStore, *, all_logits: bool = False
+    ) -> torch.Tensor:
+        """The step's logits: each sequence's last token's, or with ``all_logits`` every
+        token's ``[T, vocab]`` (a speculative step verifies its drafts on them)."""
+        return self.model.forward(tokens, batch, kv, all_logits=all_logits)
 
     @property
     def embeds(self) -> bool:

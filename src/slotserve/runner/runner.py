@@ -43,7 +43,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from slotserve.engine import Engine, EngineConfig, Finished, RequestHandle, TokenEvent
-from slotserve.engine.config import DEFAULT_PREFIX_STORE_BYTES
+from slotserve.engine.config import DEFAULT_PREFIX_STORE_BYTES, SpeculateMode
 from slotserve.engine.timings import RequestTimings
 from slotserve.errors import ContextOverflow
 from slotserve.model import Model
@@ -67,7 +67,10 @@ class TextLLMRunner:
     """Load a model and generate text for one caller. ``prefix_cache``: None (default) keeps
     the conversation's KV between turns where restoring it is bit-exact, True anyway, False
     never. ``prefix_store`` (with the cache on): the directory of its disk tier, at most
-    ``prefix_store_bytes`` (bytes or ``"4GiB"``); see the module docstring."""
+    ``prefix_store_bytes`` (bytes or ``"4GiB"``); see the module docstring. ``speculate``
+    (``"ngram"``): drafted tokens verified in one step, the output the same bit for bit
+    (`EngineConfig.speculate`; where the model's logits could depend on the chunking, the
+    engine does not draft and logs why)."""
 
     def __init__(
         self,
@@ -78,6 +81,7 @@ class TextLLMRunner:
         prefix_cache: bool | None = None,
         prefix_store: str | Path | None = None,
         prefix_store_bytes: int | str = DEFAULT_PREFIX_STORE_BYTES,
+        speculate: SpeculateMode = "off",
     ):
         if prefix_store is not None and prefix_cache is False:
             raise ValueError(
@@ -89,6 +93,7 @@ class TextLLMRunner:
         self._prefix_store = prefix_store
         self._prefix_store_bytes = prefix_store_bytes
         self._weights = weights
+        self._speculate = speculate
         self._model = model if isinstance(model, Model) else None
         self._requested_context = max_context
         self._engine: Engine | None = None
@@ -118,7 +123,9 @@ class TextLLMRunner:
         model = self._model
         info = model.info
         context = min(self._requested_context or min(info.max_context, 4096), info.max_context)
-        config = EngineConfig(max_seqs=1, max_context=context, kv_layout="flat")
+        config = EngineConfig(
+            max_seqs=1, max_context=context, kv_layout="flat", speculate=self._speculate
+        )
         choice = self._cache_choice = choose_prefix_cache(model, config, self._prefix_cache)
         log.info("%s", choice.describe("prefix_cache=True", "prefix_cache=False"))
         if choice.on:

@@ -25,12 +25,14 @@ class TimedExecutor(TorchExecutor):
 
     timing: Stats | None = None
 
-    def step(self, tokens: torch.Tensor, batch: StepBatch, kv: KVStore) -> torch.Tensor:
+    def step(
+        self, tokens: torch.Tensor, batch: StepBatch, kv: KVStore, *, all_logits: bool = False
+    ) -> torch.Tensor:
         stats = self.timing
         if stats is None:
-            return super().step(tokens, batch, kv)
+            return super().step(tokens, batch, kv, all_logits=all_logits)
         stats.on_model_execution_begin()
         try:
-            return super().step(tokens, batch, kv)
+            return super().step(tokens, batch, kv, all_logits=all_logits)
         finally:
             stats.on_model_execution_end()
