@@ -18,6 +18,7 @@ from slotserve.engine.config import (
     DEFAULT_PREFIX_STORE_BYTES,
     DEFAULT_PREFIX_STORE_MIN_TOKENS,
     DEFAULT_PREFIX_STORE_WRITE_RATE,
+    SPECULATE_MODES,
     EngineConfig,
 )
 from slotserve.engine.presets import PRESET_NAMES, PresetChoice, choose_preset
@@ -61,6 +62,13 @@ ENGINE_FLAGS: dict[str, tuple[str, Any, tuple[str, ...] | None, str]] = {
         float,
         None,
         "isolate: background's minimum share of steps when it competes, in [0, 1)",
+    ),
+    "speculate": (
+        "speculate",
+        str,
+        SPECULATE_MODES,
+        "ngram: verify tokens drafted from each request's prompt and output in one step, the "
+        "output unchanged bit for bit (serve's default, where the model keeps that exact); off",
     ),
 }
 _CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}

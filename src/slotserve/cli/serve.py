@@ -293,6 +293,15 @@ def with_server_queue(config: EngineConfig, args: argparse.Namespace) -> EngineC
     return dataclasses.replace(config, queue_depth=QUEUE_PER_SLOT * config.max_seqs)
 
 
+def with_server_speculation(config: EngineConfig, args: argparse.Namespace) -> EngineConfig:
+    """The server drafts by default (`slotserve.engine.speculate`; ``--speculate off``: it
+    does not): the engine verifies every draft exactly, or refuses to draft where the model
+    could not keep the output unchanged, and logs why."""
+    if getattr(args, "speculate", None) is None:
+        return dataclasses.replace(config, speculate="ngram")
+    return config
+
+
 def with_server_prefix_cache(
     config: EngineConfig, args: argparse.Namespace, model: Any
 ) -> EngineConfig:
@@ -389,6 +398,7 @@ def _serve(args: argparse.Namespace) -> int:
         config = engine_config(args, model, ledger)  # with --preset: sized to the ledger
         config = with_server_queue(config, args)
         config = with_server_prefix_cache(config, args, model)
+        config = with_server_speculation(config, args)
         config = with_prefix_store(config, args)
         engine = Engine(
             model, config, pressure=pressure_source(args), executor=executor, ledger=ledger
@@ -536,6 +546,7 @@ def load_member(
         config = engine_config(member, model, ledger)
         config = with_server_queue(config, member)
         config = with_server_prefix_cache(config, member, model)
+        config = with_server_speculation(config, member)
         config = dataclasses.replace(config, memory_budget=None, memory_map=None)
         # Its steps take turns on the device with the other models' (`DeviceScheduler`).
         seat = DeviceSeat(device, spec.name)
