@@ -10,7 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import slotserve as ss
-from slotserve.engine.speculate import DraftLength, NgramDrafter
+from slotserve.engine.speculate import (
+    PRIOR_ACCEPTANCE,
+    Acceptance,
+    NgramDrafter,
+    Speculator,
+    StepCost,
+)
 
 
 def lookup(tokens: list[int], k: int, n_max: int = 3, n_min: int = 1) -> list[int]:
@@ -45,19 +51,45 @@ def test_a_repeated_phrase_is_drafted() -> None:
     assert drafter.propose(0) == []
 
 
-def test_the_draft_length_follows_acceptance() -> None:
-    length = DraftLength(limit=8)
-    assert length.next() == 8
-    length.observe(8, 3)  # shrinks to what was accepted, plus one
-    assert length.next() == 4
-    length.observe(4, 4)  # accepted whole: doubles, up to the limit
-    assert length.next() == 8
-    length.observe(8, 0)  # a miss: one step without a draft, then a draft of one
-    assert length.next() == 0 and length.next() == 1
-    length.observe(1, 0)  # a second miss in a row: two steps without
-    assert [length.next() for _ in range(3)] == [0, 0, 1]
-    length.observe(1, 1)
-    assert length.next() == 2 and length.misses == 0
+def test_the_acceptance_estimate_follows_the_drafts() -> None:
+    acceptance = Acceptance()
+    assert acceptance.rate == PRIOR_ACCEPTANCE
+    for _ in range(10):
+        acceptance.observe(6, 6)  # accepted whole: the estimate climbs towards 1
+    assert acceptance.rate > 0.95
+    assert acceptance.expected(3) == pytest.approx(sum(acceptance.rate**j for j in (1, 2, 3)))
+    for _ in range(10):
+        acceptance.observe(4, 0)  # rejected at once: it falls towards 0
+    low = acceptance.rate
+    assert low < 0.05
+    acceptance.idle()  # not drafting: it drifts back towards the prior, slowly
+    assert low < acceptance.rate < PRIOR_ACCEPTANCE
+
+
+def test_the_step_cost_is_fitted_to_the_steps_run() -> None:
+    cost = StepCost()
+    for _ in range(5):
+        cost.observe(1, 0.006)  # one size only: half of it is taken to be per row
+    assert cost.line() == pytest.approx((0.003, 0.003))
+    for rows in (1, 2, 5, 9) * 5:
+        cost.observe(rows, 0.003 + 0.0025 * rows)
+    fixed, per_row = cost.line()
+    assert per_row == pytest.approx(0.0025, rel=0.1) and fixed == pytest.approx(0.003, rel=0.2)
+
+
+def test_drafts_are_chosen_only_where_they_pay() -> None:
+    """A likely draft on a step whose rows are cheap is verified at length; one that
+    would cost more than it delivers (rows that each cost a whole step) is not."""
+    cheap = Speculator("ngram", max_draft=8, max_step_tokens=64)
+    for rows in (1, 2, 4, 8) * 5:
+        cheap.observe_step(rows, 0.020 + 0.0005 * rows)  # weight-bound: rows nearly free
+    dear = Speculator("ngram", max_draft=8, max_step_tokens=64)
+    for rows in (1, 2, 4, 8) * 5:
+        dear.observe_step(rows, 0.0001 + 0.005 * rows)  # row-bound: each row a step
+    likely = Acceptance()
+    likely.rate = 0.9
+    assert len(cheap._choose([(0, likely, [1] * 8)], rows=1, delivered=1.0)[0]) >= 6
+    assert dear._choose([(0, likely, [1] * 8)], rows=1, delivered=1.0) == {}
 
 
 def test_speculation_is_refused_where_logits_depend_on_the_chunking(

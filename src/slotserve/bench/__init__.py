@@ -23,6 +23,7 @@ from slotserve.bench.report import keep_sections, markdown_report, replace_secti
 from slotserve.bench.servers import run_servers
 from slotserve.bench.serving import run_bargein, run_concurrency, run_mixed
 from slotserve.bench.single import run_single
+from slotserve.bench.speculative import run_speculative
 from slotserve.bench.structured import run_structured
 from slotserve.model import Model
 from slotserve.native import on_own_thread
@@ -38,11 +39,12 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "memory": run_memory,
     "executors": run_executors,
     "servers": run_servers,
+    "speculative": run_speculative,
 }
 # Scenarios that write their own section of docs/BENCHMARKS.md and that "all" keeps as they
 # are: ``executors`` needs a bundle (`slotserve export`); ``servers`` needs llama-server
-# (`make bench-deps`), and "all" runs it with ``baselines``.
-OWN_SECTION_SCENARIOS = ("executors", "servers")
+# (`make bench-deps`), and "all" runs it with ``baselines``; ``speculative`` is run on its own.
+OWN_SECTION_SCENARIOS = ("executors", "servers", "speculative")
 # Scenarios that, run alone, rewrite their section of docs/BENCHMARKS.md (``memory``: a real
 # server's worst case, worth keeping beside the command that measured it).
 SECTION_SCENARIOS = (*OWN_SECTION_SCENARIOS, "memory")

@@ -11,6 +11,7 @@ from typing import Any
 from slotserve.bench.executors import executors_section
 from slotserve.bench.prefix_store import store_section
 from slotserve.bench.servers import servers_section
+from slotserve.bench.speculative import speculative_section
 from slotserve.bench.stats import format_summary, markdown_table
 from slotserve.bench.structured_hostile import hostile_section
 from slotserve.bench.structured_tools import tool_calls_section
@@ -444,6 +445,7 @@ SECTIONS = {
     "memory": _memory,
     "executors": executors_section,
     "servers": servers_section,
+    "speculative": speculative_section,
 }
 
 

@@ -27,6 +27,7 @@ SCENARIO_NAMES = (
     "memory",
     "executors",
     "servers",
+    "speculative",
     "all",
 )
 

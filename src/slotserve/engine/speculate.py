@@ -11,9 +11,10 @@ rule), so every delivered token, its log-probabilities and the sampler's state a
 plain decoding, bit for bit; only the number of steps changes.
 
 Owns the drafts (`NgramDrafter`: prompt lookup in the request's own prompt and output), the
-draft length's adaptation to recent acceptance (`DraftLength`), which requests draft in a
-step and how much (`Speculator.draft`), and the rollback of rejected rows in the pool
-(`Speculator.settle`, through `KVPool.hold_tentative` / `KVPool.roll_back`). The
+estimate of each request's acceptance (`Acceptance`), the cost of a step's rows
+(`StepCost`), which requests draft in a step and how much (`Speculator.draft`), and the
+rollback of rejected rows in the pool (`Speculator.settle`, through
+`KVPool.hold_tentative` / `KVPool.roll_back`). The
 verification itself is the stepper's (`slotserve.engine.stepper`): it samples as ever.
 
 Threading: `draft` and `settle` run on the engine thread under the engine lock (they change
@@ -40,10 +41,13 @@ Work = list[tuple[Request, int]]  # each chosen request with the number of token
 # The longest n-gram looked up (the longest match wins), and the shortest.
 NGRAM_MAX = 3
 NGRAM_MIN = 1
-# After a draft of which nothing was accepted, a request skips drafting for this many
-# steps, doubling with each further miss up to `MAX_BACKOFF` (a free-form answer then pays
-# for a draft row rarely).
-MAX_BACKOFF = 16
+# A request's per-token acceptance before it has drafted, how much each draft moves the
+# estimate, and how fast the estimate drifts back to the prior while it does not draft.
+PRIOR_ACCEPTANCE = 0.6
+ACCEPTANCE_WEIGHT = 0.3
+RECOVERY_WEIGHT = 0.02
+# How fast the step-cost fit forgets older steps (per step).
+COST_DECAY = 0.98
 
 
 class NgramDrafter:
@@ -82,36 +86,68 @@ class NgramDrafter:
 
 
 @dataclass
-class DraftLength:
-    """How many tokens a request drafts next: grows while its drafts are accepted whole,
-    shrinks to what was accepted, and backs off for a while after drafts that missed."""
+class Acceptance:
+    """How likely a request's next drafted token is accepted: a moving estimate of the
+    per-token acceptance (a draft of ``k`` of which ``a`` were accepted counts ``a`` hits
+    and, when ``a < k``, one miss), drifting back towards `PRIOR_ACCEPTANCE` while the
+    request does not draft, so text that turns repetitive is tried again."""
 
-    limit: int
-    length: int = 0
-    skip: int = 0  # steps left without a draft
-    misses: int = 0  # drafts in a row of which nothing was accepted
+    rate: float = 0.0
 
     def __post_init__(self) -> None:
-        self.length = self.limit
-
-    def next(self) -> int:
-        """The draft length for this step (0: do not draft this step)."""
-        if self.skip > 0:
-            self.skip -= 1
-            return 0
-        return self.length
+        self.rate = PRIOR_ACCEPTANCE
 
     def observe(self, drafted: int, accepted: int) -> None:
-        """A draft of ``drafted`` tokens of which the first ``accepted`` were accepted."""
         if drafted == 0:
             return
-        if accepted == 0:
-            self.misses += 1
-            self.skip = min(2 ** (self.misses - 1), MAX_BACKOFF)
-            self.length = 1
-            return
-        self.misses = 0
-        self.length = min(self.limit, 2 * drafted if accepted == drafted else accepted + 1)
+        misses = 1 if accepted < drafted else 0
+        observed = accepted / (accepted + misses)
+        self.rate += ACCEPTANCE_WEIGHT * (observed - self.rate)
+
+    def idle(self) -> None:
+        self.rate += RECOVERY_WEIGHT * (PRIOR_ACCEPTANCE - self.rate)
+
+    def expected(self, k: int) -> float:
+        """Tokens expected to be accepted of a draft of ``k``: p + p^2 + ... + p^k."""
+        p = self.rate
+        return sum(p**j for j in range(1, k + 1))
+
+
+@dataclass
+class StepCost:
+    """What a decode step of ``rows`` rows costs, as ``fixed + per_row * rows`` seconds,
+    fitted (least squares, recent steps weighing most) to the steps this engine ran. Before
+    steps of different sizes were seen, half of a step's time is taken to be per row."""
+
+    n: float = 0.0
+    x: float = 0.0
+    y: float = 0.0
+    xx: float = 0.0
+    xy: float = 0.0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        decay = COST_DECAY
+        self.n = self.n * decay + 1
+        self.x = self.x * decay + rows
+        self.y = self.y * decay + seconds
+        self.xx = self.xx * decay + rows * rows
+        self.xy = self.xy * decay + rows * seconds
+
+    def line(self) -> tuple[float, float]:
+        """(fixed, per_row) seconds; (1, 1) before any step (only ratios matter)."""
+        if self.n == 0:
+            return 1.0, 1.0
+        mean_x, mean_y = self.x / self.n, self.y / self.n
+        variance = self.xx / self.n - mean_x**2
+        if variance < 0.25:  # steps of one size so far: the prior
+            per_row = 0.5 * mean_y / mean_x
+        else:
+            per_row = max((self.xy / self.n - mean_x * mean_y) / variance, 0.0)
+        return max(mean_y - per_row * mean_x, 0.0), per_row
+
+    def seconds(self, rows: int) -> float:
+        fixed, per_row = self.line()
+        return fixed + per_row * rows
 
 
 @dataclass
@@ -146,7 +182,7 @@ class SpeculationStats:
 class _RequestState:
     request: weakref.ref[Request]
     drafter: NgramDrafter
-    length: DraftLength
+    acceptance: Acceptance
 
 
 @dataclass
@@ -165,13 +201,16 @@ class Speculator:
 
     ``max_draft`` bounds one request's draft; ``max_step_tokens`` the tokens of a step with
     drafts (the engine's ``max_batch_tokens``). A step drafts only when it is decode only
-    (a prefill chunk already fills the step's rows) and each request's drafts adapt to its
-    acceptance (`DraftLength`)."""
+    (a prefill chunk already fills the step's rows), and only the drafts expected to raise
+    the step's delivered tokens a second: each request's acceptance so far (`Acceptance`)
+    against what rows cost on this machine and model (`StepCost`, fitted to the steps run),
+    so speculation does not slow a batch that is already bound by its rows."""
 
     mode: SpeculateMode
     max_draft: int
     max_step_tokens: int
     counters: SpeculationCounters = field(default_factory=SpeculationCounters)
+    cost: StepCost = field(default_factory=StepCost)
     drafts: dict[int, Draft] = field(default_factory=dict)  # request id -> this step's
     _states: dict[int, _RequestState] = field(default_factory=dict)
 
@@ -189,19 +228,48 @@ class Speculator:
         self.drafts.clear()  # a step that was never run (its commit refused) left them
         if self.mode == "off" or any(r.in_prefill or r.pooling is not None for r, _ in work):
             return work
-        room = self.max_step_tokens - sum(n for _, n in work)
         span = pool.tentative_span - 1  # a ring rolls back at most this many drafted rows
-        drafted: Work = []
-        for request, n in work:
-            k = min(room, span, self._length_for(request)) if room > 0 else 0
-            tokens = self._state(request).drafter.propose(k) if k > 0 else []
-            if tokens:
-                start = pool.length(request.request_id)
-                held = pool.hold_tentative(request.request_id, start + 1, start + 1 + len(tokens))
-                self.drafts[request.request_id] = Draft(tokens, held)
-                room -= len(tokens)
-            drafted.append((request, n + len(tokens)))
-        return drafted
+        candidates = []
+        for request, _ in work:
+            k = min(span, self._length_for(request))
+            proposal = self._state(request).drafter.propose(k) if k > 0 else []
+            if proposal:
+                candidates.append((request.request_id, self._state(request).acceptance, proposal))
+            elif request.params.speculate:
+                self._state(request).acceptance.idle()
+        chosen = self._choose(candidates, sum(n for _, n in work), len(work))
+        for request_id, tokens in chosen.items():
+            start = pool.length(request_id)
+            held = pool.hold_tentative(request_id, start + 1, start + 1 + len(tokens))
+            self.drafts[request_id] = Draft(tokens, held)
+        return [(request, n + len(chosen.get(request.request_id, ()))) for request, n in work]
+
+    def _choose(
+        self, candidates: list[tuple[int, Acceptance, list[int]]], rows: int, delivered: float
+    ) -> dict[int, list[int]]:
+        """Which proposals (by request id) to verify, and how much of each: the most likely
+        first, each at the length that most raises the step's expected tokens a second (its
+        rows cost what `StepCost` says; the step delivers ``delivered`` tokens without
+        drafts), none where no length raises it. The step stays within ``max_step_tokens``."""
+        chosen: dict[int, list[int]] = {}  # by request id
+        for request_id, acceptance, proposal in sorted(candidates, key=lambda c: -c[1].rate):
+            room = self.max_step_tokens - rows
+            best, best_rate = 0, delivered / self.cost.seconds(rows)
+            for k in range(1, min(len(proposal), room) + 1):
+                rate = (delivered + acceptance.expected(k)) / self.cost.seconds(rows + k)
+                if rate > best_rate:
+                    best, best_rate = k, rate
+            if best == 0:
+                acceptance.idle()
+                continue
+            chosen[request_id] = proposal[:best]
+            rows += best
+            delivered += acceptance.expected(best)
+        return chosen
+
+    def observe_step(self, rows: int, seconds: float) -> None:
+        """A decode-only step of ``rows`` rows took ``seconds`` (the cost model learns)."""
+        self.cost.observe(rows, seconds)
 
     def fed(self, request: Request) -> list[int]:
         """The tokens ``request`` feeds after its pending one in this step."""
@@ -231,7 +299,7 @@ class Speculator:
             counters.rejected += drafted - draft.accepted
             state = self._states.get(request_id)
             if state is not None:
-                state.length.observe(drafted, draft.accepted)
+                state.acceptance.observe(drafted, draft.accepted)
         self.drafts.clear()
 
     def stats(self) -> SpeculationStats:
@@ -252,13 +320,13 @@ class Speculator:
         remaining = request.max_new_tokens - len(request.generated) - 1
         if remaining <= 0:
             return 0
-        return min(self._state(request).length.next(), remaining)
+        return min(self.max_draft, remaining)
 
     def _state(self, request: Request) -> _RequestState:
         """``request``'s drafter and draft length, its history brought up to date."""
         state = self._states.get(request.request_id)
         if state is None:
-            state = _RequestState(weakref.ref(request), NgramDrafter(), DraftLength(self.max_draft))
+            state = _RequestState(weakref.ref(request), NgramDrafter(), Acceptance())
             state.drafter.extend(request.prompt)
             self._states[request.request_id] = state
         known = len(state.drafter.tokens) - len(request.prompt)

@@ -63,6 +63,7 @@ class Stepper:
         """Advance ``work`` by one step; ``(request, finish reason)`` for those that ended."""
         now = self.clock()
         feeds: list[int] = []
+        decode_only = not any(r.in_prefill or r.pooling is not None for r, _ in work)
         for request, n in work:
             if request.timings.first_scheduled is None:
                 request.timings.first_scheduled = now
@@ -85,8 +86,11 @@ class Stepper:
             logits = rows[batch.last_token_rows()]
         else:
             logits = self.executor.step(torch.tensor(feeds), batch, self.kv)
+        seconds = time.perf_counter() - wall
         if self.governor is not None:
-            self.governor.observe(time.perf_counter() - wall, time.process_time() - cpu)
+            self.governor.observe(seconds, time.process_time() - cpu)
+        if self.speculator is not None and decode_only:
+            self.speculator.observe_step(batch.n_tokens, seconds)
         if rows is None:
             return self._sample_and_stream(work, logits)
         plain = [index for index, (r, _) in enumerate(work) if not self._drafted(r)]

@@ -1,0 +1,157 @@
+"""Scenario ``speculative``: delivered tokens a second with n-gram speculation on and off.
+
+Three workloads on two engines of the same config, one with ``speculate="ngram"`` and one
+with ``"off"``, taking turns (on, off, on, off ...) so that the shared machine's load falls
+on both alike:
+
+- ``repetitive``: one stream, greedy; prompts whose answer repeats much of the prompt (a
+  paragraph rewritten with one change, a text summarised with quotes, a JSON object repeated
+  with one field changed);
+- ``free-form``: one stream, greedy; chat questions whose answer the prompt does not hold
+  (speculation must not cost there);
+- ``repetitive x 8``: the repetitive prompts as 8 concurrent streams.
+
+A stream's delivered rate is its tokens after the first over the time from its first token
+to its last (only tokens the user gets, however many arrive together); a workload of several
+streams reports their tokens over the wall time from the first token to the last. Each row
+also gives the engine's drafted and accepted tokens. Both engines' outputs are compared, and
+a difference is reported (it would be a bug: speculation changes nothing but speed).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+from slotserve.bench.stats import summary
+from slotserve.engine import Engine, EngineConfig, Finished
+from slotserve.model import Model
+from slotserve.sampling import SamplingParams
+
+PARAGRAPH = (
+    "The committee met on Tuesday to review the annual budget. After a long discussion it "
+    "agreed to fund the new public library, to repair the old stone bridge over the river, "
+    "and to hire two more teachers for the primary school. The mayor thanked everyone for "
+    "their patience and asked the treasurer to publish the figures before the end of the month."
+)
+JSON_OBJECT = (
+    '{"id": 4172, "name": "Ada Lovelace", "email": "ada@example.org", "city": "London", '
+    '"languages": ["English", "French"], "active": true, "score": 97.5, '
+    '"address": {"street": "12 St James Square", "postcode": "SW1Y 4JH"}}'
+)
+REPETITIVE = (
+    f"Rewrite this paragraph exactly, changing only 'Tuesday' to 'Friday':\n\n{PARAGRAPH}",
+    f"Summarise this text, quoting its sentences word for word:\n\n{PARAGRAPH}",
+    f"Repeat this JSON object exactly, with the city changed to Paris:\n\n{JSON_OBJECT}",
+)
+FREE_FORM = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "What are three good habits for learning a new language? Explain each briefly.",
+    "Describe how a bicycle works to a child.",
+)
+MAX_NEW_TOKENS = 128
+STREAMS = 8
+
+
+def run_speculative(model: Model, repeats: int = 1) -> dict[str, Any]:
+    """Each workload ``repeats`` times on each engine, in turns (see the module docstring)."""
+    config = EngineConfig(
+        max_seqs=STREAMS, max_context=1024, kv_layout="flat", max_batch_tokens=512
+    )
+    on = Engine(model, replace(config, speculate="ngram"))
+    off = Engine(model, replace(config, speculate="off"))
+    try:
+        prompts = {
+            name: [model.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in texts]
+            for name, texts in (("repetitive", REPETITIVE), ("free-form", FREE_FORM))
+        }
+        workloads = {
+            "repetitive": (prompts["repetitive"], 1),
+            "free-form": (prompts["free-form"], 1),
+            f"repetitive x {STREAMS}": (prompts["repetitive"], STREAMS),
+        }
+        rows = [
+            _workload(name, on, off, batch, streams, repeats)
+            for name, (batch, streams) in workloads.items()
+        ]
+    finally:
+        on.close()
+        off.close()
+    return {"max_new_tokens": MAX_NEW_TOKENS, "repeats": repeats, "rows": rows}
+
+
+def _workload(
+    name: str, on: Engine, off: Engine, prompts: list[list[int]], streams: int, repeats: int
+) -> dict[str, Any]:
+    rates: dict[str, list[float]] = {"on": [], "off": []}
+    same = True
+    before = on.stats().speculation
+    for _ in range(repeats):
+        for index in range(len(prompts) if streams == 1 else 1):
+            line_up = [prompts[index]] if streams == 1 else _streams(prompts, streams)
+            outputs = {}
+            for label, engine in (("on", on), ("off", off)):
+                rate, outputs[label] = _delivered_rate(engine, line_up)
+                rates[label].append(rate)
+            same = same and outputs["on"] == outputs["off"]
+    after = on.stats().speculation
+    assert before is not None and after is not None, "the ngram engine does not speculate"
+    drafted, accepted = after.drafted - before.drafted, after.accepted - before.accepted
+    ratio = [a / b for a, b in zip(rates["on"], rates["off"], strict=True) if b > 0]
+    return {
+        "workload": name,
+        "streams": streams,
+        "tok_s_on": summary(rates["on"]),
+        "tok_s_off": summary(rates["off"]),
+        "speedup": summary(ratio),
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance": accepted / drafted if drafted else 0.0,
+        "same_output": same,
+    }
+
+
+def _streams(prompts: list[list[int]], streams: int) -> list[list[int]]:
+    return [prompts[i % len(prompts)] for i in range(streams)]
+
+
+def _delivered_rate(
+    engine: Engine, prompts: list[list[int]]
+) -> tuple[float, list[tuple[int, ...]]]:
+    """Run ``prompts`` at once; delivered tokens a second, and each one's tokens."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
+    handles = [engine.submit(p, params) for p in prompts]
+    results: list[Finished] = [h.result() for h in handles]
+    firsts = [r.timings.token_times[0] for r in results if r.timings.token_times]
+    lasts = [r.timings.token_times[-1] for r in results if r.timings.token_times]
+    tokens = sum(max(len(r.timings.token_times) - 1, 0) for r in results)
+    span = max(lasts) - min(firsts) if firsts else 0.0
+    time.sleep(0.05)  # the engine thread goes idle between runs
+    return (tokens / span if span > 0 else 0.0), [r.tokens for r in results]
+
+
+def speculative_section(result: dict[str, Any]) -> list[str]:
+    """The markdown section of a ``speculative`` run."""
+
+    def rate(figure: dict[str, float]) -> str:
+        return f"{figure['median']:.1f} [{figure['min']:.1f}–{figure['max']:.1f}]"
+
+    lines = [
+        "## speculative",
+        "",
+        f"Greedy, {result['max_new_tokens']} new tokens, flat layout; slotserve with n-gram "
+        "speculation on and off, taking turns; delivered tokens a second (median [min–max] "
+        f"over {result['repeats']} repeat(s) of each prompt).",
+        "",
+        "| workload | streams | on tok/s | off tok/s | on / off | drafted | accepted | "
+        "acceptance | same output |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in result["rows"]:
+        lines.append(
+            f"| {row['workload']} | {row['streams']} | {rate(row['tok_s_on'])} | "
+            f"{rate(row['tok_s_off'])} | {row['speedup']['median']:.2f}x | {row['drafted']} | "
+            f"{row['accepted']} | {row['acceptance']:.0%} | {row['same_output']} |"
+        )
+    return [*lines, ""]
