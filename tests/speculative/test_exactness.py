@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import slotserve as ss
+from slotserve.engine.speculate import StepCost
 
 LAYOUTS: dict[str, dict[str, Any]] = {
     "flat": {"kv_layout": "flat"},
@@ -79,8 +80,29 @@ def blocks(bundled_blocks: ss.Model) -> ss.Model:
     return bundled_blocks
 
 
+class CheapRows(StepCost):
+    """A step cost under which extra rows are nearly free, whatever this machine's load:
+    the engine then drafts wherever a proposal exists, so the property is tested on many
+    drafts (accepted and rejected) rather than on what the measured cost allowed."""
+
+    def observe(self, rows: int, seconds: float) -> None:
+        pass
+
+    def line(self) -> tuple[float, float]:
+        return 1.0, 0.001
+
+
+def speculating(model: ss.Model, config: ss.EngineConfig) -> ss.Engine:
+    """An engine with ``config`` (speculate="ngram") that drafts wherever it can."""
+    engine = ss.Engine(model, config)
+    speculator = engine._stepper.speculator  # the test fixes the cost model, nothing else
+    assert speculator is not None
+    speculator.cost = CheapRows()
+    return engine
+
+
 def check_equal_output(model: ss.Model, config: dict[str, Any], examples: int) -> None:
-    on = ss.Engine(model, ss.EngineConfig(speculate="ngram", **config))
+    on = speculating(model, ss.EngineConfig(speculate="ngram", **config))
     off = ss.Engine(model, ss.EngineConfig(speculate="off", **config))
 
     @settings(max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -168,13 +190,22 @@ def test_stateful_samplers_give_the_same_output(blocks: ss.Model, sampler: str) 
     config = ss.EngineConfig(max_seqs=1, max_context=160, kv_layout="cell")
     traces, texts = [], []
     for mode in ("ngram", "off"):
-        with ss.Engine(blocks, replace(config, speculate=mode)) as engine:
+        made = replace(config, speculate=mode)
+        with speculating(blocks, made) if mode == "ngram" else ss.Engine(blocks, made) as engine:
             handle = engine.submit(prompt, params)
             traces.append(trace(handle))
             texts.append(handle.result().text)
             stats = engine.stats().speculation
+            timings = handle.result().timings
             if mode == "ngram":
                 assert stats is not None and stats.drafted > 0, "nothing was drafted"
+                # One request: its own counts are the engine's.
+                assert (timings.drafted_tokens, timings.accepted_tokens) == (
+                    stats.drafted,
+                    stats.accepted,
+                )
+            else:
+                assert timings.drafted_tokens == timings.accepted_tokens == 0
             engine.close()
             engine.check_integrity()
     assert traces[0] == traces[1] and texts[0] == texts[1]

@@ -16,6 +16,11 @@ to its last (only tokens the user gets, however many arrive together); a workloa
 streams reports their tokens over the wall time from the first token to the last. Each row
 also gives the engine's drafted and accepted tokens. Both engines' outputs are compared, and
 a difference is reported (it would be a bug: speculation changes nothing but speed).
+
+Where llama-server is built (`slotserve.bench.llama_server`) and the model is a GGUF file,
+the single-stream workloads also run on llama-server on the same file, once per n-gram
+mode (``--spec-type`` none, ngram-simple, ngram-mod, ngram-cache), the same token ids
+through its completions API, greedy, after slotserve's rounds (slotserve runs in process).
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ FREE_FORM = (
 )
 MAX_NEW_TOKENS = 128
 STREAMS = 8
+LLAMA_SPEC_TYPES = ("none", "ngram-simple", "ngram-mod", "ngram-cache")
 
 
 def run_speculative(model: Model, repeats: int = 1) -> dict[str, Any]:
@@ -78,7 +84,72 @@ def run_speculative(model: Model, repeats: int = 1) -> dict[str, Any]:
     finally:
         on.close()
         off.close()
-    return {"max_new_tokens": MAX_NEW_TOKENS, "repeats": repeats, "rows": rows}
+    single = {name: prompts for name, (prompts, streams) in workloads.items() if streams == 1}
+    return {
+        "max_new_tokens": MAX_NEW_TOKENS,
+        "repeats": repeats,
+        "rows": rows,
+        "llama_server": _llama_server_rows(model, single, repeats),
+    }
+
+
+def _llama_server_rows(
+    model: Model, workloads: dict[str, list[list[int]]], repeats: int
+) -> dict[str, Any]:
+    """Delivered tok/s of llama-server on ``model``'s GGUF, per ``--spec-type`` and workload
+    (or why it did not run)."""
+    import openai
+
+    from slotserve.bench.llama_server import LLAMA_CPP_PYTHON_VERSION, find_llama_server
+    from slotserve.bench.processes import ServerProcess, free_port
+    from slotserve.native import process_cores
+
+    binary = find_llama_server()
+    if binary is None:
+        return {"skipped": "llama-server is not built; `make bench-deps` builds it"}
+    if not model.source.endswith(".gguf"):
+        return {"skipped": f"llama-server needs a .gguf file; {model.source} is not one"}
+    threads = process_cores()
+    rows: dict[str, dict[str, Any]] = {}
+    for spec in LLAMA_SPEC_TYPES:
+        port = free_port()
+        command = [str(binary), "-m", model.source, "--host", "127.0.0.1", "--port", str(port)]
+        command += ["-np", "1", "-c", "1024", "-t", str(threads), "-tb", str(threads)]
+        command += ["--no-webui", "--spec-type", spec]
+        server = ServerProcess(command, port)
+        try:
+            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+            name = server.model_name
+            rows[spec] = {}
+            for workload, prompts in workloads.items():
+                _served_rate(client, name, prompts[0])  # warm-up
+                rates = [_served_rate(client, name, p) for _ in range(repeats) for p in prompts]
+                rows[spec][workload] = summary(rates)
+        finally:
+            server.stop()
+    return {"llama_cpp_python": LLAMA_CPP_PYTHON_VERSION, "threads": threads, "rows": rows}
+
+
+def _served_rate(client: Any, model_name: str, prompt: list[int]) -> float:
+    """One greedy streamed completion of ``prompt``: delivered tokens a second (its tokens
+    after the first over the time from the first chunk with text to the last)."""
+    response = client.completions.create(
+        model=model_name,
+        prompt=prompt,
+        max_tokens=MAX_NEW_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    times, tokens = [], 0
+    for chunk in response:
+        if chunk.choices and chunk.choices[0].text:
+            times.append(time.perf_counter())
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    tokens = tokens or len(times)
+    span = times[-1] - times[0] if len(times) > 1 else 0.0
+    return (tokens - 1) / span if span > 0 else 0.0
 
 
 def _workload(
@@ -154,4 +225,26 @@ def speculative_section(result: dict[str, Any]) -> list[str]:
             f"{rate(row['tok_s_off'])} | {row['speedup']['median']:.2f}x | {row['drafted']} | "
             f"{row['accepted']} | {row['acceptance']:.0%} | {row['same_output']} |"
         )
+    lines.append("")
+    llama = result.get("llama_server", {})
+    if "skipped" in llama:
+        return [*lines, f"llama-server: not run ({llama['skipped']}).", ""]
+    if not llama:
+        return lines
+    ours = {row["workload"]: row for row in result["rows"] if row["streams"] == 1}
+    lines += [
+        f"llama-server (llama-cpp-python {llama['llama_cpp_python']}'s llama.cpp, "
+        f"{llama['threads']} threads) on the same file and prompts, one stream, by "
+        "`--spec-type`; delivered tok/s, and slotserve with speculation over it:",
+        "",
+        "| --spec-type | " + " | ".join(f"{w} tok/s | slotserve / it" for w in ours) + " |",
+        "|---|" + "---|---|" * len(ours),
+    ]
+    for spec, workloads in llama["rows"].items():
+        cells = []
+        for workload, row in ours.items():
+            theirs = workloads[workload]["median"]
+            ratio = row["tok_s_on"]["median"] / theirs if theirs > 0 else 0.0
+            cells += [rate(workloads[workload]), f"{ratio:.2f}x"]
+        lines.append(f"| {spec} | " + " | ".join(cells) + " |")
     return [*lines, ""]

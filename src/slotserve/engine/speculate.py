@@ -43,11 +43,15 @@ NGRAM_MAX = 3
 NGRAM_MIN = 1
 # A request's per-token acceptance before it has drafted, how much each draft moves the
 # estimate, and how fast the estimate drifts back to the prior while it does not draft.
-PRIOR_ACCEPTANCE = 0.6
+PRIOR_ACCEPTANCE = 0.7
 ACCEPTANCE_WEIGHT = 0.3
 RECOVERY_WEIGHT = 0.02
 # How fast the step-cost fit forgets older steps (per step).
 COST_DECAY = 0.98
+# A draft is verified only where it is expected to raise the step's delivered tokens a
+# second by at least this factor: the estimates are noisy, and a step that drafts for
+# nothing is slower than one that does not draft.
+MIN_GAIN = 1.1
 
 
 class NgramDrafter:
@@ -250,11 +254,12 @@ class Speculator:
         """Which proposals (by request id) to verify, and how much of each: the most likely
         first, each at the length that most raises the step's expected tokens a second (its
         rows cost what `StepCost` says; the step delivers ``delivered`` tokens without
-        drafts), none where no length raises it. The step stays within ``max_step_tokens``."""
+        drafts), none where no length raises it by `MIN_GAIN`. The step stays within
+        ``max_step_tokens``."""
         chosen: dict[int, list[int]] = {}  # by request id
         for request_id, acceptance, proposal in sorted(candidates, key=lambda c: -c[1].rate):
             room = self.max_step_tokens - rows
-            best, best_rate = 0, delivered / self.cost.seconds(rows)
+            best, best_rate = 0, MIN_GAIN * delivered / self.cost.seconds(rows)
             for k in range(1, min(len(proposal), room) + 1):
                 rate = (delivered + acceptance.expected(k)) / self.cost.seconds(rows + k)
                 if rate > best_rate:
@@ -278,8 +283,11 @@ class Speculator:
 
     def verified(self, request: Request, accepted: int) -> None:
         """The stepper's verdict: the first ``accepted`` drafted tokens of ``request`` were
-        delivered (and fed: its KV keeps them)."""
-        self.drafts[request.request_id].accepted = accepted
+        delivered (and fed: its KV keeps them). Counted in the request's timings too."""
+        draft = self.drafts[request.request_id]
+        draft.accepted = accepted
+        request.timings.drafted_tokens += len(draft.tokens)
+        request.timings.accepted_tokens += accepted
 
     def settle(self, pool: KVPool) -> None:
         """Under the engine lock, after the step and before anything is released: roll

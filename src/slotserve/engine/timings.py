@@ -37,6 +37,10 @@ class RequestTimings:
     # Seconds spent choosing this request's tokens from logits (its share of each batched
     # sampling call, split evenly between the requests sampled together).
     sampling_time: float = 0.0
+    # Speculation: tokens drafted for this request and how many of them were accepted
+    # (delivered without a step of their own); the rest were rejected.
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def queue_time(self) -> float | None:
