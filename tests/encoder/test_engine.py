@@ -1,0 +1,83 @@
+"""`EncoderEngine` on all-MiniLM-L6-v2 with its own step thread: results equal the model's,
+typed errors for an empty input, an over-budget plan and a too-large batch, and a cancel
+released with its measured latency, every text slot back afterwards."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from slotserve.engine.encoder import EncoderEngine
+from slotserve.engine.encoder_plan import EncoderConfig
+from slotserve.errors import AdmissionRefused, PlanError
+from slotserve.memory import MemoryLedger
+from slotserve.model.encoder import EncoderModel
+
+SMALL = EncoderConfig(max_texts=16, max_batch_texts=4)
+
+
+@pytest.fixture(scope="module")
+def engine(minilm: EncoderModel) -> Iterator[EncoderEngine]:
+    with EncoderEngine(minilm, SMALL, ledger=MemoryLedger()) as running:
+        yield running
+
+
+def test_embeddings_equal_the_model_across_steps(
+    engine: EncoderEngine, minilm: EncoderModel
+) -> None:
+    texts = [f"note {i}: " + "retrieval " * (i * 7 % 40) for i in range(10)]  # 3 steps
+    got = engine.embed(texts, priority="background")
+    expected = torch.cat([minilm.embed([ids]) for ids in minilm.tokenize(texts)])
+    assert float((got - expected).abs().max()) <= 1e-5
+    stats = engine.stats()
+    assert stats.texts_in_use == 0 and stats.steps >= 3
+    engine.check_integrity()
+
+
+def test_plan_adds_activations_to_the_ledger(engine: EncoderEngine, minilm: EncoderModel) -> None:
+    arenas = engine.ledger.arenas()
+    assert arenas["activations"] == engine.plan.total
+    assert engine.plan.step_bytes >= minilm.step_bytes(4, minilm.info.max_seq_len)
+
+
+def test_empty_input_is_a_value_error(engine: EncoderEngine) -> None:
+    with pytest.raises(ValueError, match="the input is empty"):
+        engine.submit([])
+    with pytest.raises(ValueError, match="priority='urgent'"):
+        engine.submit("x", priority="urgent")
+
+
+def test_batch_over_max_texts_is_refused_naming_the_limit(engine: EncoderEngine) -> None:
+    with pytest.raises(AdmissionRefused, match="max_texts=16") as refused:
+        engine.submit(["t"] * 17)
+    assert refused.value.reason == "batch_too_large"
+    assert engine.stats().refusals["batch_too_large"] >= 1
+
+
+def test_over_budget_plan_refuses_to_start_naming_the_levers(minilm: EncoderModel) -> None:
+    ledger = MemoryLedger()
+    ledger.add("weights", minilm.weight_bytes, "computed", "test")
+    budget = minilm.weight_bytes + (1 << 20)
+    with pytest.raises(PlanError, match=r"max_batch_texts=4 .*lower max_batch_texts or max_texts"):
+        config = EncoderConfig(max_texts=16, max_batch_texts=4, memory_budget=budget)
+        EncoderEngine(minilm, config, ledger=ledger, start=False)
+
+
+def test_cancel_is_acknowledged_and_releases_every_slot(engine: EncoderEngine) -> None:
+    handle = engine.submit(["a long passage " * 60] * 16, priority="background")
+    ack = handle.cancel(wait=True)
+    assert ack is not None and ack.latency_s >= 0.0
+    assert handle.result().reason in ("cancelled", "stop")  # it may have finished first
+    stats = engine.stats()
+    assert stats.texts_in_use == 0 and stats.running == 0
+    engine.check_integrity()
+
+
+def test_closed_engine_refuses(minilm: EncoderModel) -> None:
+    closing = EncoderEngine(minilm, SMALL, ledger=MemoryLedger())
+    closing.close()
+    with pytest.raises(AdmissionRefused) as refused:
+        closing.submit("late")
+    assert refused.value.reason == "closed"
