@@ -30,11 +30,13 @@ SCENARIO_NAMES = (
     "speculative",
     "all",
 )
+# Benches of an encoder model, outside `slotserve.bench.SCENARIOS` (which load a decoder).
+ENCODER_SCENARIOS = ("embeddings",)
 
 
 def register(commands: Any) -> None:
     parser = commands.add_parser("bench", help="measure a model (default: the bundled one)")
-    parser.add_argument("scenario", choices=SCENARIO_NAMES)
+    parser.add_argument("scenario", choices=(*SCENARIO_NAMES, *ENCODER_SCENARIOS))
     parser.add_argument("--model", default="bundled")
     add_weights_arg(parser)
     parser.add_argument("--repeats", type=int, default=3)
@@ -98,6 +100,14 @@ _counts = _comma_separated(int, "stream counts like 1,8")
 
 def run(args: argparse.Namespace) -> int:
     from slotserve.bench import BenchOptions, run_bench
+
+    if args.scenario == "embeddings":
+        from slotserve.bench.embeddings import report as embeddings_report
+        from slotserve.bench.embeddings import run_embeddings
+
+        spec = "minilm" if args.model == "bundled" else args.model
+        print(embeddings_report(run_embeddings(spec, weights=args.weights), args.markdown))
+        return 0
 
     options = BenchOptions(
         shares=args.background_share,
