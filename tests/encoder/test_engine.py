@@ -81,3 +81,13 @@ def test_closed_engine_refuses(minilm: EncoderModel) -> None:
     with pytest.raises(AdmissionRefused) as refused:
         closing.submit("late")
     assert refused.value.reason == "closed"
+
+
+def test_interactive_request_passes_a_background_batch(engine: EncoderEngine) -> None:
+    background = engine.submit(["a passage to index " * 40] * 12, priority="background")
+    interactive = engine.submit("what did I note about the battery?", priority="interactive")
+    first = interactive.result(timeout=60)
+    last = background.result(timeout=60)
+    assert (first.reason, last.reason) == ("stop", "stop")
+    assert first.timings.released is not None and last.timings.released is not None
+    assert first.timings.released < last.timings.released
