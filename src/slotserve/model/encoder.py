@@ -5,10 +5,10 @@ L2-normalised final hidden states.
 The model is pure: `EncoderModel.embed` maps a batch of token-id lists (texts of different
 lengths) to one vector each and keeps no state between calls. The texts' rows are packed
 (no padding) through every projection, which goes through the `Linear` seam (dense fp32, or
-Q8_0 blocks on the compiled block kernel of `slotserve.model.gguf_linear`); only the attention scores are
-computed on a padded ``[texts, heads, longest, longest]`` grid, with padded keys masked out.
-A text's embedding does not depend on what it is batched with beyond the rounding of the
-products (tests hold it within 1e-5 of the text alone).
+Q8_0 blocks on the compiled block kernel of `slotserve.model.gguf_linear`); only the
+attention scores are computed on a padded ``[texts, heads, longest, longest]`` grid, with
+padded keys masked out. A text's embedding does not depend on what it is batched with
+beyond the rounding of the products (tests hold it within 1e-5 of the text alone).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from slotserve.memory import MemoryLedger
-from slotserve.model.layers import DenseLinear, Linear
 from slotserve.model.gguf_linear import BlockLinear
+from slotserve.model.layers import DenseLinear, Linear
 
 EncoderPooling = Literal["mean", "cls"]
 ENCODER_POOLINGS: tuple[EncoderPooling, ...] = get_args(EncoderPooling)
@@ -134,7 +134,13 @@ def with_encoder_weights(weights: EncoderWeights, fmt: EncoderWeightFormat) -> E
     if fmt == "fp32":
         return weights
     layers = tuple(
-        replace(layer, qkv=_q8_0(layer.qkv), o=_q8_0(layer.o), up=_q8_0(layer.up), down=_q8_0(layer.down))
+        replace(
+            layer,
+            qkv=_q8_0(layer.qkv),
+            o=_q8_0(layer.o),
+            up=_q8_0(layer.up),
+            down=_q8_0(layer.down),
+        )
         for layer in weights.layers
     )
     return replace(weights, layers=layers)
