@@ -101,6 +101,20 @@ class SessionError(SlotserveError, ValueError):
     something its state cannot give (clone past the committed length, say)."""
 
 
+class ThreadPoolConflict(SlotserveError, ValueError):
+    """ExecuTorch's thread pool is one per process: the bundle at ``path`` asks for
+    ``requested`` threads while ``holder``, a bundle still loaded, runs it at ``held``."""
+
+    def __init__(self, path: object, requested: int, held: int, holder: str) -> None:
+        self.path, self.requested, self.held, self.holder = str(path), requested, held, holder
+        super().__init__(
+            f"{path}: asks ExecuTorch's thread pool for {requested} threads, but {holder}, "
+            f"still loaded in this process, runs it at {held}; the pool is one per process: "
+            f"load every bundle with threads={held} (serve --threads {held}) or 0, or serve "
+            "this one in another process"
+        )
+
+
 REFUSAL_REASONS = (
     "slots_full",
     "kv_exhausted",

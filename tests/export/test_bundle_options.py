@@ -4,6 +4,7 @@ the prefix cache on a bundle."""
 
 from __future__ import annotations
 
+import gc
 import json
 import shutil
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ import slotserve as ss
 from slotserve.artifact import program as program_module
 from slotserve.artifact.bundle import MANIFEST, read_bundle
 from slotserve.artifact.program import LoadOptions, ProgramHalves
+from slotserve.artifact.runtime_threads import default_threads, held_threads
 from slotserve.cli import build_parser, main
 
 GREEDY = ss.SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
@@ -23,12 +25,14 @@ GREEDY = ss.SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
 
 @pytest.fixture
 def thread_pool() -> Iterator[Any]:
-    """ExecuTorch's (process-wide) thread pool, put back to its size after the test."""
+    """ExecuTorch's (process-wide) thread pool, put back to its size after the test once
+    no program the test loaded holds it (`slotserve.artifact.runtime_threads`)."""
     from executorch.extension.pybindings import portable_lib
 
     before = portable_lib._threadpool_get_thread_count()
     yield portable_lib
-    if portable_lib._threadpool_get_thread_count() != before:
+    gc.collect()
+    if held_threads() is None and portable_lib._threadpool_get_thread_count() != before:
         portable_lib._unsafe_reset_threadpool(before)
 
 
@@ -71,12 +75,13 @@ def test_methods_load_in_the_recorded_order_and_an_override_wins(
 
 
 def test_threads_size_the_runtimes_pool(tiny_bundle: Path, thread_pool: Any) -> None:
-    before = thread_pool._threadpool_get_thread_count()
     halves = ProgramHalves(read_bundle(tiny_bundle), threads=1)
-    assert halves.options.threads == 1 and thread_pool._threadpool_get_thread_count() == 1
-    thread_pool._unsafe_reset_threadpool(before)
-    ProgramHalves(read_bundle(tiny_bundle))  # the manifest's 0: the pool is left as it is
-    assert thread_pool._threadpool_get_thread_count() == before
+    assert halves.options.threads == halves.threads == 1
+    assert thread_pool._threadpool_get_thread_count() == 1
+    del halves
+    gc.collect()  # no program holds the pool now
+    halves = ProgramHalves(read_bundle(tiny_bundle))  # the manifest's 0: ExecuTorch's own size
+    assert halves.threads == thread_pool._threadpool_get_thread_count() == default_threads()
 
 
 def test_serve_threads_reaches_the_runtime(tiny_bundle: Path, thread_pool: Any) -> None:

@@ -40,6 +40,7 @@ from slotserve.artifact.bundle import (
     Bundle,
     file_identifier,
 )
+from slotserve.artifact.runtime_threads import claim_threads
 from slotserve.errors import ArtifactError, FormatVersionError
 from slotserve.model import Model
 from slotserve.model.halves import HalvesKind, StepContext
@@ -52,8 +53,10 @@ log = logging.getLogger("slotserve")
 
 @dataclass(frozen=True)
 class LoadOptions:
-    """How the runtime loads a bundle: ``threads`` for ExecuTorch's pool (0: every core),
-    ``load_order`` the order methods are loaded in. Defaults come from the manifest's
+    """How the runtime loads a bundle: ``threads`` for ExecuTorch's pool, which is one per
+    process (`slotserve.artifact.runtime_threads`: a size another loaded bundle holds is
+    refused; 0: the held size, else every core), ``load_order`` the order methods are
+    loaded in. Defaults come from the manifest's
     ``load_options``; `from_manifest` applies overrides."""
 
     threads: int = 0
@@ -98,7 +101,7 @@ class ProgramHalves:
         _check_methods(bundle, set(program.method_names))
         _check_pairing(bundle, program)
         _check_constants(bundle, program)
-        _set_threads(self.options.threads)
+        self.threads = claim_threads(self, self.options.threads, bundle.directory)
         order = self.options.load_order or manifest.method_names
         methods = {name: _load_method(bundle, program, name) for name in order}
         for name in manifest.method_names:
@@ -394,11 +397,3 @@ def _load_method(bundle: Bundle, program: Any, name: str) -> Any:
         raise ArtifactError(
             bundle.program, f"method {name} failed to load with {bundle.weights}: {error}"
         ) from error
-
-
-def _set_threads(threads: int) -> None:
-    """Size ExecuTorch's (process-wide) thread pool; 0 keeps its default (every core)."""
-    from executorch.extension.pybindings import portable_lib
-
-    if threads and portable_lib._threadpool_get_thread_count() != threads:
-        portable_lib._unsafe_reset_threadpool(threads)
