@@ -252,3 +252,54 @@ def test_on_demand_models_load_unload_and_refuse_within_the_budget(
         assert "loading model b" in server.output() and "unloading model a" in server.output()
     finally:
         assert server.stop() == 0
+
+
+# -- a chat model and an encoder ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chat_and_minilm(tiny_dirs: dict[str, Path]) -> Iterator[ServerProcess]:
+    """The tiny chat model as ``chat`` and all-MiniLM-L6-v2 as ``embed``, one process."""
+    server = ServerProcess(
+        f"chat={tiny_dirs['llama']}", "--model", "embed=minilm",
+        "--max-seqs", "2", "--max-context", "128",
+    )  # fmt: skip
+    yield server
+    assert server.stop() == 0
+    assert "Traceback" not in server.output(), server.output()
+
+
+def test_chat_and_embeddings_answer_concurrently(chat_and_minilm: ServerProcess) -> None:
+    import torch
+
+    from slotserve.artifact.encoder import load_encoder
+
+    url = chat_and_minilm.url
+    texts = ["the cat sat on the mat", "a note about groceries " * 40, "hi"]
+
+    def embeddings() -> httpx.Response:
+        return httpx.post(
+            url + "/v1/embeddings", json={"model": "embed", "input": texts}, timeout=300
+        )
+
+    with ThreadPoolExecutor(6) as pool:
+        chats = [pool.submit(chat, url, "chat", "Hello", 8) for _ in range(3)]
+        embeds = [pool.submit(embeddings) for _ in range(3)]
+        for future in chats:
+            reply = future.result()
+            assert reply.status_code == 200 and reply.json()["model"] == "chat", reply.text
+        vectors = []
+        for future in embeds:
+            reply = future.result()
+            assert reply.status_code == 200 and reply.json()["model"] == "embed", reply.text
+            vectors.append([row["embedding"] for row in reply.json()["data"]])
+    # Each reply is the encoder's own embeddings of the texts (batched with others or not).
+    encoder = load_encoder("minilm")
+    expected = encoder.embed(encoder.tokenize(texts))
+    for got in vectors:
+        assert torch.allclose(torch.tensor(got), expected, atol=1e-5)
+    listed = cards(url)
+    assert listed["embed"]["slotserve"]["kind"] == "embed"
+    assert listed["chat"]["slotserve"]["kind"] == "generate"
+    refused = chat(url, "embed")
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"

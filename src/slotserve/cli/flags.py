@@ -298,7 +298,10 @@ def memory_map_from(text: str | None) -> MemoryMap | None:
 
 # The settings a --models table may give besides source, resident and keep_alive: the
 # engine flags (`ENGINE_FLAGS`, by dest) and these.
-MODEL_FILE_KEYS = ("source", "resident", "keep_alive", "preset", "weights", *ENGINE_FLAGS)
+MODEL_FILE_KEYS = (
+    "source", "resident", "keep_alive", "preset", "weights", *ENGINE_FLAGS,
+    "max_texts", "max_batch_texts",  # an encoder's (`EncoderConfig`)
+)  # fmt: skip
 
 
 def model_specs(args: argparse.Namespace, name_of: Any) -> list[Any] | None:

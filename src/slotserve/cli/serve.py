@@ -528,6 +528,8 @@ def load_member(
     from slotserve.memory import MemoryLedger, read_process
     from slotserve.native import KernelChoice
 
+    if is_encoder(spec.source):
+        return load_encoder_member(args, spec, device)
     member = model_namespace(args, spec)
     ledger = MemoryLedger()
     # The process's runtime is the device ledger's; this model's runtime is what its own
@@ -576,4 +578,58 @@ def load_member(
         grammar_compiler=compiler,
         # (plan, which serves nothing, has no sampling flags)
         sampling_defaults=sampling_defaults(member) if hasattr(member, "temperature") else None,
+    )
+
+
+def is_encoder(source: str) -> bool:
+    """Whether ``source`` names an encoder (embedding) model: ``minilm`` or a
+    sentence-transformers directory (its ``modules.json``)."""
+    from slotserve.artifact.minilm import MINILM_ALIASES
+
+    return source in MINILM_ALIASES or (Path(source) / "modules.json").is_file()
+
+
+def load_encoder_member(
+    args: argparse.Namespace, spec: ModelSpec, device: DeviceScheduler
+) -> Loaded:
+    """Load an encoder model of a set (kind ``embed``): its weights and tokenizer in a
+    ledger of its own, its `EncoderEngine` planned there (largest step and admitted texts),
+    stepped by a `TurnTaker` on ``device``."""
+    from slotserve.artifact.encoder import load_encoder
+    from slotserve.engine.device import DeviceSeat, TurnTaker
+    from slotserve.engine.encoder import EncoderEngine
+    from slotserve.engine.encoder_plan import EncoderConfig
+    from slotserve.engine.models import Loaded
+    from slotserve.memory import MemoryLedger, read_process
+
+    settings = spec.settings
+    weights = settings.get("weights", "fp32" if args.weights == "auto" else args.weights)
+    ledger = MemoryLedger()
+    ledger.add("runtime", 0, "computed", "the process's runtime: the device ledger's")
+    before = read_process().anonymous
+    model = load_encoder(spec.source, weights=weights, ledger=ledger)
+    defaults = EncoderConfig()
+    config = EncoderConfig(
+        max_texts=int(settings.get("max_texts", defaults.max_texts)),
+        max_batch_texts=int(settings.get("max_batch_texts", defaults.max_batch_texts)),
+        queue_depth=int(settings.get("queue_depth", defaults.queue_depth)),
+    )
+    engine = EncoderEngine(model, config, ledger=ledger, start=False)
+    turns = TurnTaker(engine, DeviceSeat(device, spec.name))
+
+    def busy() -> bool:
+        stats = engine.stats()
+        return stats.running > 0 or stats.queue_len > 0
+
+    def close() -> None:
+        engine.close()
+        turns.stop()
+
+    return Loaded(
+        engine=engine,
+        kind="embed",
+        plan_bytes=max(ledger.total, ledger.peak_bytes - before),  # or the load's growth
+        arenas={name: nbytes for name, nbytes in ledger.arenas().items() if nbytes},
+        busy=busy,
+        close=close,
     )

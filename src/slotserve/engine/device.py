@@ -21,14 +21,19 @@ pool. Owns: the turn, its waiters and the counters that prove the rules
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from slotserve.engine.events import PRIORITIES, Priority
 
 DEFAULT_DEVICE_BACKGROUND_SHARE = 0.1
+# How often a `TurnTaker` with nothing to step looks again.
+IDLE_POLL_S = 0.002
+log = logging.getLogger("slotserve")
 
 
 @dataclass
@@ -180,3 +185,48 @@ class DeviceSeat:
 
     def turn(self, priority: Priority) -> AbstractContextManager[None]:
         return self.scheduler.turn(self.member, priority)
+
+
+class Steppable(Protocol):
+    """An engine a caller steps (an encoder engine built with ``start=False``): the class
+    of its next step (None: nothing to step), one step, and whether it is closed."""
+
+    def next_class(self) -> Priority | None: ...
+
+    def step(self) -> bool: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+
+class TurnTaker:
+    """Steps a `Steppable` engine on the device: a thread that, whenever the engine has
+    work, takes a turn of that work's class at ``seat`` and runs one step. Ends when the
+    engine is closed (or `stop`)."""
+
+    def __init__(self, engine: Steppable, seat: DeviceSeat) -> None:
+        self.engine, self.seat = engine, seat
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name=f"slotserve-turns-{seat.member}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            priority = self.engine.next_class()
+            if priority is None:
+                if self.engine.closed:
+                    self.engine.step()  # reap what the close cancelled
+                    return
+                self._stop.wait(IDLE_POLL_S)
+                continue
+            try:
+                with self.seat.turn(priority):
+                    self.engine.step()
+            except Exception:  # the engine ends a failed step's requests; keep serving
+                log.exception("step of %s failed", self.seat.member)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)

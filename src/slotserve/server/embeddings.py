@@ -12,6 +12,7 @@ that disconnects cancels them. ``dimensions`` is refused unless it is the model'
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from typing import Any, Literal
 
@@ -31,6 +32,7 @@ from slotserve.server.state import ServerState
 
 INVALID = "invalid_request_error"
 MAX_INPUTS = 2048  # OpenAI's limit on inputs in one request
+DISCONNECT_POLL_S = 0.05  # how often a waiting encoder request checks its client
 
 
 class EmbeddingRequest(Body):
@@ -128,3 +130,51 @@ def _encoded(vector: tuple[float, ...], encoding: str) -> list[float] | str:
     if encoding == "float":
         return list(vector)
     return base64.b64encode(np.asarray(vector, dtype="<f4").tobytes()).decode("ascii")
+
+
+async def embed_texts(
+    state: ServerState, encoder: Any, body: EmbeddingRequest, request: Request
+) -> dict[str, Any]:
+    """The embeddings response of an encoder model (`EncoderEngine`): every input text in
+    one request, admitted whole or refused whole, batched with others of its class, and
+    cancelled when the client disconnects. Its pooling and normalisation are the model's
+    own (sentence-transformers' modules), so ``pooling`` is refused; inputs must be text."""
+    inputs = body.inputs()
+    if not all(isinstance(x, str) for x in inputs):
+        message = "input: this embedding model takes text, not token ids; send strings"
+        raise APIError(400, message, INVALID, "input", "invalid_value")
+    if body.pooling is not None:
+        message = "pooling: this embedding model pools as its own modules say; leave it out"
+        raise APIError(400, message, INVALID, "pooling", "unsupported_value")
+    width = encoder.model.info.dim
+    if body.dimensions is not None and body.dimensions != width:
+        message = (
+            f"dimensions: this model's embeddings have {width} dimensions and cannot be "
+            f"shortened to {body.dimensions}; leave dimensions out"
+        )
+        raise APIError(400, message, INVALID, "dimensions", "unsupported_value")
+    try:
+        priority = check_priority(body.priority or request.headers.get("x-priority") or "normal")
+    except ValueError as exc:
+        raise APIError(400, f"X-Priority: {exc}", INVALID, "priority") from None
+    try:
+        handle = encoder.submit([str(x) for x in inputs], priority, may_queue=True)
+    except AdmissionRefused as refusal:
+        raise refusal_error(refusal, "input") from None
+    except ValueError as exc:
+        raise APIError(400, f"input: {exc}", INVALID, "input", "invalid_value") from None
+    waiting = asyncio.ensure_future(asyncio.to_thread(handle.result))
+    while not waiting.done():
+        await asyncio.wait({waiting}, timeout=DISCONNECT_POLL_S)
+        if not waiting.done() and await request.is_disconnected():
+            handle.cancel()
+            raise APIError(499, "client disconnected", "client_closed")
+    result = waiting.result()
+    if result.reason != "stop":
+        raise APIError(503, f"the embedding request ended {result.reason}", "server_error")
+    data = [
+        {"object": "embedding", "index": i, "embedding": _encoded(tuple(row), body.encoding_format)}
+        for i, row in enumerate(result.embeddings.tolist())
+    ]
+    usage = {"prompt_tokens": result.prompt_tokens, "total_tokens": result.prompt_tokens}
+    return {"object": "list", "data": data, "model": state.model_name, "usage": usage}

@@ -19,7 +19,7 @@ from slotserve.errors import AdmissionRefused
 from slotserve.server import anthropic
 from slotserve.server.chat_run import reads_reasoning
 from slotserve.server.completions import chat_tokens, generate
-from slotserve.server.embeddings import EmbeddingRequest, embed
+from slotserve.server.embeddings import EmbeddingRequest, embed, embed_texts
 from slotserve.server.errors import APIError, refusal_error
 from slotserve.server.peer_fields import ignored_header
 from slotserve.server.responses_api import create_response
@@ -76,12 +76,15 @@ def check_model(state: ServerState, name: str) -> None:
 
 
 @asynccontextmanager
-async def served(request: Request, name: str) -> AsyncIterator[tuple[ServerState, Engine]]:
+async def served(
+    request: Request, name: str, *, embeddings: bool = False
+) -> AsyncIterator[tuple[ServerState, Any]]:
     """The state (as model ``name`` sees it) and the engine of the model a request names.
     One model: the engine, then the name checked (404 ``model_not_found``). A set: the
     name checked, then the model leased (`ModelSet.lease`: loaded first when it is not,
     off the event loop) until the block ends, so it is not unloaded before the request is
-    submitted; a load without room is 429 ``model_capacity`` with Retry-After."""
+    submitted; a load without room is 429 ``model_capacity`` with Retry-After. An
+    embedding model (an encoder engine) serves only ``embeddings`` routes: elsewhere 400."""
     state = state_of(request)
     models = state.models
     if models is None:
@@ -96,6 +99,14 @@ async def served(request: Request, name: str) -> AsyncIterator[tuple[ServerState
     except AdmissionRefused as refusal:
         raise refusal_error(refusal) from None
     try:
+        if not isinstance(engine, Engine) and not embeddings:
+            raise APIError(
+                400,
+                f"the model '{name}' is an embedding model; send it to /v1/embeddings",
+                "invalid_request_error",
+                param="model",
+                code="model_not_supported",
+            )
         yield state.view_of(name, engine), engine
     finally:
         models.release(name)
@@ -143,8 +154,10 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 
 @v1.post("/embeddings")
 async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
-    async with served(request, body.model) as (state, engine):
-        return await embed(state, engine, body, request)
+    async with served(request, body.model, embeddings=True) as (state, engine):
+        if isinstance(engine, Engine):
+            return await embed(state, engine, body, request)
+        return await embed_texts(state, engine, body, request)
 
 
 @v1.post("/responses")

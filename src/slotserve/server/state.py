@@ -9,6 +9,7 @@ import itertools
 import secrets
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
 from slotserve.engine import Engine
 from slotserve.engine.models import ModelSet
@@ -47,7 +48,7 @@ class ServerState:
     # The served set when the server serves several models (`serve --model A --model B`);
     # None for the one model. ``engine`` is then the first resident model's.
     models: ModelSet | None = None
-    _views: dict[str, tuple[Engine, ServerState]] = field(default_factory=dict, repr=False)
+    _views: dict[str, tuple[Any, ServerState]] = field(default_factory=dict, repr=False)
     _closer: threading.Thread | None = field(default=None, repr=False)
     _id_base: str = field(default_factory=lambda: secrets.token_hex(8), repr=False)
     _id_count: itertools.count[int] = field(default_factory=itertools.count, repr=False)
@@ -68,10 +69,11 @@ class ServerState:
         engine.on_finished = self.metrics.observe
         self.grammars = GrammarCache(engine.model, compiler=self.grammar_compiler)
 
-    def view_of(self, name: str, engine: Engine) -> ServerState:
+    def view_of(self, name: str, engine: Any) -> ServerState:
         """This state as a request to model ``name`` (served by ``engine``) sees it: its
         name in replies, its grammar cache and sampling defaults; everything else shared.
-        One view per loaded engine (a reloaded model gets a new one)."""
+        One view per loaded engine (a reloaded model gets a new one); an encoder engine's
+        view has no grammars."""
         if engine is self.engine:
             return self
         known = self._views.get(name)
@@ -85,7 +87,9 @@ class ServerState:
             engine=engine,
             model_name=name,
             sampling=sampling or self.sampling,
-            grammars=GrammarCache(engine.model, compiler=compiler),
+            grammars=GrammarCache(engine.model, compiler=compiler)
+            if isinstance(engine, Engine)
+            else None,
             grammar_compiler=compiler,
             _views={},
         )
