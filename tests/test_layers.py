@@ -1,4 +1,5 @@
-"""The layers of DESIGN.md: imports only go down, and every package imports on its own."""
+"""The layers of docs/DESIGN.md: imports only go down, no module imports itself back through
+others (no circle), and every package imports on its own."""
 
 from __future__ import annotations
 
@@ -78,6 +79,84 @@ def test_imports_only_go_down(path: Path) -> None:
         elif target != own and LAYERS[target] >= LAYERS[own]:
             upward.append(f"{target} (layer {LAYERS[target]})")
     assert not upward, f"{own} (layer {LAYERS[own]}) imports {upward}"
+
+
+def _module_name(path: Path) -> str:
+    """``slotserve.a.b`` for ``src/slotserve/a/b.py`` (a package for its ``__init__.py``)."""
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Each slotserve module and the slotserve modules it imports: every import statement,
+    those under ``TYPE_CHECKING`` and inside functions included (a circle of lazy imports is
+    still two modules that need each other). ``from package import name`` counts the
+    submodule ``name`` where there is one, else the package."""
+    modules = {_module_name(p): p for p in SRC.rglob("*.py")}
+
+    def owner(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        targets: set[str | None] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets |= {owner(a.name) for a in node.names if a.name.startswith("slotserve")}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                package = node.module
+                if package.split(".")[0] == "slotserve":
+                    for alias in node.names:
+                        full = f"{package}.{alias.name}"
+                        targets.add(full if full in modules else owner(package))
+        graph[name] = {t for t in targets if t is not None and t != name}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if target not in index:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], index[target])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == module:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_no_circles_between_modules() -> None:
+    """Two modules that import each other (even one only for its types) are one job split
+    badly, or share words that belong in a third module both can import."""
+    assert not _circles(_module_graph())
+
+
+def test_the_circle_check_finds_a_circle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _circles(graph) == [["a", "b", "c"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []
 
 
 # Run in one fresh interpreter: it imports the heavy third-party libraries once, then forks a

@@ -30,7 +30,7 @@ from slotserve.kv.config import KVConfig
 from slotserve.memory import MemoryLedger, rss_bytes
 from slotserve.model import Model
 from slotserve.plan import CapacityPlan
-from slotserve.sampling.compile_pool import Worker
+from slotserve.sampling.compile_pool import WORKER_SCRIPT, Worker
 from slotserve.sampling.grammar import (
     CompileJob,
     GrammarBusy,
@@ -433,12 +433,12 @@ def test_a_hostile_schema_is_400_naming_the_path_and_the_bound(server: ServerPro
 
 
 def server_workers(pid: int) -> list[int]:
-    """The server's grammar workers: its children running ``-c``."""
+    """The server's grammar workers: its children running `WORKER_SCRIPT`."""
     children: list[int] = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         with open(task / "children") as handle:
             children += [int(c) for c in handle.read().split()]
-    return [c for c in children if b"llguidance" in _cmdline(c)]
+    return [c for c in children if str(WORKER_SCRIPT).encode() in _cmdline(c)]
 
 
 def _cmdline(pid: int) -> bytes:

@@ -1,5 +1,5 @@
-"""The bounded pool that compiles grammars from the network (`CompilePool`), and the
-bounds it applies (`GrammarConfig`).
+"""The bounded pool that compiles grammars from the network (`CompilePool`), under the
+bounds of `GrammarConfig` (grammar_config.py).
 
 llguidance offers no way to stop a compile (its `LLParserLimits` fuel does not bound every
 step: an ``allOf`` of N patterns takes time and memory exponential in N whatever the
@@ -11,17 +11,17 @@ reply's tool calls, a client's Lark grammar), a GBNF grammar or a regular expres
 client's; converted to llguidance's grammar in the worker too, so a conversion that runs
 long is bounded as a compile is). The workers are a bounded pool (`GrammarConfig.workers`, one by
 default) at the lowest CPU priority, fed by a queue with a deadline, so compiles never take
-the cores the engine decodes on.
+the cores the engine decodes on. Each worker runs grammar_worker.py, a program of its own.
 
 Owns the worker processes and their threads; knows nothing of tokenizers beyond the index
-source it is handed. Module state: none.
+source it is handed, nor of what a compile builds here beyond its owner's ``finish``.
+Module state: none.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import math
 import os
 import pickle
 import queue
@@ -32,123 +32,35 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from pathlib import Path
+from typing import Any, Generic, TypeVar
 
 from slotserve.memory import anonymous_bytes
+from slotserve.sampling.grammar_config import (
+    JSON_OPTIONS,
+    MIB,
+    GrammarBusy,
+    GrammarCancelled,
+    GrammarConfig,
+    GrammarError,
+    GrammarLimitError,
+    JobKind,
+    first_line,
+    grammar_charge,
+)
 
-if TYPE_CHECKING:
-    from slotserve.sampling.grammar import Grammar
-
-# JSON output uses fixed separators and no other whitespace: a small model offered free
-# whitespace can emit newlines until its budget runs out, and compact output stays short.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-# llguidance's own estimate of one lexer state ("approx. 1-2 kB per state"), the upper one.
-LEXER_STATE_BYTES = 2048
 # How often a compile in a worker is checked against its bounds and its cancellation.
 POLL_S = 0.01
-_MIB = 2**20
+# The worker's program (grammar_worker.py), run by path in its own interpreter so that it
+# imports llguidance alone, never this package (whose import brings torch).
+WORKER_SCRIPT = Path(__file__).with_name("grammar_worker.py")
 
-# What a job's text is: a JSON schema, llguidance's own grammar text (Lark, as
-# llguidance reads it), a llama.cpp GBNF grammar (converted to Lark: llguidance's
-# converter, which passes Lark through), or a regular expression (the whole output).
-JobKind = Literal["schema", "grammar", "gbnf", "regex"]
-
-
-class GrammarError(ValueError):
-    """A grammar or JSON schema that cannot constrain decoding: invalid, using a feature
-    the grammar engine does not implement or cannot enforce (the message names it), or past
-    a bound of `GrammarConfig` (`GrammarLimitError`)."""
+# What a compile builds in this process once its worker proved it bounded (a `Grammar`: the
+# pool knows nothing of it beyond its owner's ``finish``).
+Built = TypeVar("Built")
 
 
-class GrammarLimitError(GrammarError):
-    """A schema whose compile went past a bound: ``limit`` names it (``"timeout"``,
-    ``"memory"``), ``bound`` is its value (seconds or bytes)."""
-
-    def __init__(self, message: str, limit: str, bound: float) -> None:
-        super().__init__(message)
-        self.limit, self.bound = limit, bound
-
-
-class GrammarBusy(RuntimeError):
-    """No compile slot came free before the queue's deadline (``queue_timeout_s``)."""
-
-
-class GrammarCancelled(RuntimeError):
-    """The compile was cancelled (its client went away, or the compiler was closed)."""
-
-
-@dataclass(frozen=True)
-class GrammarConfig:
-    """The bounds on compiling grammars from schemas a client sent.
-
-    ``timeout_s``: wall seconds one compile may take in its worker (``--grammar-timeout``).
-    ``max_bytes``: one grammar's memory (``--grammar-max-bytes``): its worker may grow by at
-    most this while compiling, and what the grammar keeps, plus what its lexer may add as
-    requests use it (``lexer_states`` states, a quarter of ``max_bytes``), must fit in it.
-    ``cache_bytes``: the grammars arena of the memory plan, every grammar alive (cached or
-    in use) counted (``--grammar-cache-bytes``). ``workers``: compiles at once
-    (``--grammar-workers``). ``queue_timeout_s``: how long a compile may wait for a worker
-    (``--grammar-queue-timeout``).
-    """
-
-    timeout_s: float = 10.0
-    max_bytes: int = 32 * _MIB
-    cache_bytes: int = 128 * _MIB
-    workers: int = 1
-    queue_timeout_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        for name, flag in (("timeout_s", "timeout"), ("queue_timeout_s", "queue-timeout")):
-            value = getattr(self, name)
-            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
-                raise ValueError(
-                    f"grammar {name}={value!r} must be a number of seconds > 0: "
-                    f"pass e.g. --grammar-{flag} 10"
-                )
-        if self.max_bytes < 4 * _MIB:
-            raise ValueError(
-                f"grammar max_bytes={self.max_bytes} is below the least a grammar needs, "
-                f"{4 * _MIB} (4 MiB): pass e.g. --grammar-max-bytes 32MiB"
-            )
-        if self.cache_bytes < self.max_bytes:
-            raise ValueError(
-                f"grammar cache_bytes={self.cache_bytes} is below max_bytes={self.max_bytes}: "
-                "the cache must hold at least one grammar; raise --grammar-cache-bytes or "
-                "lower --grammar-max-bytes"
-            )
-        if not isinstance(self.workers, int) or not 1 <= self.workers <= 64:
-            raise ValueError(
-                f"grammar workers={self.workers!r} must be an integer in 1..64: "
-                "pass e.g. --grammar-workers 1"
-            )
-
-    @property
-    def lexer_states(self) -> int:
-        """The lexer states one grammar may build (llguidance's ``max_lexer_states``)."""
-        return self.max_bytes // 4 // LEXER_STATE_BYTES
-
-    @property
-    def lexer_bytes(self) -> int:
-        """The bytes those states may take: charged to every grammar up front."""
-        return self.lexer_states * LEXER_STATE_BYTES
-
-    def limits(self) -> dict[str, int]:
-        """llguidance's `LLParserLimits` for grammars under this config."""
-        return {"max_lexer_states": self.lexer_states}
-
-
-def grammar_charge(kept: int, config: GrammarConfig) -> int:
-    """What a grammar is charged in the plan: what it keeps once compiled (measured in its
-    worker) and what its lexer may still add."""
-    return kept + config.lexer_bytes
-
-
-def first_line(message: str) -> str:
-    return message.strip().splitlines()[0] if message.strip() else "invalid grammar"
-
-
-class CompileJob:
+class CompileJob(Generic[Built]):
     """One schema (``kind`` ``"schema"``: a JSON schema's text) or grammar (``"grammar"``:
     llguidance's grammar text; ``"gbnf"``, ``"regex"``: see `JobKind`) in the compile
     pool; ``description`` names it in errors.
@@ -169,7 +81,7 @@ class CompileJob:
         self.queue_timeout_s = queue_timeout_s
         self.deadline = time.monotonic() + queue_timeout_s
         self.reserve = reserve
-        self.future: concurrent.futures.Future[Grammar] = concurrent.futures.Future()
+        self.future: concurrent.futures.Future[Built] = concurrent.futures.Future()
         self.cancelled = threading.Event()
 
     def cancel(self) -> None:
@@ -183,7 +95,7 @@ class CompileJob:
             return True
         return self.future.cancelled()
 
-    def result(self, timeout: float | None = None) -> Grammar:
+    def result(self, timeout: float | None = None) -> Built:
         """Wait for the grammar: at most until the queue's deadline for a worker, then as
         long as the compile's bounds allow."""
         wait = max(self.deadline - time.monotonic(), 0.0)
@@ -202,7 +114,7 @@ class CompileJob:
         )
 
 
-class CompilePool:
+class CompilePool(Generic[Built]):
     """`GrammarConfig.workers` threads, each with one worker process, taking jobs in order
     from one queue. Daemon threads: nothing waits for them at exit, and the workers die
     with this process (PR_SET_PDEATHSIG). A worker builds its tokenizer index from
@@ -213,15 +125,15 @@ class CompilePool:
         self,
         config: GrammarConfig,
         source: Callable[[], tuple[Any, int, list[int]]],
-        finish: Callable[[CompileJob, int], Grammar],
+        finish: Callable[[CompileJob[Built], int], Built],
     ) -> None:
         self.config = config
         self.source = source
         self.finish = finish
-        self.jobs: queue.Queue[CompileJob | None] = queue.Queue()
+        self.jobs: queue.Queue[CompileJob[Built] | None] = queue.Queue()
         self.closed = threading.Event()
         self.workers: list[Worker | None] = [None] * self.config.workers
-        self.running: list[CompileJob | None] = [None] * self.config.workers
+        self.running: list[CompileJob[Built] | None] = [None] * self.config.workers
         self._lock = threading.Lock()
         self.threads = [
             threading.Thread(
@@ -232,7 +144,7 @@ class CompilePool:
         for thread in self.threads:
             thread.start()
 
-    def put(self, job: CompileJob) -> None:
+    def put(self, job: CompileJob[Built]) -> None:
         if self.closed.is_set():
             job.future.set_exception(GrammarCancelled("the grammar compiler is closed"))
             return
@@ -297,7 +209,7 @@ class CompilePool:
             if self.workers[slot] is worker:
                 self.workers[slot] = None
 
-    def _compile(self, slot: int, job: CompileJob) -> Grammar:
+    def _compile(self, slot: int, job: CompileJob[Built]) -> Built:
         config = self.config
         worker = self._worker(slot)
         try:
@@ -308,9 +220,9 @@ class CompilePool:
         charge = grammar_charge(kept, config)
         if charge > config.max_bytes:
             raise GrammarLimitError(
-                f"its grammar keeps {kept / _MIB:.1f} MiB, and with the "
-                f"{config.lexer_bytes / _MIB:.0f} MiB its lexer may add that is more than "
-                f"one grammar's share, --grammar-max-bytes {config.max_bytes / _MIB:.0f} MiB; "
+                f"its grammar keeps {kept / MIB:.1f} MiB, and with the "
+                f"{config.lexer_bytes / MIB:.0f} MiB its lexer may add that is more than "
+                f"one grammar's share, --grammar-max-bytes {config.max_bytes / MIB:.0f} MiB; "
                 "simplify the schema or raise --grammar-max-bytes",
                 "memory",
                 config.max_bytes,
@@ -337,7 +249,7 @@ class Worker:
 
     def __init__(self, source: tuple[Any, int, list[int]]) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-I", "-c", WORKER_CODE],
+            [sys.executable, "-I", str(WORKER_SCRIPT)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -370,7 +282,7 @@ class Worker:
             with contextlib.suppress(OSError):
                 stream.close()
 
-    def compile(self, job: CompileJob, config: GrammarConfig) -> int:
+    def compile(self, job: CompileJob[Any], config: GrammarConfig) -> int:
         """The bytes the grammar of ``job`` keeps; raises `GrammarError` for a schema
         llguidance refuses, `GrammarLimitError` past a bound, `GrammarCancelled`."""
         baseline = anonymous_bytes(self.process.pid)
@@ -408,7 +320,7 @@ class Worker:
             if grown > config.max_bytes:
                 raise GrammarLimitError(
                     f"compiling it took more than --grammar-max-bytes "
-                    f"{config.max_bytes / _MIB:.0f} MiB (stopped at {grown / _MIB:.0f} MiB after "
+                    f"{config.max_bytes / MIB:.0f} MiB (stopped at {grown / MIB:.0f} MiB after "
                     f"{elapsed:.1f} s); simplify the schema or raise --grammar-max-bytes",
                     "memory",
                     config.max_bytes,
@@ -437,110 +349,3 @@ class Worker:
             raise GrammarError(f"the grammar worker died compiling it (exit status {code})")
         (size,) = struct.unpack("<I", head)
         return pickle.loads(self._out.read(size))
-
-
-# The worker's program: its own interpreter (-I), importing llguidance alone. Frames are a
-# little-endian u32 length and a pickle, both ways; the parent is the only peer.
-WORKER_CODE = r"""
-import ctypes, os, pickle, signal, struct, sys
-try:
-    os.nice(19)
-except OSError:
-    pass
-try:
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the server
-except Exception:
-    pass
-read, write = sys.stdin.buffer, sys.stdout.buffer
-
-def receive():
-    head = read.read(4)
-    if len(head) < 4:
-        sys.exit(0)
-    return pickle.loads(read.read(struct.unpack("<I", head)[0]))
-
-def send(message):
-    data = pickle.dumps(message)
-    write.write(struct.pack("<I", len(data)) + data)
-    write.flush()
-
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in (
-        "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
-    ).split()]
-
-def resident():  # anonymous bytes (RssAnon): the heap, not the libraries' code pages
-    try:
-        with open("/proc/self/status") as f:
-            return next(int(l.split()[1]) * 1024 for l in f if l.startswith("RssAnon:"))
-    except (OSError, ValueError, IndexError, StopIteration):
-        return 0
-
-bare = resident()
-try:
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = MallInfo2
-    def in_use():
-        info = libc.mallinfo2()
-        return info.uordblks + info.hblkhd
-except Exception:
-    in_use = resident
-
-import llguidance
-
-class Tokens:
-    def __init__(self, source):
-        self.tokens = source["tokens"]
-        self.eos_token_id = source["eos_token_id"]
-        self.bos_token_id = source["bos_token_id"]
-        self.special_token_ids = source["special_token_ids"]
-    def __call__(self, text):
-        return []  # compiling never encodes text
-
-source, n_vocab, eos = receive()
-if isinstance(source, dict):
-    source = llguidance.TokenizerWrapper(Tokens(source))
-index = llguidance.LLTokenizer(source, n_vocab=n_vocab, eos_token=eos)
-send(("ready", bare))
-while True:
-    kind, text, options, limits = receive()
-    before = in_use()
-    try:
-        grammar = (
-            llguidance.LLMatcher.grammar_from_json_schema(text, defaults=options)
-            if kind == "schema" else text
-        )
-    except ValueError as exc:
-        send(("schema", str(exc)))
-        continue
-    try:
-        if kind == "gbnf":
-            from llguidance.gbnf_to_lark import any_to_lark
-            grammar = any_to_lark(text)
-        elif kind == "regex":
-            grammar = llguidance.LLMatcher.grammar_from_regex(text)
-    except (Exception, RecursionError) as exc:
-        send(("convert", str(exc) or type(exc).__name__))
-        continue
-    matcher = llguidance.LLMatcher(
-        index, grammar, log_level=0, limits=llguidance.LLParserLimits(**limits)
-    )
-    if matcher.is_error():
-        send(("error", matcher.get_error()))
-        continue
-    start = matcher.deep_copy()
-    bits = int.from_bytes(start.compute_bitmask(), "little")
-    allowed = bin(bits).count("1") - sum(bits >> e & 1 for e in set(eos))
-    if start.is_error() or allowed <= 0:
-        send(("empty",))
-        continue
-    forced = start.compute_ff_tokens()
-    if (forced and not start.consume_tokens(forced)) or start.is_error():
-        send(("error", "the grammar engine cannot follow it past its first %d tokens (%s); "
-              "simplify the schema (fewer properties or alternatives)"
-              % (len(forced), start.get_error().strip().splitlines()[0])))
-        continue
-    del start
-    send(("ok", max(in_use() - before, 0)))
-    del matcher
-"""

@@ -6,7 +6,7 @@ Two ways to compile. `GrammarCompiler.json_schema` and `compile` compile in the 
 thread, for schemas and grammars the caller trusts (benches, tests, library code).
 `GrammarCompiler.submit` and `submit_grammar` are for what comes from the network: they go
 through the bounded pool of worker processes (compile_pool.py), killed past the time and
-memory bounds of `GrammarConfig`.
+memory bounds of `GrammarConfig` (grammar_config.py, with the errors both modules raise).
 
 Owns llguidance's objects; knows nothing of sampling parameters or the batch. Module state:
 none (the tokenizer index and the pool live in the compiler its owner keeps).
@@ -24,10 +24,10 @@ from urllib.parse import unquote
 import numpy as np
 import torch
 
-from slotserve.sampling.compile_pool import (
+from slotserve.sampling.compile_pool import CompileJob, CompilePool
+from slotserve.sampling.cpu import numpy_view_ok
+from slotserve.sampling.grammar_config import (
     JSON_OPTIONS,
-    CompileJob,
-    CompilePool,
     GrammarBusy,
     GrammarCancelled,
     GrammarConfig,
@@ -37,7 +37,6 @@ from slotserve.sampling.compile_pool import (
     first_line,
     grammar_charge,
 )
-from slotserve.sampling.cpu import numpy_view_ok
 from slotserve.tokenizer import Tokenizer
 from slotserve.tokenizer.spm import SpmVocab
 
@@ -83,7 +82,7 @@ class GrammarCompiler:
         self.config = config or GrammarConfig()
         self._index: Any = None  # llguidance.LLTokenizer, once built
         self._lock = threading.Lock()
-        self._pool: CompilePool | None = None
+        self._pool: CompilePool[Grammar] | None = None
         self._openings: dict[str, int] | None = None  # `_opening_tokens`, once
 
     def json_schema(self, schema: Mapping[str, Any] | None) -> Grammar:
@@ -99,14 +98,16 @@ class GrammarCompiler:
         self,
         schema: Mapping[str, Any] | None,
         reserve: Callable[[int], None] | None = None,
-    ) -> CompileJob:
+    ) -> CompileJob[Grammar]:
         """Compile ``schema`` in the bounded pool: a `CompileJob` whose future gives the
         `Grammar`, or raises `GrammarError` (`GrammarLimitError` past a bound of the
         config), `GrammarBusy` (no worker before the queue's deadline) or
         `GrammarCancelled`. ``reserve(nbytes)`` is called once the grammar's size is known,
         before it is built here; it may raise `GrammarError` to refuse it."""
         check_schema(schema)  # cheap, and a refusal needs no worker
-        return self._put(CompileJob(schema_text(schema), self.config.queue_timeout_s, reserve))
+        return self._put(
+            CompileJob[Grammar](schema_text(schema), self.config.queue_timeout_s, reserve)
+        )
 
     def submit_grammar(
         self,
@@ -114,12 +115,12 @@ class GrammarCompiler:
         description: str,
         reserve: Callable[[int], None] | None = None,
         kind: JobKind = "grammar",
-    ) -> CompileJob:
+    ) -> CompileJob[Grammar]:
         """Compile ``grammar`` in the bounded pool, as `submit` compiles a schema:
         llguidance's grammar text (``kind`` ``"grammar"``, as `compile` takes it), or a GBNF
         grammar or a regular expression (``"gbnf"``, ``"regex"``: `grammar_text`);
         ``description`` names it in errors."""
-        job = CompileJob(
+        job = CompileJob[Grammar](
             grammar, self.config.queue_timeout_s, reserve, kind=kind, description=description
         )
         return self._put(job)
@@ -131,7 +132,7 @@ class GrammarCompiler:
             return self._compile_schema(text, grammar_charge(0, self.config))
         return self.compile(grammar_text(kind, text, description), description)
 
-    def _put(self, job: CompileJob) -> CompileJob:
+    def _put(self, job: CompileJob[Grammar]) -> CompileJob[Grammar]:
         with self._lock:
             if self._pool is None:
                 self._pool = CompilePool(self.config, self.worker_source, self._finish)
@@ -139,7 +140,7 @@ class GrammarCompiler:
         pool.put(job)
         return job
 
-    def _finish(self, job: CompileJob, nbytes: int) -> Grammar:
+    def _finish(self, job: CompileJob[Grammar], nbytes: int) -> Grammar:
         """A job its worker proved within the bounds, built here (it takes what it took
         there)."""
         if job.kind == "schema":

@@ -23,7 +23,13 @@ from typing import Any
 
 from slotserve.memory import anonymous_bytes, read_process, trim_heap
 from slotserve.sampling.compile_pool import CompileJob, Worker
-from slotserve.sampling.grammar import GrammarBusy, GrammarCompiler, GrammarError, schema_text
+from slotserve.sampling.grammar import (
+    Grammar,
+    GrammarBusy,
+    GrammarCompiler,
+    GrammarError,
+    schema_text,
+)
 
 log = logging.getLogger("slotserve")
 
@@ -51,7 +57,7 @@ def prepare(compiler: GrammarCompiler) -> int:
         log.warning("grammar worker did not start (%s); measuring the index here", exc)
         return _measure_here(compiler)
     try:
-        job = CompileJob(schema_text(WARM_SCHEMA), compiler.config.queue_timeout_s)
+        job = CompileJob[Grammar](schema_text(WARM_SCHEMA), compiler.config.queue_timeout_s)
         worker.compile(job, compiler.config)
         # The resident peak less the file pages now (llguidance's code, mapped before the
         # index was built): the anonymous peak, above the worker's anonymous bytes before.
