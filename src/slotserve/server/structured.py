@@ -84,7 +84,7 @@ def _compiler_for(
 class _Pending:
     """A compile some requests wait for; cancelled when the last of them leaves."""
 
-    def __init__(self, job: CompileJob) -> None:
+    def __init__(self, job: CompileJob[Grammar]) -> None:
         self.job = job
         self.waiters = 1
 
@@ -145,7 +145,7 @@ class GrammarCache:
         )
 
     def _lookup(
-        self, key: str, submit: Callable[[Callable[[int], None]], CompileJob]
+        self, key: str, submit: Callable[[Callable[[int], None]], CompileJob[Grammar]]
     ) -> Grammar | _Pending:
         with self._lock:
             if key in self._grammars:
