@@ -37,4 +37,5 @@ def test_side_by_side_with_llama_server_reads_both_whole_processes() -> None:
     assert ours["paused_bytes"] <= ours["after_bytes"]
     assert all(ratio > 0 for ratio in result["ratios"].values())
     table = _memory_side_by_side(result)
-    assert any(line.startswith("| peak |") for line in table)
+    assert any(line.startswith("| resident peak |") for line in table)
+    assert any(line.startswith("| anonymous at ready |") for line in table)

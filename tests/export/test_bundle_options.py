@@ -86,10 +86,13 @@ def test_threads_size_the_runtimes_pool(tiny_bundle: Path, thread_pool: Any) -> 
 
 def test_serve_threads_reaches_the_runtime(tiny_bundle: Path, thread_pool: Any) -> None:
     """``serve --threads 1`` as parsed by the command line, through the path that opens
-    the model (`open_model`)."""
+    the model (`model_specs` names the one model, `open_model` opens it)."""
     from slotserve.cli.executors import open_model
+    from slotserve.cli.flags import model_specs
+    from slotserve.cli.serve import served_name
 
     args = build_parser().parse_args(["serve", "--model", str(tiny_bundle), "--threads", "1"])
+    assert model_specs(args, served_name) is None  # one model: the one-model server
     spec, model, _ = open_model(args)
     assert spec == str(tiny_bundle) and model.halves.kind == "program"
     assert thread_pool._threadpool_get_thread_count() == 1

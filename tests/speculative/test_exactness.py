@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import slotserve as ss
@@ -55,6 +55,13 @@ def cases(draw: st.DrawFn) -> Case:
     )
     beside = draw(st.none() | st.just(f"Say it twice: {sentence}, {sentence}"))
     return Case(prompt, params, beside)
+
+
+COPYING = Case(  # a greedy count both models continue: the drafts are the answer
+    prompt="1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3, 4, 1, 2,",
+    params=ss.SamplingParams(temperature=0.0, max_new_tokens=28, ignore_eos=True, logprobs=3),
+    beside=None,
+)
 
 
 def trace(handle: ss.RequestHandle) -> Trace:
@@ -107,6 +114,7 @@ def check_equal_output(model: ss.Model, config: dict[str, Any], examples: int) -
 
     @settings(max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.too_slow])
     @given(case=cases())
+    @example(case=COPYING)  # whatever the random cases draw, some drafts are accepted
     def equal(case: Case) -> None:
         assert run(on, case) == run(off, case)
 

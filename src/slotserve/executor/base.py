@@ -12,8 +12,10 @@ from slotserve.kv.store import KVStore
 
 class Executor(Protocol):
     """Runs one step: ``tokens[T]`` of ``batch`` over ``kv``; logits ``[B, vocab]`` of each
-    sequence's last token. It reaches the KV only through the pool's ``update_and_attend``;
-    the engine has validated and committed the step in the pool before the call.
+    sequence's last token, or with ``all_logits`` every token's ``[T, vocab]`` (a speculative
+    step verifies its drafts on them). It reaches the KV only through the pool's
+    ``update_and_attend``; the engine has validated and committed the step in the pool
+    before the call.
     ``weight_bytes`` is what it keeps resident to do so (the engine's memory plan counts
     it); ``max_step_tokens`` the largest step it takes (None: any): the engine lowers a
     larger ``max_batch_tokens`` to it and refuses ``max_seqs`` above it."""
@@ -24,7 +26,9 @@ class Executor(Protocol):
     @property
     def max_step_tokens(self) -> int | None: ...
 
-    def step(self, tokens: torch.Tensor, batch: StepBatch, kv: KVStore) -> torch.Tensor: ...
+    def step(
+        self, tokens: torch.Tensor, batch: StepBatch, kv: KVStore, *, all_logits: bool = False
+    ) -> torch.Tensor: ...
 
 
 @runtime_checkable
