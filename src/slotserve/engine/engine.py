@@ -79,7 +79,7 @@ from slotserve.executor import Executor, HiddenStates, executor_for
 from slotserve.kv.batch import StepBatch
 from slotserve.kv.pool import KVPool
 from slotserve.locks import ENGINE, OrderedLock
-from slotserve.memory import MemoryLedger, trim_heap
+from slotserve.memory import IdleTrim, MemoryLedger, trim_heap
 from slotserve.model import Model
 from slotserve.plan import CapacityPlan
 from slotserve.prefix import PendingRestore
@@ -87,9 +87,7 @@ from slotserve.sampling import SamplingParams
 
 log = logging.getLogger("slotserve")
 IDLE_WAIT_S = 0.05
-# After this long with nothing to step, the engine gives the C heap's free pages back
-# (`trim_heap`): malloc keeps the pages of a step's freed activations. The next step faults
-# the pages it uses back in, so the trim waits for a pause in traffic.
+# A pause this long with nothing to step gives the C heap's free pages back (`IdleTrim`).
 IDLE_TRIM_S = 1.0
 EXIT_CLOSE_TIMEOUT_S = 5.0
 
@@ -163,8 +161,7 @@ class Engine:
         self._dropped: deque[int] = deque()  # handles collected without cancel (`_drop`)
         self._ids = itertools.count()
         self._steps_taken = 0
-        self._idle_since: float | None = None  # engine thread only: `_trim_when_idle`
-        self._trimmed = True
+        self._idle_trim = IdleTrim(IDLE_TRIM_S, trim_heap)  # engine thread only
         self._thread = threading.Thread(target=self._loop, name="slotserve-engine", daemon=True)
         self._close_at_exit = _exit_closer(weakref.ref(self))
         atexit.register(self._close_at_exit)
@@ -399,27 +396,16 @@ class Engine:
                 work = self._scheduler.select(ready, self._max_batch())
                 work = self._stepper.draft(work, self.pool)
                 if not work:
-                    self._trim_when_idle()
+                    self._idle_trim.idle()  # under the lock: a submit waits the trim
                     self._lock.wait(IDLE_WAIT_S)
                     continue
-                self._idle_since, self._trimmed = None, False
+                self._idle_trim.busy()
                 try:
                     return work, self._commit(work)
                 except Exception:  # a step the pool refuses ends its requests, not the engine
                     log.exception("step refused by the KV pool; ending its requests")
                     for request, _ in work:
                         self._end(request, "error")
-
-    def _trim_when_idle(self) -> None:
-        """Once the engine has had nothing to step for `IDLE_TRIM_S` since its last step,
-        give the heap's free pages back (once a pause). Under the lock: a request submitted
-        meanwhile waits the trim's few milliseconds."""
-        now = time.monotonic()
-        if self._idle_since is None:
-            self._idle_since = now
-        elif not self._trimmed and now - self._idle_since >= IDLE_TRIM_S:
-            trim_heap()
-            self._trimmed = True
 
     def _max_batch(self) -> int:
         max_seqs = self.config.max_seqs

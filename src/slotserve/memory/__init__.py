@@ -11,6 +11,7 @@ from slotserve.memory.ledger import (
     budget_problems,
 )
 from slotserve.memory.process import (
+    IdleTrim,
     Reading,
     anonymous_bytes,
     anonymous_peak_since,
@@ -27,6 +28,7 @@ from slotserve.memory.units import format_bytes, parse_bytes
 __all__ = [
     "Arena",
     "Budget",
+    "IdleTrim",
     "MemoryLedger",
     "MemoryMap",
     "Meter",

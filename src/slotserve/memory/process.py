@@ -15,6 +15,8 @@ from __future__ import annotations
 import ctypes
 import mmap
 import resource
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -106,6 +108,30 @@ def trim_heap() -> None:
     trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # the C library's, already loaded
     if trim is not None:
         trim(0)
+
+
+class IdleTrim:
+    """`trim_heap` once a pause in a loop's work has lasted ``after_s``, once a pause:
+    malloc keeps the pages of a step's freed activations, and the next step faults back in
+    the pages it uses, so the trim waits for a pause rather than running after each step.
+    The loop calls `busy` when it steps and `idle` when it has nothing to step; nothing is
+    trimmed before its first step. One thread's (the loop's) alone."""
+
+    def __init__(self, after_s: float, trim: Callable[[], None] = trim_heap) -> None:
+        self.after_s, self.trim = after_s, trim
+        self._idle_since: float | None = None
+        self._trimmed = True
+
+    def busy(self) -> None:
+        self._idle_since, self._trimmed = None, False
+
+    def idle(self) -> None:
+        now = time.monotonic()
+        if self._idle_since is None:
+            self._idle_since = now
+        elif not self._trimmed and now - self._idle_since >= self.after_s:
+            self.trim()
+            self._trimmed = True
 
 
 # glibc's mallopt parameter for the most arenas the threads may use (malloc.h).
