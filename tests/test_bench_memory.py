@@ -104,11 +104,12 @@ def test_arena_rows_are_the_phases_against_the_plan() -> None:
     plan: dict[str, Any] = {"arenas": {"runtime": 100, "weights": 50, "kv": 40}}
     plan["arenas"] |= {"activations": 20, "grammars": 4}
     plan["kv_pool_bytes"] = 30
+    plan["arenas"] |= {"grammar_workers": 9}
     phases = {
-        "ready": {"anonymous": 180, "anonymous_peak": 180},
-        "serving": {"anonymous": 195, "anonymous_peak": 210},
-        "grammars": {"anonymous": 201, "anonymous_peak": 203},
-        "worst case": {"anonymous": 202, "anonymous_peak": 215},
+        "ready": {"anonymous": 180, "anonymous_peak": 180, "children_anonymous_peak": 0},
+        "serving": {"anonymous": 195, "anonymous_peak": 210, "children_anonymous_peak": 0},
+        "grammars": {"anonymous": 201, "anonymous_peak": 203, "children_anonymous_peak": 8},
+        "worst case": {"anonymous": 202, "anonymous_peak": 215, "children_anonymous_peak": 7},
     }
     rows = [
         (row["span"], row["arenas"], row["planned_bytes"], row["measured_bytes"])
@@ -119,6 +120,7 @@ def test_arena_rows_are_the_phases_against_the_plan() -> None:
         ("serving, its peak above ready", ["pool", "copies", "activations"], 60, 30),
         ("grammars, growth", ["grammars"], 4, 6),
         ("worst case with the grammars, its peak above its start", [], 0, 14),
+        ("grammar worker processes, their peak", ["grammar_workers"], 9, 8),
     ]
 
 
@@ -128,7 +130,7 @@ def test_the_memory_section_reports_the_server(worst_case: dict[str, Any], tiny:
     report = markdown_report({"memory": result}, "slotserve bench memory", {})
     assert "## memory: a server's peak anonymous memory" in report
     assert format_bytes(worst_case["peak_anonymous_bytes"]) in report
-    assert "| whole process, peak | all |" in report
+    assert "| the server and its workers, peak | all |" in report
     document = "# Benchmarks\n\n## memory: old\n\nold text\n\n## servers: x\n\nkept\n"
     rewritten = replace_section(document, "memory", {"memory": result}, "slotserve bench memory")
     assert "old text" not in rewritten and "kept" in rewritten

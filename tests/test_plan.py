@@ -125,7 +125,16 @@ def test_plan_that_does_not_fit_names_the_levers() -> None:
     assert not plan.with_kv(max_context=context + 16).fits
 
 
-ARENAS = ("runtime", "tokenizer", "weights", "methods", "grammar_index", "grammars", "responses")
+ARENAS = (
+    "runtime",
+    "tokenizer",
+    "weights",
+    "methods",
+    "grammar_index",
+    "grammar_workers",
+    "grammars",
+    "responses",
+)
 
 
 @pytest.mark.parametrize("arena", [*ARENAS, "kv", "activations"])
@@ -312,6 +321,7 @@ def test_plan_measure_compares_every_arena_with_its_measurement(tmp_path: Path) 
         "tokenizer",
         "weights",
         "grammar_index",
+        "grammar_workers",
         "kv",
         "activations",
     }

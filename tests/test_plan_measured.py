@@ -202,10 +202,13 @@ def test_prepare_measures_the_index_in_a_worker_and_the_server_cache_takes_that_
     compiler = GrammarCompiler(tiny.tokenizer, tiny.info.vocab_size, config)
     built = _counted_index(compiler)
     try:
-        grown = prepare(compiler)
+        cost = prepare(compiler)
         # Measured in a worker from before it imported llguidance: the library's own
         # shared object is part of it (over 2 MiB resident), and nothing is built here.
-        assert grown >= MIB
+        assert cost.index_bytes >= MIB
+        # A worker is a whole process: its interpreter and llguidance beside the index.
+        assert cost.worker_bytes > cost.index_bytes and cost.workers == config.workers
+        assert cost.workers_bytes == cost.workers * cost.worker_bytes
         assert built == [] and compiler._index is None and compiler._pool is None
         # Held here only once a structured request needs it.
         assert compiler.submit(None).result().matcher(tiny.info.vocab_size) is not None
@@ -238,7 +241,8 @@ def test_prepare_without_a_worker_measures_the_index_here_then_releases_it(
     compiler = GrammarCompiler(tiny.tokenizer, tiny.info.vocab_size)
     built = _counted_index(compiler)
     try:
-        assert prepare(compiler) >= 0
+        cost = prepare(compiler)
+        assert cost.index_bytes >= 0 and cost.workers_bytes == 0  # no worker runs
         assert len(built) == 1  # built and measured here, not left to a request ...
         assert compiler._index is None and compiler._pool is None  # ... then released
     finally:

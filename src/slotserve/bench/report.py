@@ -374,7 +374,8 @@ def _memory_server(s: dict[str, Any]) -> list[str]:
         "grammars held. Anonymous bytes of the server process from `/proc/PID/status` "
         "(RssAnon), what the plan counts; a phase's peak is its resident peak (VmHWM, reset "
         "when the server is ready and before each phase) less the file pages resident when "
-        "it began.",
+        "it began. The server's grammar worker processes are read apart (each its resident "
+        "peak less its file pages) and added to the whole peak.",
         "",
         f"Peak anonymous **{format_bytes(peak)}** against the plan's total "
         f"{format_bytes(total)}: **{peak / total:.2f}×** (peak resident "
@@ -391,7 +392,9 @@ def _memory_server(s: dict[str, Any]) -> list[str]:
         ]
         for row in s["arena_rows"]
     ]
-    rows.append(["whole process, peak", "all", format_bytes(total), format_bytes(peak)])
+    rows.append(
+        ["the server and its workers, peak", "all", format_bytes(total), format_bytes(peak)]
+    )
     header = ["span (resident set)", "plan arenas", "planned", "measured"]
     return lines + markdown_table(header, rows)
 

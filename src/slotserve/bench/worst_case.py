@@ -28,12 +28,17 @@ weights), the peak of ``serving`` above it (the KV pool, whose pages become resi
 sessions write them, the prefix cache's copies and the activations, with whatever serving
 costs once), the growth of ``grammars`` (the grammar compiler's tokenizer index, which serve
 measures at start and builds again at the first structured request, and the grammars), and
-the peak of the last rounds above their start (which the plan has nothing more for).
+the peak of the last rounds above their start (which the plan has nothing more for). The
+server's grammar worker processes (its children) are read apart, each its anonymous peak as
+the server's start measured one (`slotserve.sampling.grammar_index`), and the whole peak is
+the server's and theirs together.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import random
 import threading
 from collections.abc import Callable, Sequence
@@ -58,6 +63,7 @@ ARENA_ROWS = (
     ("serving, its peak above ready", ("pool", "copies", "activations")),
     ("grammars, growth", ("grammar_index", "grammars")),
     ("worst case with the grammars, its peak above its start", ()),
+    ("grammar worker processes, their peak", ("grammar_workers",)),
 )
 
 
@@ -275,6 +281,7 @@ class WorstCaseDriver:
             "VmHWM": now.peak,
             "anonymous": now.anonymous,
             "anonymous_peak": max(now.peak - self._file_at_reset, now.anonymous),
+            "children_anonymous_peak": sum(_anonymous_peak(c) for c in children(self.pid)),
         }
 
     def _result(
@@ -282,7 +289,7 @@ class WorstCaseDriver:
     ) -> dict[str, Any]:
         arenas: dict[str, int] = self.plan["arenas"]
         total = int(self.plan["worst_case_bytes"])
-        peak = max(p["anonymous_peak"] for p in self.phases.values())
+        peak = max(p["anonymous_peak"] + p["children_anonymous_peak"] for p in self.phases.values())
         return {
             "plan": {
                 "arenas": arenas,
@@ -318,6 +325,7 @@ def arena_rows(plan: dict[str, Any], phases: dict[str, dict[str, int]]) -> list[
         peak["serving"] - rss["ready"],
         rss["grammars"] - rss["serving"],
         peak["worst case"] - rss["grammars"],
+        max(phases[name]["children_anonymous_peak"] for name in PHASES),
     ]
     return [
         {
@@ -328,6 +336,25 @@ def arena_rows(plan: dict[str, Any], phases: dict[str, dict[str, int]]) -> list[
         }
         for (span, names), got in zip(ARENA_ROWS, measured, strict=True)
     ]
+
+
+def children(pid: int) -> list[int]:
+    """The pids of process ``pid``'s children (Linux ``/proc/PID/task/*/children``)."""
+    found: list[int] = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as listed:
+            found.extend(int(child) for child in listed.read().split())
+    return found
+
+
+def _anonymous_peak(pid: int) -> int:
+    """Process ``pid``'s anonymous peak: its resident peak less its file pages now (0 if
+    it has ended)."""
+    try:
+        now = read_process(pid)
+    except OSError:
+        return 0
+    return max(now.peak - now.file - now.shared, now.anonymous)
 
 
 def run_worst_case(

@@ -120,10 +120,10 @@ def _plan_one(args: argparse.Namespace) -> int:
     # index built and measured here, the grammars and the stored responses
     # (`cli.serve.add_server_arenas`),
     # then the engine's probes (`ledger_for`), before a preset is sized against it
-    compiler, index_bytes = prepare_grammars(model, grammars)
+    compiler, grammar_cost = prepare_grammars(model, grammars)
     compiler.close()
     ledger = command_ledger(model, args.budget_scope)
-    add_server_arenas(ledger, args.budget_scope, grammars.cache_bytes, index_bytes)
+    add_server_arenas(ledger, args.budget_scope, grammars.cache_bytes, grammar_cost)
     config, choice = resolve_engine_config(args, model, ledger)
     config = with_server_prefix_cache(config, args, model)  # as `slotserve serve` runs it
     config = with_prefix_store(config, args)

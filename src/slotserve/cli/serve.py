@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from slotserve.engine.device import DeviceScheduler
     from slotserve.engine.models import Loaded, ModelSet, ModelSpec
     from slotserve.memory import MemoryLedger
+    from slotserve.sampling.grammar_index import GrammarCost
     from slotserve.server.defaults import SamplingDefaults
 
 # The share of the KV pool the server's prefix cache may pin by default (cell layout).
@@ -220,28 +221,38 @@ def grammar_config(args: argparse.Namespace) -> Any:
 
 
 def add_server_arenas(
-    ledger: MemoryLedger, budget_scope: str, cache_bytes: int, index_bytes: int = 0
+    ledger: MemoryLedger, budget_scope: str, cache_bytes: int, cost: GrammarCost | None = None
 ) -> None:
     """Add the server's arenas to ``ledger``: the grammars (``cache_bytes``:
     --grammar-cache-bytes, computed); and where the budget is the whole process's
-    (``budget_scope`` ``"process"``: they are the process's, not the model's own) the
-    compiler's tokenizer index (``index_bytes``, as `prepare_grammars` measured it) and
+    (``budget_scope`` ``"process"``: they are the process's, not the model's own) what
+    compiling costs (``cost``, as `prepare_grammars` measured it: `add_grammar_cost`) and
     the Responses API's stored responses (their byte budget, computed)."""
     from slotserve.server.response_store import DEFAULT_STORED_BYTES
 
     if budget_scope == "process":
-        if index_bytes:
-            ledger.add("grammar_index", index_bytes, "measured", "the grammar compiler's index")
+        if cost is not None:
+            add_grammar_cost(ledger, cost)
         ledger.add("responses", DEFAULT_STORED_BYTES, "computed", "stored responses")
     if cache_bytes:
         ledger.add("grammars", cache_bytes, "computed", "--grammar-cache-bytes")
 
 
-def prepare_grammars(model: Any, config: Any) -> tuple[Any, int]:
+def add_grammar_cost(ledger: MemoryLedger, cost: GrammarCost) -> None:
+    """The grammar compiler's index in the server (``grammar_index``) and its compile
+    worker processes (``grammar_workers``), both measured at start."""
+    if cost.index_bytes:
+        ledger.add("grammar_index", cost.index_bytes, "measured", "the grammar compiler's index")
+    if cost.workers_bytes:
+        source = f"{cost.workers} grammar worker process(es), --grammar-workers"
+        ledger.add("grammar_workers", cost.workers_bytes, "measured", source)
+
+
+def prepare_grammars(model: Any, config: Any) -> tuple[Any, GrammarCost]:
     """The `GrammarCompiler` a server of ``model`` compiles with (``config``: the
-    --grammar-* flags), its tokenizer index built and its first compile taken now, and the
-    anonymous bytes that cost (the ledger's ``grammar_index`` arena). Called before the
-    engine allocates, so the growth is the index's alone."""
+    --grammar-* flags), its tokenizer index built and its first compile taken now, and
+    what that costs (`GrammarCost`: the ledger's ``grammar_index`` and ``grammar_workers``
+    arenas). Called before the engine allocates, so the growth is the index's alone."""
     from slotserve.sampling.grammar import GrammarCompiler
     from slotserve.sampling.grammar_index import prepare
 
@@ -390,10 +401,10 @@ def _serve(args: argparse.Namespace) -> int:
     if template is not None:
         model.tokenizer.set_chat_template(template, source=f"--chat-template {args.chat_template}")
     warn_if_template_fails(model.tokenizer, args.chat_template or spec)
-    compiler, index_bytes = prepare_grammars(model, grammars)  # measured before the engine
+    compiler, grammar_cost = prepare_grammars(model, grammars)  # measured before the engine
     # The one ledger of the process: the load's arenas, the grammars', and the engine's.
     ledger = command_ledger(model, args.budget_scope)
-    add_server_arenas(ledger, args.budget_scope, grammars.cache_bytes, index_bytes)
+    add_server_arenas(ledger, args.budget_scope, grammars.cache_bytes, grammar_cost)
     try:
         config = engine_config(args, model, ledger)  # with --preset: sized to the ledger
         config = with_server_queue(config, args)
@@ -542,9 +553,9 @@ def load_member(
     if template is not None:
         model.tokenizer.set_chat_template(template, source=f"--chat-template {args.chat_template}")
     warn_if_template_fails(model.tokenizer, spec.source)
-    compiler, index_bytes = prepare_grammars(model, grammars)
+    compiler, grammar_cost = prepare_grammars(model, grammars)
     try:
-        ledger.add("grammar_index", index_bytes, "measured", "the grammar compiler's index")
+        add_grammar_cost(ledger, grammar_cost)
         config = engine_config(member, model, ledger)
         config = with_server_queue(config, member)
         config = with_server_prefix_cache(config, member, model)

@@ -12,7 +12,8 @@ Who adds what (docs/ARCHITECTURE.md, "The memory ledger"):
 - ``tokenizer``, ``weights``: the load, measured (or, where the budget covers the model
   alone, computed from the weights' sizes by the engine);
 - ``methods``: a bundle's program, its planned arenas or what its largest step kept;
-- ``grammar_index``, ``grammars``: the server's grammar compiler;
+- ``grammar_index``, ``grammar_workers``, ``grammars``: the server's grammar compiler (its
+  tokenizer index, its compile worker processes, the grammars it keeps);
 - ``responses``: the Responses API's stored responses (their byte budget);
 - ``kv`` and ``activations`` are computed from an engine's config by its `CapacityPlan`,
   which adds them to the ledger's arenas when it checks a budget.

@@ -13,12 +13,18 @@ server that never gets a structured request never holds any of it.
 What the worker measures is its anonymous peak's growth (its resident peak less the file
 pages of llguidance's code), to which the server adds the source it pickles for its own
 first worker (held twice while it is sent: the text and its pickle).
+
+The workers are memory of the device too: each of ``--grammar-workers`` is a process of its
+own that holds its interpreter, llguidance and an index of its own for as long as the server
+runs. The warm-up's worker is one of them, so its whole anonymous peak is what each costs
+(the ``grammar_workers`` arena: `GrammarCost`).
 """
 
 from __future__ import annotations
 
 import logging
 import pickle
+from dataclasses import dataclass
 from typing import Any
 
 from slotserve.memory import anonymous_bytes, read_process, trim_heap
@@ -42,20 +48,39 @@ WARM_SCHEMA: dict[str, Any] = {
 }
 
 
-def prepare(compiler: GrammarCompiler) -> int:
-    """The ``grammar_index`` arena of ``compiler``: the bytes a worker process's resident
+@dataclass(frozen=True)
+class GrammarCost:
+    """What compiling grammars costs the device, measured at a server's start (`prepare`):
+    ``index_bytes`` in the server's own process (the ``grammar_index`` arena) and
+    ``worker_bytes`` in each of its ``workers`` compile processes, whole (the
+    ``grammar_workers`` arena: `workers_bytes`; 0 where no worker started)."""
+
+    index_bytes: int
+    worker_bytes: int
+    workers: int
+
+    @property
+    def workers_bytes(self) -> int:
+        return self.worker_bytes * self.workers
+
+
+def prepare(compiler: GrammarCompiler) -> GrammarCost:
+    """What compiling with ``compiler`` costs (`GrammarCost`). The index: the bytes a
+    worker process's resident
     set peaked above where it stood before it imported llguidance, by the time it had built
     the tokenizer index and compiled `WARM_SCHEMA` within the config's bounds, as this
     process will when its first structured request comes, and twice the pickled source
-    (see the module docstring). Where no worker starts or compiles, the index is built
-    here instead, measured, and released (`GrammarCompiler.release`); the structured
-    requests then report the worker's failure themselves."""
+    (see the module docstring); a worker: that worker's whole anonymous peak. Where no
+    worker starts or compiles, the index is built here instead, measured, and released
+    (`GrammarCompiler.release`), and no worker is counted; the structured requests then
+    report the worker's failure themselves."""
+    workers = compiler.config.workers
     source = compiler.worker_source()
     try:
         worker = Worker(source)
     except (GrammarError, OSError) as exc:
         log.warning("grammar worker did not start (%s); measuring the index here", exc)
-        return _measure_here(compiler)
+        return GrammarCost(_measure_here(compiler), 0, workers)
     try:
         job = CompileJob[Grammar](schema_text(WARM_SCHEMA), compiler.config.queue_timeout_s)
         worker.compile(job, compiler.config)
@@ -64,10 +89,10 @@ def prepare(compiler: GrammarCompiler) -> int:
         now = read_process(worker.process.pid)
         peak = max(now.peak - now.file - now.shared, now.anonymous)
         grown = max(peak - worker.bare_anonymous, 0)
-        return grown + 2 * len(pickle.dumps(source))
+        return GrammarCost(grown + 2 * len(pickle.dumps(source)), peak, workers)
     except (GrammarError, OSError) as exc:
         log.warning("grammar worker warm-up failed (%s); measuring the index here", exc)
-        return _measure_here(compiler)
+        return GrammarCost(_measure_here(compiler), 0, workers)
     finally:
         worker.dispose()
 
