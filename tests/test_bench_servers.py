@@ -12,7 +12,7 @@ import pytest
 import slotserve as ss
 from slotserve.bench.llama_server import ENV_BINARY, find_llama_server
 from slotserve.bench.processes import slotserve_server
-from slotserve.bench.report import keep_sections
+from slotserve.bench.report import keep_sections, replace_section
 from slotserve.bench.servers import (
     DECODE_TOKENS,
     PROMPT_TOKENS,
@@ -66,6 +66,19 @@ def test_a_full_report_keeps_the_sections_of_their_own_scenarios() -> None:
     assert kept.count("## servers: b") == 1 and "server rows" in kept
     rerun = new + "\n## servers: b\n\nnew rows\n"
     assert "server rows" not in keep_sections(old, rerun, ("servers",))
+
+
+def test_a_full_report_keeps_the_hand_written_sections_and_a_rerun_replaces_its_own() -> None:
+    old = "# Benchmarks\n\n## single: a\n\nold\n\n## running the benchmarks\n\nhow\n"
+    old += "\n## history: figures\n\nthen\n\n## speculative\n\nold speculation\n"
+    kept = keep_sections(old, "# Benchmarks\n\n## single: a\n\nnew\n", ("speculative",))
+    assert "old" not in kept.replace("old speculation", "")
+    assert all(kept.count(text) == 1 for text in ("how", "then", "old speculation"))
+    # ``bench speculative`` replaces its section, under the old heading or its own.
+    result = {"rows": [], "max_new_tokens": 8, "repeats": 1}
+    for document in (old, replace_section(old, "speculative", {"speculative": result}, "x")):
+        rewritten = replace_section(document, "speculative", {"speculative": result}, "x")
+        assert "old speculation" not in rewritten and rewritten.count("## speculative") == 1
 
 
 @pytest.mark.skipif(find_llama_server() is None, reason="llama-server: `make bench-deps`")

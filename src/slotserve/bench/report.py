@@ -488,20 +488,31 @@ def replace_section(document: str, name: str, results: dict[str, Any], command: 
 
 
 def keep_sections(old: str, new: str, names: tuple[str, ...]) -> str:
-    """``new`` with the ``## name`` sections of ``old`` that ``new`` lacks appended as they
-    were (a full report keeps the sections written by their own scenarios)."""
+    """``new`` with the sections of ``old`` that ``new`` lacks appended as they were: those
+    of ``names`` (written by their own scenarios) and every hand-written one (a ``## ``
+    heading no scenario writes: how to run, accuracy, history)."""
     old_lines = old.rstrip("\n").split("\n")
     lines = new.rstrip("\n").split("\n")
-    for name in names:
+    for heading in [line for line in old_lines if line.startswith("## ")]:
+        name = heading[3:].split(":")[0].strip()
+        kept = name in names or name not in SECTIONS
         span = _section_span(old_lines, name)
-        if span is not None and _section_span(lines, name) is None:
+        if kept and span is not None and _section_span(lines, name) is None:
             lines += ["", *old_lines[span[0] : span[1]]]
     return "\n".join(lines) + "\n"
 
 
 def _section_span(lines: list[str], name: str) -> tuple[int, int] | None:
-    """Where the ``## name:`` section starts and ends (the next ``## ``) in ``lines``."""
-    start = next((i for i, line in enumerate(lines) if line.startswith(f"## {name}:")), None)
+    """Where the ``## name`` (or ``## name: …``) section starts and ends (the next ``## ``)
+    in ``lines``."""
+    start = next(
+        (
+            i
+            for i, line in enumerate(lines)
+            if line == f"## {name}" or line.startswith(f"## {name}:")
+        ),
+        None,
+    )
     if start is None:
         return None
     end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))

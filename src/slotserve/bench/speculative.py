@@ -209,7 +209,7 @@ def speculative_section(result: dict[str, Any]) -> list[str]:
         return f"{figure['median']:.1f} [{figure['min']:.1f}–{figure['max']:.1f}]"
 
     lines = [
-        "## speculative",
+        "## speculative: n-gram speculation on and off",
         "",
         f"Greedy, {result['max_new_tokens']} new tokens, flat layout; slotserve with n-gram "
         "speculation on and off, taking turns; delivered tokens a second (median [min–max] "
