@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from slotserve.engine.device import DeviceScheduler
+import slotserve as ss
+from slotserve.engine.device import DeviceScheduler, DeviceSeat
 from slotserve.engine.events import PRIORITIES, Priority
 
 
@@ -108,3 +109,33 @@ def test_any_line_up_keeps_the_rules(waiters: list[Priority], share: float) -> N
     assert device.counters.max_background_ahead_of_interactive <= 1
     if share == 0.0:
         assert ran == sorted(ran, key=PRIORITIES.index)
+
+
+def test_an_engines_start_probes_take_a_background_turn(tiny: ss.Model) -> None:
+    """A model loaded into a running set measures its first and largest steps on the
+    device: those steps wait for the turn another model's step holds, as its serving
+    steps will, and take one background turn."""
+    device = DeviceScheduler()
+    device.acquire("chat", "interactive")  # another model's step holds the device
+    started: list[tuple[float, ss.Engine]] = []
+
+    def start() -> None:
+        engine = ss.Engine(
+            tiny, ss.EngineConfig(max_seqs=1, max_context=64), device=DeviceSeat(device, "new")
+        )
+        started.append((time.monotonic(), engine))
+
+    thread = threading.Thread(target=start)
+    thread.start()
+    time.sleep(0.2)
+    released = time.monotonic()
+    device.release("chat")
+    thread.join(60)
+    ((finished, engine),) = started
+    try:
+        assert finished > released  # its probes waited for the turn
+        assert device.counters.turns.get("new") == 1
+        assert device.counters.turns_by_class["background"] == 1
+        device.check_integrity()
+    finally:
+        engine.close()

@@ -126,8 +126,10 @@ class Engine:
         executor = executor or executor_for(model)
         self.config = self.config.within_step_limit(executor.max_step_tokens)
         # The memory ledger this engine plans with: passed in, or the load's (with
-        # budget_scope="process"), its start state measured by the probes (`ledger_for`).
-        self.ledger = ledger_for(model, self.config, executor, ledger)
+        # budget_scope="process"), its start state measured by the probes (`ledger_for`),
+        # whose steps take a background turn on a served set's device like any other.
+        with nullcontext() if device is None else device.turn("background"):
+            self.ledger = ledger_for(model, self.config, executor, ledger)
         attention = model.kernels.attention if self.config.kernels == "auto" else None
         self._attention_kernel = attention is not None
         self.plan.check()  # PlanError: refuse to start
