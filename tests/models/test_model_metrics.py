@@ -29,7 +29,7 @@ MODELS_TOML = """
 source = "bundled"
 weights = "gguf"   # block halves on the compiled kernels: speculation keeps the output exact
 max_seqs = 2
-max_context = 256
+max_context = 512
 
 [models.plain]
 source = "{plain}"  # fp32 halves: speculation is refused (it could change the output)
@@ -184,7 +184,11 @@ def test_speculation_counters_count_the_drafts(two_models: ServerProcess) -> Non
 
 def test_slots_list_each_model_and_filter_by_name(two_models: ServerProcess) -> None:
     url = two_models.url
-    body = {"model": "spec", "prompt": COUNT, "max_tokens": 200, "temperature": 0, "stream": True}
+    # Sampled free text, long: it is still decoding while /slots is read three times.
+    body = {
+        "model": "spec", "prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True,
+        "temperature": 1.0, "seed": 7, "stream": True,
+    }  # fmt: skip
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as stream:
         lines = stream.iter_lines()
         assert any(line.startswith("data: {") for line in lines)  # spec is decoding now
