@@ -273,21 +273,45 @@ async def metrics(request: Request) -> Response:
 
 
 @guarded.get("/slots")
-async def slots(request: Request) -> JSONResponse:
+async def slots(request: Request, model: str | None = None) -> JSONResponse:
     """Each slot (a list, as llama.cpp's ``/slots``); an idle slot that keeps a finished
     request's KV for the prefix cache says ``parked`` (free to take all the same). What
-    holds for every slot rides in headers: the device-pressure level, when a signal is
-    configured (``X-Pressure-Level``), the declared cancellation bound
+    holds for every slot of one engine rides in headers: the device-pressure level, when a
+    signal is configured (``X-Pressure-Level``), the declared cancellation bound
     (`cancel_bound_headers`) and the KV in use beside what of it is parked
-    (`kv_headers`)."""
-    engine = live_engine(state_of(request))
+    (`kv_headers`). A served set lists every loaded generating model's slots, each with
+    its ``model``; ``?model=NAME`` lists that model's alone, with its headers (an unknown
+    name is 404 ``model_not_found``; an unloaded or embedding model has no slots)."""
+    state = state_of(request)
+    engine = live_engine(state)
+    if model is not None:
+        check_model(state, model)
+    if state.models is None:
+        headers = slot_headers(engine)  # read first, as the slots were always
+        return JSONResponse(slot_list(engine), headers=headers)
+    one = state.models.engine(model) if model is not None else None
+    headers = slot_headers(one) if isinstance(one, Engine) else {}
+    listed: list[dict[str, object]] = []
+    for name in state.models.names if model is None else [model]:
+        each = state.models.engine(name)  # no lease: a view, as /v1/models is
+        if isinstance(each, Engine):
+            listed += [{"model": name, **slot} for slot in slot_list(each)]
+    return JSONResponse(listed, headers=headers)
+
+
+def slot_list(engine: Engine) -> list[dict[str, object]]:
+    """The engine's slots, parked ones marked (`with_parked_slots`), JSON-ready."""
+    return [slot.to_dict() for slot in with_parked_slots(engine.slots(), engine.pool_view())]
+
+
+def slot_headers(engine: Engine) -> dict[str, str]:
+    """The headers of ``engine``'s slots (`slots`)."""
     stats = engine.stats()
     headers = {} if stats.cancel_bound is None else cancel_bound_headers(stats.cancel_bound)
     if stats.pressure_level is not None:
         headers["X-Pressure-Level"] = f"{stats.pressure_level:g}"
     headers.update(kv_headers(stats))
-    slots = with_parked_slots(engine.slots(), engine.pool_view())
-    return JSONResponse([slot.to_dict() for slot in slots], headers=headers)
+    return headers
 
 
 def kv_headers(stats: EngineStats) -> dict[str, str]:

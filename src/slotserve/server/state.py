@@ -62,18 +62,27 @@ class ServerState:
         return f"{kind}-{self._id_base}{next(self._id_count):08x}"
 
     def attach(self, engine: Engine) -> None:
-        """Serve ``engine``: its finished requests feed the Prometheus metrics."""
+        """Serve ``engine``: its finished requests feed the Prometheus metrics. A served
+        set's metrics read every model (labelled ``model``); its other models' engines are
+        hooked as requests reach them (`view_of`)."""
         self.engine = engine
         connections = self.connections.stats if self.connections is not None else None
-        self.metrics = PrometheusMetrics(engine.stats, connections, lambda: engine.plan.arenas)
-        engine.on_finished = self.metrics.observe
+        if self.models is None:
+            self.metrics = PrometheusMetrics(engine.stats, connections, lambda: engine.plan.arenas)
+            engine.on_finished = self.metrics.observe
+        else:
+            self.metrics = PrometheusMetrics(
+                engine.stats, connections, models=self.models, primary=self.model_name
+            )
+            engine.on_finished = self.metrics.observer(self.model_name)
         self.grammars = GrammarCache(engine.model, compiler=self.grammar_compiler)
 
     def view_of(self, name: str, engine: Any) -> ServerState:
         """This state as a request to model ``name`` (served by ``engine``) sees it: its
         name in replies, its grammar cache and sampling defaults; everything else shared.
-        One view per loaded engine (a reloaded model gets a new one); an encoder engine's
-        view has no grammars."""
+        One view per loaded engine (a reloaded model gets a new one), made before the
+        request is submitted: its engine's ended requests then feed the metrics under
+        ``name``. An encoder engine's view has no grammars."""
         if engine is self.engine:
             return self
         known = self._views.get(name)
@@ -82,6 +91,8 @@ class ServerState:
         loaded = self.models.loaded(name) if self.models is not None else None
         compiler = loaded.grammar_compiler if loaded is not None else None
         sampling = loaded.sampling_defaults if loaded is not None else None
+        if isinstance(engine, Engine) and self.metrics is not None:
+            engine.on_finished = self.metrics.observer(name)  # before its first request
         view = dataclasses.replace(
             self,
             engine=engine,
