@@ -353,6 +353,23 @@ def test_a_sampler_value_out_of_range_names_the_field(
     assert error["param"] in (field, None)  # a cross-field check names it in the message
 
 
-def test_min_tokens_with_stop_is_refused(server: ServerProcess) -> None:
-    response = post(server, {"min_tokens": 2, "stop": ["x"]})
-    assert response.status_code == 400 and response.json()["error"]["param"] == "min_tokens"
+def test_min_tokens_holds_stop_strings_back_until_its_token(server: ServerProcess) -> None:
+    """A stop string ends the output only where it lies in the text from the min_tokens-th
+    token on (vLLM's min_tokens; `StopMatcher`): the greedy text's first characters, as a
+    stop string, end it at once without min_tokens and at their first occurrence from
+    that token on with it (or at the budget)."""
+    fields = {"max_tokens": 24, "min_tokens": 24, "logprobs": 0}
+    base = post(server, fields, "/v1/completions").json()["choices"][0]
+    text, offsets = base["text"], base["logprobs"]["text_offset"]
+    stop = text[:1]
+    assert stop and len(offsets) == 24
+    alone = post(server, {"max_tokens": 24, "stop": [stop]}, "/v1/completions").json()
+    assert alone["choices"][0]["text"] == ""
+    for minimum in (2, 6, 12):
+        start = offsets[minimum - 1] - offsets[0]
+        found = text.find(stop, start)
+        expected = text if found < 0 else text[:found]
+        body = {"max_tokens": 24, "min_tokens": minimum, "stop": [stop]}
+        response = post(server, body, "/v1/completions")
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["text"] == expected, (minimum, text)

@@ -75,7 +75,7 @@ def build_request(
         priority=priority,
         sampler=RequestSampler(params, vocab_size, tokens),
         decoder=tokenizer.stream_decoder(),
-        stops=StopMatcher(params.stop),
+        stops=StopMatcher(params.stop, params.min_tokens),
         eos_ids=eos,
         sink=EventSink(),
         timings=RequestTimings(submitted=now),

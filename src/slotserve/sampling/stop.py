@@ -11,18 +11,28 @@ from collections.abc import Sequence
 class StopMatcher:
     """Streams text through, holding back any tail that could still become a stop string.
 
-    ``push(text)`` returns the text that is safe to emit and whether a stop string has
-    completed (text from the stop string on is dropped).
+    ``push(text)`` (one token's text) returns the text that is safe to emit and whether a
+    stop string has completed (text from the stop string on is dropped).
+
+    ``min_tokens`` (vLLM's): no stop string ends the output before that many tokens; the
+    text of the first ``min_tokens - 1`` tokens passes unchecked, and a stop string counts
+    when it lies in the text from the ``min_tokens``-th token on. (vLLM also matches one
+    that began earlier and cuts the text back to it; text already streamed cannot be taken
+    back, so here it is not matched.)
     """
 
-    def __init__(self, stops: Sequence[str]) -> None:
+    def __init__(self, stops: Sequence[str], min_tokens: int = 0) -> None:
         self.stops = tuple(stops)
         self.pending = ""
         self.stopped = False
+        self.unchecked = max(min_tokens - 1, 0)  # tokens whose text passes unchecked
 
     def push(self, text: str) -> tuple[str, bool]:
         if self.stopped:
             return "", True
+        if self.unchecked > 0:
+            self.unchecked -= 1
+            return text, False
         self.pending += text
         hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
         if hits:

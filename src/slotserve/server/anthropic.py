@@ -22,7 +22,8 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 from slotserve.engine import Engine
 from slotserve.engine.events import Priority
@@ -31,14 +32,45 @@ from slotserve.server.chat_run import chat_prompt, start_chat
 from slotserve.server.completions import check_finish
 from slotserve.server.errors import APIError
 from slotserve.server.generation import collect
+from slotserve.server.peer_fields import (
+    ANTHROPIC_NO_OPS,
+    ANTHROPIC_UNSUPPORTED,
+    ignored_fields,
+    refused_in,
+)
 from slotserve.server.reasoning import ReasoningFormat
-from slotserve.server.schemas import Body, ChatCompletionRequest
+from slotserve.server.schemas import UNSUPPORTED_PARAMETER, Body, ChatCompletionRequest
 from slotserve.server.security import KeyedRoute
 from slotserve.server.state import ServerState
 from slotserve.server.validation import describe, json_kind
 
 
-class MessagesRequest(Body):
+class _AnthropicBody(Body):
+    """A Messages API body: Anthropic's fields this server does not implement refused
+    unless their value asks for nothing (`peer_fields.ANTHROPIC_UNSUPPORTED`), its hints
+    accepted (`peer_fields.ANTHROPIC_NO_OPS`), and fields no API defines kept apart
+    (``model_extra``) to be reported (`ignored`), never used."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        refused = refused_in(ANTHROPIC_UNSUPPORTED, data) if isinstance(data, dict) else None
+        if refused is not None:
+            raise PydanticCustomError(
+                UNSUPPORTED_PARAMETER,
+                "{param}: this server does not support this parameter (value {value}); remove it",
+                {"param": refused[0], "value": json.dumps(refused[1])[:80]},
+            )
+        return data
+
+    def ignored(self) -> list[str]:
+        """The fields of the request no API defines (reported, never used)."""
+        return ignored_fields(self.model_extra, ANTHROPIC_NO_OPS | set(ANTHROPIC_UNSUPPORTED))
+
+
+class MessagesRequest(_AnthropicBody):
     model: str
     messages: list[dict[str, Any]] = Field(min_length=1)
     max_tokens: int = Field(ge=1)
@@ -57,7 +89,7 @@ class MessagesRequest(Body):
     chat_template_kwargs: dict[str, Any] | None = None  # slotserve's, as in chat
 
 
-class CountTokensRequest(Body):
+class CountTokensRequest(_AnthropicBody):
     model: str
     messages: list[dict[str, Any]] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None

@@ -127,6 +127,66 @@ PEER_NO_OPS = frozenset(
 IGNORED_FIELDS_HEADER = "X-Slotserve-Ignored-Fields"
 
 
+def _all_unset(value: Any, body: dict[str, Any]) -> bool:
+    """An object of options none of which is set (``reasoning: {"effort": null}``)."""
+    return _absent(value, body) or (
+        isinstance(value, dict) and all(v is None for v in value.values())
+    )
+
+
+# OpenAI's Responses API fields (beyond those `responses_input` reads or refuses itself),
+# by the same rule: accepted whatever their value when they change no output here
+# (billing, caching and routing hints; stream options for obfuscation padding, never
+# sent), else refused unless their value asks for nothing.
+RESPONSES_NO_OPS = frozenset(
+    {
+        "service_tier",
+        "safety_identifier",
+        "prompt_cache_key",
+        "prompt_cache_options",
+        "prompt_cache_retention",
+        "stream_options",
+    }
+)
+RESPONSES_UNSUPPORTED: dict[str, Harmless] = {
+    "max_tool_calls": _absent,
+    "top_logprobs": _equals(0),
+    "prompt": _absent,
+    "reasoning": _all_unset,  # a thinking model's thinking: chat_template_kwargs
+    "context_management": _absent,
+    "background_options": _absent,
+    "access_programs": _absent,
+    "moderation": _absent,
+    "image": _absent,
+    "cyber": _absent,
+}
+# Anthropic's Messages API fields the server does not read: hints that change no output
+# here, and features refused unless their value asks for nothing.
+ANTHROPIC_NO_OPS = frozenset(
+    {
+        "cache_control",
+        "inference_geo",
+        "service_tier",
+        "speed",
+        "diagnostics",
+        "user_profile_id",
+        "workspace_id",
+        "betas",
+        "billing_policy",
+        "fallback_credit_token",
+        "fallbacks",
+    }
+)
+ANTHROPIC_UNSUPPORTED: dict[str, Harmless] = {
+    "container": _absent,
+    "context_management": _absent,
+    "mcp_servers": _absent,
+    "output_config": _all_unset,
+    "compaction": _absent,
+    "thread": _absent,
+}
+
+
 def refused_field(body: dict[str, Any], chat: bool) -> tuple[str, Any] | None:
     """The first field of ``body`` (name, value) this server refuses, if any."""
     tables = (PEER_UNSUPPORTED, CHAT_UNSUPPORTED) if chat else (PEER_UNSUPPORTED,)
@@ -137,10 +197,21 @@ def refused_field(body: dict[str, Any], chat: bool) -> tuple[str, Any] | None:
     return None
 
 
-def ignored_fields(extra: dict[str, Any] | None) -> list[str]:
+def refused_in(table: dict[str, Harmless], body: dict[str, Any]) -> tuple[str, Any] | None:
+    """The first field of ``body`` (name, value) that ``table`` refuses, if any."""
+    for name, harmless in table.items():
+        if name in body and not harmless(body[name], body):
+            return name, body[name]
+    return None
+
+
+def ignored_fields(
+    extra: dict[str, Any] | None, known: frozenset[str] | set[str] = PEER_NO_OPS
+) -> list[str]:
     """The fields of a request that no API this server follows defines (pydantic's
-    ``model_extra``), sorted; the known ones that are no-ops are not listed."""
-    return sorted(name for name in extra or {} if name not in PEER_NO_OPS)
+    ``model_extra``), sorted; ``known`` (the API's no-ops, and the unsupported fields whose
+    value asked for nothing) are not listed."""
+    return sorted(name for name in extra or {} if name not in known)
 
 
 def ignored_header(names: list[str]) -> dict[str, str]:

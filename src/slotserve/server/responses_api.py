@@ -35,6 +35,7 @@ from slotserve.server.completions import check_finish
 from slotserve.server.errors import APIError
 from slotserve.server.generation import collect, merged
 from slotserve.server.response_store import StoredResponse
+from slotserve.server.responses_custom import custom_item, custom_names, input_of
 from slotserve.server.responses_events import (
     EventWriter,
     assistant_messages,
@@ -96,6 +97,7 @@ class _Turn:
         shape: ReplyShape,
     ) -> None:
         self.state, self.body, self.conversation, self.shape = state, body, conversation, shape
+        self.custom = custom_names(body.tools)
         self.response_id = f"resp_{uuid.uuid4().hex}"
         self.created_at = time.time()
         self.response = self._object("in_progress", [], None)
@@ -105,7 +107,9 @@ class _Turn:
     ) -> dict[str, Any]:
         body = self.body
         tools = [
-            {"type": "function", "strict": None, **{k: v for k, v in t.items() if k != "type"}}
+            t
+            if t.get("type") == "custom"
+            else {"type": "function", "strict": None, **{k: v for k, v in t.items() if k != "type"}}
             for t in body.tools or []
         ]
         # The spec's Response.usage is optional, not nullable: left out until it is known.
@@ -142,7 +146,10 @@ class _Turn:
             items.append(message_item(reply.content))
         for index, (name, arguments) in enumerate(reply.calls):
             cut = reply.cut and index == len(reply.calls) - 1  # as the stream closes it
-            items.append(function_item(name, arguments, "incomplete" if cut else "completed"))
+            if name in self.custom:
+                items.append(custom_item(name, input_of(arguments)))
+            else:
+                items.append(function_item(name, arguments, "incomplete" if cut else "completed"))
         self.complete(items, final, reply.reasoning_tokens)
 
     def complete(self, output: list[dict[str, Any]], final: Finished, reasoning: int) -> None:
@@ -175,7 +182,7 @@ class _Turn:
                 )
 
     async def stream(self, run: ChatRun) -> AsyncIterator[str]:
-        events = EventWriter()
+        events = EventWriter(self.custom)
         yield events.send("response.created", response=self.response)
         yield events.send("response.in_progress", response=self.response)
         reply = ReplyStream(self.shape)

@@ -11,6 +11,7 @@ import uuid
 from typing import Any
 
 from slotserve.server import responses as fmt
+from slotserve.server.responses_custom import call_arguments, custom_item, input_of
 
 
 def text_part(text: str) -> dict[str, Any]:
@@ -64,10 +65,15 @@ def assistant_messages(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
         {
             "id": item["call_id"],
             "type": "function",
-            "function": {"name": item["name"], "arguments": item["arguments"]},
+            "function": {
+                "name": item["name"],
+                "arguments": call_arguments(item["input"])
+                if item["type"] == "custom_tool_call"
+                else item["arguments"],
+            },
         }
         for item in output
-        if item["type"] == "function_call"
+        if item["type"] in ("function_call", "custom_tool_call")
     ]
     message: dict[str, Any] = {"role": "assistant", "content": text}
     thinking = [
@@ -89,12 +95,16 @@ _TEXT_EVENTS = {
 
 class EventWriter:
     """The stream's events in order, numbered, with the output items they open and close.
-    `deltas` takes `chat_reply.ReplyStream`'s deltas."""
+    `deltas` takes `chat_reply.ReplyStream`'s deltas; a call of one of the ``custom`` tools
+    is a ``custom_tool_call`` item, its input streamed as it decodes from the arguments
+    (`responses_custom.input_of`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, custom: frozenset[str] = frozenset()) -> None:
         self.sequence = 0
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item receiving deltas
+        self.custom = custom
+        self._arguments = ""  # the open custom call's arguments so far
 
     def send(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -115,14 +125,28 @@ class EventWriter:
             for call in delta.get("tool_calls", []):
                 if "id" in call:
                     lines += self.close_item()
-                    function = call["function"]
-                    lines += self._open(function_item(function["name"], "", "in_progress"))
+                    name = call["function"]["name"]
+                    if name in self.custom:
+                        self._arguments = ""
+                        lines += self._open(custom_item(name, ""))
+                    else:
+                        lines += self._open(function_item(name, "", "in_progress"))
                 fragment = call["function"].get("arguments", "")
                 if fragment:
-                    assert self.open is not None
-                    self.open["arguments"] += fragment
-                    lines.append(self._at("response.function_call_arguments.delta", delta=fragment))
+                    lines += self._arguments_delta(fragment)
         return lines
+
+    def _arguments_delta(self, fragment: str) -> list[str]:
+        item = self.open
+        assert item is not None
+        if item["type"] != "custom_tool_call":
+            item["arguments"] += fragment
+            return [self._at("response.function_call_arguments.delta", delta=fragment)]
+        self._arguments += fragment
+        text = input_of(self._arguments)
+        new = text[len(item["input"]) :]
+        item["input"] = text
+        return [self._at("response.custom_tool_call_input.delta", delta=new)] if new else []
 
     def _text(self, kind: str, text: str) -> list[str]:
         """``text`` into the open item of ``kind`` (a message, or reasoning), opened here
@@ -165,6 +189,8 @@ class EventWriter:
             lines.append(self._at(_TEXT_EVENTS[item["type"]][1], text=text, **extra))
             lines.append(self._at("response.content_part.done", part=part))
             item["content"] = [part]
+        elif item["type"] == "custom_tool_call":
+            lines.append(self._at("response.custom_tool_call_input.done", input=item["input"]))
         else:
             lines.append(
                 self._at(
@@ -174,7 +200,8 @@ class EventWriter:
                 )
             )
         self.open = None
-        item["status"] = "completed" if whole else "incomplete"
+        if item["type"] != "custom_tool_call":  # a custom call has no status
+            item["status"] = "completed" if whole else "incomplete"
         lines.append(
             self.send("response.output_item.done", output_index=self.items.index(item), item=item)
         )

@@ -14,8 +14,11 @@ name for it: each chat message remembers the item it came from (`Source`), so ch
 ``messages.3.tool_calls.1.function.arguments`` is the request's ``input.5.arguments``
 (`FieldNames`). ``metadata`` is bounded as OpenAI bounds it (the store keeps it). Fields
 this server does not implement (``background``, ``conversation``, ``include``,
-``truncation``) are refused (400 ``unsupported_parameter`` naming the field) unless their
-value asks for the default behaviour.
+``truncation``, and those of `peer_fields.RESPONSES_UNSUPPORTED`) are refused (400
+``unsupported_parameter`` naming the field) unless their value asks for the default
+behaviour; hints that change no output (`peer_fields.RESPONSES_NO_OPS`) are accepted; a
+field no API defines is reported (`ignored`: the route's ``X-Slotserve-Ignored-Fields``
+header, and a log line).
 """
 
 from __future__ import annotations
@@ -26,12 +29,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from slotserve.engine.events import Priority
 from slotserve.server.errors import APIError
+from slotserve.server.peer_fields import (
+    RESPONSES_NO_OPS,
+    RESPONSES_UNSUPPORTED,
+    ignored_fields,
+    refused_in,
+)
 from slotserve.server.reasoning import ReasoningFormat
+from slotserve.server.responses_custom import call_arguments, custom_function
 from slotserve.server.schemas import UNSUPPORTED_PARAMETER, Body, ChatCompletionRequest
 from slotserve.server.validation import describe, json_kind
 
@@ -60,6 +70,11 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 
 class ResponsesRequest(Body):
+    """A ``/v1/responses`` body. Fields no API defines are kept apart (``model_extra``) to
+    be reported (`ignored`), never used."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -90,7 +105,18 @@ class ResponsesRequest(Body):
                     "{param}: this server supports only {supported}, got {value}; remove it",
                     {"param": name, "supported": supported, "value": _shown(data[name])},
                 )
+        refused = refused_in(RESPONSES_UNSUPPORTED, data) if isinstance(data, dict) else None
+        if refused is not None:
+            raise PydanticCustomError(
+                UNSUPPORTED_PARAMETER,
+                "{param}: this server does not support this parameter (value {value}); remove it",
+                {"param": refused[0], "value": _shown(refused[1])},
+            )
         return data
+
+    def ignored(self) -> list[str]:
+        """The fields of the request no API defines (reported, never used)."""
+        return ignored_fields(self.model_extra, RESPONSES_NO_OPS | set(RESPONSES_UNSUPPORTED))
 
     @field_validator("metadata")
     @classmethod
@@ -199,6 +225,8 @@ def input_messages(items: str | list[dict[str, Any]]) -> InputMessages:
     for index, item in enumerate(items):
         param = f"input.{index}"
         kind = _string(item, "type", param) or "message"
+        if kind in _CUSTOM_KINDS:  # a custom tool's call and output, as a function's
+            item, kind = _as_function_item(item, param), _CUSTOM_KINDS[kind]
         opens = kind == "function_call" or (kind == "message" and item.get("role") == "assistant")
         joins = kind == "function_call" and bool(turn.sources) and turn.sources[-1].kind == kind
         past: dict[str, str] = {}  # the new assistant turn's reasoning_content
@@ -232,6 +260,24 @@ def input_messages(items: str | list[dict[str, Any]]) -> InputMessages:
         else:
             raise refuse(f"{param}.type", f"items of type {kind!r} are not supported")
     return turn
+
+
+# The custom tools' items by the function items they are read as.
+_CUSTOM_KINDS = {
+    "custom_tool_call": "function_call",
+    "custom_tool_call_output": "function_call_output",
+}
+
+
+def _as_function_item(item: dict[str, Any], param: str) -> dict[str, Any]:
+    """A ``custom_tool_call`` item as a ``function_call`` item (its ``input`` as the
+    arguments the model wrote: `responses_custom.call_arguments`); an output as is."""
+    if item.get("type") == "custom_tool_call_output":
+        return {**item, "type": "function_call_output"}
+    text = _string(item, "input", param)
+    if text is None:
+        raise refuse(f"{param}.input", "this field is required")
+    return {**item, "type": "function_call", "arguments": call_arguments(text)}
 
 
 def _reasoning_text(item: dict[str, Any], param: str) -> str:
@@ -271,9 +317,16 @@ def chat_tools(body: ResponsesRequest) -> dict[str, Any]:
     if body.tools is not None:
         tools = []
         for index, tool in enumerate(body.tools):
-            if tool.get("type") != "function":
-                raise refuse(f"tools.{index}.type", f"{tool.get('type')!r} tools are not supported")
-            function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+            kind = tool.get("type")
+            if kind == "custom":
+                function = custom_function(tool, index)
+            elif kind == "function":
+                function = {k: tool[k] for k in ("name", "description", "parameters") if k in tool}
+            else:
+                supported = '"function" and "custom" tools are supported'
+                raise refuse(
+                    f"tools.{index}.type", f"{kind!r} tools are not supported ({supported})"
+                )
             tools.append({"type": "function", "function": function})
         fields["tools"] = tools
     choice = body.tool_choice
@@ -310,6 +363,7 @@ class FieldNames:
         system = [Source("instructions", "instructions")] if body.instructions else []
         history = [Source("stored", "previous_response_id") for _ in range(stored)]
         self.sources = system + history + turn.sources
+        self.custom = {i for i, tool in enumerate(body.tools or []) if tool.get("type") == "custom"}
 
     def name(self, param: str) -> str:
         """The request's name for chat's field ``param``."""
@@ -320,6 +374,11 @@ class FieldNames:
                 return self.sources[int(place)].name(rest)
             return "input"
         if head == "tools":
+            place = rest.partition(".")[0]
+            if place.isdigit() and int(place) in self.custom:  # its schema is its format's
+                custom = re.sub(r"^(tools\.\d+)\.function\.parameters(\.|$).*", r"\1.format", param)
+                if custom != param:
+                    return custom + ".definition"
             return re.sub(r"^(tools\.\d+)\.function(?=\.|$)", r"\1", param)
         if head == "tool_choice":
             return re.sub(r"^tool_choice\.function(?=\.|$)", "tool_choice", param)

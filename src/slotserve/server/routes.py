@@ -7,7 +7,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
@@ -28,7 +28,6 @@ from slotserve.server.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    SamplingFields,
     TokenizeRequest,
 )
 from slotserve.server.security import KeyedRoute, require_api_key, require_metrics_key
@@ -112,7 +111,14 @@ async def served(
         models.release(name)
 
 
-def reported(response: Response, body: SamplingFields) -> Response:
+class Reported(Protocol):
+    """A request body that keeps the fields no API defines apart (chat, completions,
+    Responses, Anthropic's)."""
+
+    def ignored(self) -> list[str]: ...
+
+
+def reported(response: Response, body: Reported) -> Response:
     """``response`` with the fields of ``body`` that no API defines reported: listed in its
     ``X-Slotserve-Ignored-Fields`` header, and logged (`peer_fields`)."""
     ignored = body.ignored()
@@ -163,7 +169,7 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, Any]
 @v1.post("/responses")
 async def responses(body: ResponsesRequest, request: Request) -> Response:
     async with served(request, body.model) as (state, engine):
-        return await create_response(state, engine, body, request)
+        return reported(await create_response(state, engine, body, request), body)
 
 
 @v1.get("/responses/{response_id}")
@@ -181,7 +187,7 @@ async def messages(request: Request) -> Response:
         live_engine(state_of(request))  # 503 before the body is read
         body = await anthropic.parsed(request, anthropic.MessagesRequest)
         async with served(request, body.model) as (state, engine):
-            return await anthropic.create_message(state, engine, body, request)
+            return reported(await anthropic.create_message(state, engine, body, request), body)
     except APIError as exc:
         return anthropic.error_response(exc.status, exc.message, exc.headers)
 
@@ -191,7 +197,7 @@ async def count_tokens(request: Request) -> Response:
         live_engine(state_of(request))  # 503 before the body is read
         body = await anthropic.parsed(request, anthropic.CountTokensRequest)
         async with served(request, body.model) as (_state, engine):
-            return JSONResponse(await anthropic.count_tokens(engine, body))
+            return reported(JSONResponse(await anthropic.count_tokens(engine, body)), body)
     except APIError as exc:
         return anthropic.error_response(exc.status, exc.message, exc.headers)
 

@@ -13,7 +13,6 @@ import functools
 from typing import Any
 
 from slotserve.sampling.chain import breaker_sequences
-from slotserve.server.errors import APIError
 from slotserve.server.schemas import DRY_BREAKERS, SamplingFields
 from slotserve.tokenizer import Tokenizer
 
@@ -58,14 +57,6 @@ def chain_fields(tokenizer: Tokenizer, body: SamplingFields) -> dict[str, Any]:
     if body.dry_multiplier and body.dry_penalty_last_n != 0:
         breakers = tuple(body.dry_sequence_breakers or DRY_BREAKERS)
         fields["dry_breakers"] = dry_breakers(tokenizer, breakers)
-    if body.min_tokens:
-        if body.stop is not None:
-            raise APIError(
-                400,
-                "min_tokens cannot be combined with stop: a stop string ends the output "
-                "whatever its length here; remove one of them",
-                "invalid_request_error",
-                param="min_tokens",
-            )
+    if body.min_tokens:  # with stop strings too: `StopMatcher` waits for min_tokens
         fields["min_tokens_ids"] = tuple(tokenizer.eos_ids)
     return fields

@@ -1,0 +1,107 @@
+"""A Responses custom tool's regular expression (`responses_custom`) holds inside the model's
+call: the call grammar of a reply that must call the tool (`tool_formats.call_grammar`,
+the generic syntax, the tool's arguments schema `input_schema`), compiled for the tiny
+vocabulary and walked at random to end-of-sequence, reads back (`chat_reply.parse_reply`,
+`input_of`) as an input the regular expression matches whole, for regular expressions
+hypothesis draws over an alphabet that JSON must escape (a quote, a backslash, a newline,
+a tab). `input_of` is also checked on every prefix of a call's arguments: what it reads is
+a prefix of the whole input, never a broken escape."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from slotserve.sampling import GrammarCompiler, GrammarError
+from slotserve.server.chat_reply import parse_reply
+from slotserve.server.responses_custom import call_arguments, input_of, input_schema
+from slotserve.server.tool_formats import GENERIC, call_grammar
+from slotserve.testing import TINY_VOCAB, tiny_tokenizer
+from slotserve.tokenizer import Tokenizer
+
+EOS = 2
+WALK_TOKENS = 160
+_ALPHABET = 'ab1"\\\n\t'
+
+
+def _char(ch: str) -> str:
+    """One character as a regular expression both Python's and Rust's read alike."""
+    return f"\\x{ord(ch):02x}"
+
+
+EXPRESSIONS = st.recursive(
+    st.text(_ALPHABET, min_size=1, max_size=3).map(lambda s: "".join(map(_char, s))),
+    lambda inner: st.one_of(
+        st.lists(inner, min_size=2, max_size=3).map("".join),
+        st.lists(inner, min_size=2, max_size=3).map(lambda xs: "(?:" + "|".join(xs) + ")"),
+        st.tuples(inner, st.sampled_from("?*+")).map(lambda p: f"(?:{p[0]}){p[1]}"),
+    ),
+    max_leaves=6,
+)
+
+
+@pytest.fixture(scope="module")
+def compiler() -> GrammarCompiler:
+    tokenizer = Tokenizer(tiny_tokenizer(), bos_id=None, eos_ids=[EOS], chat_template=None)
+    return GrammarCompiler(tokenizer, TINY_VOCAB)
+
+
+def _tool(regex: str) -> dict[str, Any]:
+    form = {"type": "grammar", "syntax": "regex", "definition": regex}
+    return {"type": "custom", "name": "run", "format": form}
+
+
+def _walk(compiler: GrammarCompiler, grammar: Any, seed: int) -> str | None:
+    """A random reply the grammar allows, ended where end-of-sequence is allowed (half the
+    time it is; always when it is the only token); None if the budget ran out first."""
+    rng = random.Random(seed)
+    matcher = grammar.matcher(TINY_VOCAB)
+    tokens: list[int] = []
+    for _ in range(WALK_TOKENS):
+        allowed = matcher.allowed().nonzero().flatten().tolist()
+        others = [t for t in allowed if t != EOS]
+        if not others or (EOS in allowed and rng.random() < 0.5):
+            assert EOS in allowed or matcher.is_stopped()
+            return compiler.tokenizer.decode(tokens)
+        token = rng.choice(others)
+        tokens.append(token)
+        matcher.accept(token)
+    return None
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(regex=EXPRESSIONS, seed=st.integers(0, 2**32 - 1))
+def test_a_custom_call_input_matches_its_regex(
+    compiler: GrammarCompiler, regex: str, seed: int
+) -> None:
+    schema = input_schema(_tool(regex), 0)
+    text = call_grammar(GENERIC, [("run", schema)], mode="required", parallel=False)
+    try:
+        grammar = compiler.compile(text, "custom tool")
+    except GrammarError:
+        pytest.fail(f"every drawn expression admits a string, yet {regex!r} was refused")
+    for attempt in range(3):
+        reply = _walk(compiler, grammar, seed + attempt)
+        if reply is None:
+            continue
+        content, calls, cut = parse_reply(GENERIC, reply)
+        assert content == "" and not cut and [name for name, _ in calls] == ["run"], reply
+        given_input = input_of(calls[0][1])
+        assert json.loads(calls[0][1]) == {"input": given_input}
+        assert re.fullmatch(regex, given_input), (regex, reply)
+        return
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text(max_size=12))
+def test_input_of_every_prefix_is_a_prefix_of_the_input(text: str) -> None:
+    arguments = call_arguments(text)
+    assert input_of(arguments) == text
+    for end in range(len(arguments)):
+        assert text.startswith(input_of(arguments[:end]))

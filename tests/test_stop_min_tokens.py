@@ -1,0 +1,38 @@
+"""`StopMatcher` with ``min_tokens``: over random token texts and stop strings, what it
+emits is the text up to the first stop string that begins in the text of the
+``min_tokens``-th token or later (the whole text when none does), and it stops exactly
+then; with ``min_tokens`` 0 or 1 it is the plain matcher."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from slotserve.sampling import StopMatcher
+
+PIECES = st.lists(st.text("ab\n", max_size=3), max_size=12)
+STOPS = st.lists(st.text("ab\n", min_size=1, max_size=3), min_size=1, max_size=3)
+
+
+def _expected(pieces: list[str], stops: list[str], min_tokens: int) -> tuple[str, bool]:
+    text = "".join(pieces)
+    start = len("".join(pieces[: max(min_tokens - 1, 0)]))
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
+    return (text[: min(hits)], True) if hits else (text, False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(pieces=PIECES, stops=STOPS, min_tokens=st.integers(0, 14))
+def test_a_stop_string_counts_from_the_min_tokens_th_token(
+    pieces: list[str], stops: list[str], min_tokens: int
+) -> None:
+    matcher = StopMatcher(stops, min_tokens)
+    out, stopped = "", False
+    for piece in pieces:
+        emitted, stopped = matcher.push(piece)
+        out += emitted
+        if stopped:
+            break
+    if not stopped:
+        out += matcher.flush()
+    assert (out, stopped) == _expected(pieces, stops, min_tokens)
