@@ -89,6 +89,10 @@
 /* act_group's groups are the products' (blocks.c's group_rows: ROWS rows at a time). */
 _Static_assert(!PAIRED || ROWS == 8, "paired activation groups are 8 rows");
 
+/* The weight types and their codes, block sizes and layouts are native/blocks.py's
+ * BLOCK_TYPES; tests/native/test_block_types.py checks this enum and the tables below
+ * (weight_row_bytes, block_bytes, scales_at, act_format, k_segments) against it. Each
+ * switch names every type it serves in a case, the one it defaults to included. */
 enum { KIND_Q4_1 = 0, KIND_Q8_0 = 1, KIND_Q5_0 = 2, KIND_Q5_1 = 3, KIND_Q4_K = 4, KIND_Q5_K = 5, KIND_Q6_K = 6 };
 enum { ACT_Q8 = 0, ACT_Q8_K = 2 };
 #define GROUP 8 /* rows interleaved in a matrix */
@@ -111,7 +115,7 @@ INLINE int64_t weight_row_bytes(int64_t kind, int64_t k) {
     case KIND_Q5_1: return k / BLOCK * 24;
     case KIND_Q4_K: return k / SUPER * 144;
     case KIND_Q5_K: return k / SUPER * 176;
-    default: return k / SUPER * 210; /* Q6_K */
+    case KIND_Q6_K: default: return k / SUPER * 210;
     }
 }
 
@@ -322,7 +326,7 @@ INLINE int64_t block_bytes(int kind) {
     case KIND_Q4_1: return 20;
     case KIND_Q8_0: return 34;
     case KIND_Q5_0: return 22;
-    default: return 24; /* Q5_1 */
+    case KIND_Q5_1: default: return 24;
     }
 }
 
@@ -334,7 +338,7 @@ INLINE int64_t scales_at(int kind, int t) {
     switch (kind) {
     case KIND_Q4_1: return 16 * t;
     case KIND_Q8_0: return 32 * t;
-    default: return 20 * t; /* Q5_0, Q5_1: after 16 t of nibbles and 4 t of fifth bits */
+    case KIND_Q5_0: case KIND_Q5_1: default: return 20 * t; /* after 16 t of nibbles and 4 t of fifth bits */
     }
 }
 
@@ -561,8 +565,8 @@ INLINE void dot_group(int kind, const uint8_t *w, int t, const acts *a, int64_t 
 
 /* ---- K-quants: super-blocks of 256, rows in groups of 8 ------------------------------ */
 
-/* The K-quants' group layout (gguf_linear._SEGMENTS): these byte ranges of each row's
- * file super-block, each as [words][t][word] (lane n of a vector is row n's word), one
+/* The K-quants' group layout (native/blocks.py's BlockType.segments): these byte ranges
+ * of each row's file super-block, each as [words][t][word] (lane n of a vector is row n's word), one
  * after another in the order the products read them (the hardware prefetchers follow one
  * stream). Returns the table, rows {start, end, word}, and its length in `count`. */
 INLINE const int (*k_segments(int kind, int *count))[3] {
