@@ -73,15 +73,11 @@ def activation_bytes(
         total = 4 * (tokens * per_token + scores + gathered + logits + rope) + tokens * context
     total += samplers
     # The same step's peak growth moves from run to run with where the allocator puts its
-    # buffers (measured after the load's first step, whose one-time state is runtime, on
-    # torch's attention: 19.3 to 22.0 MB for a formula of 26.7 MB, bundled model, 2 x 1024,
-    # fp16 KV, and once 28.7 MB in a full suite run; 24.6 to 27.3 MB when it was the
-    # process's first step, and once 38.0 MB in CI): a plan bounds the peak, so it keeps an
-    # eighth more (30.0 MB there). On the kernel the same step measured 10.2-10.8 MB (a
-    # Xeon) before the sampling terms, for a formula of 13.9 MB, and 14.7-15.6 MB with
-    # them, for 21.5 MB planned; a server's serving peak above ready at 4 x 2048 measured
-    # 27.7-28.4 MiB against 25.3 MiB planned without them, and 28.3 MiB against 31.8 MiB
-    # with them (`slotserve bench memory --repeats 3`).
+    # buffers (measured after the load's first step, whose one-time state is runtime), and
+    # a measured peak has exceeded the formula itself: a plan bounds the peak, so it keeps
+    # an eighth more. A server's serving peak exceeded the plan until it counted the
+    # sampling terms above; `slotserve bench memory` measures that peak against the plan
+    # (docs/BENCHMARKS.md).
     return total + total // 8
 
 

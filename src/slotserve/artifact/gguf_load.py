@@ -137,12 +137,12 @@ def _released(reader: GGUFFile, tensors: Iterator[tuple[str, Any]]) -> Iterator[
     """``tensors`` (one per tensor of ``reader``, in its order, each copied out of the
     file's map), the map's pages dropped from the resident set once each is copied:
     otherwise the whole file stays resident until the load ends, beside the weights read
-    from it (the bundled model's load peaked at 476 MiB with it, 410 MiB without). The
+    from it, which would raise the load's peak by the file's size. The
     whole span of the tensors' data is released each time, since reading one tensor maps
     its neighbours' pages too (`release_mapped_range`). The copies' freed temporaries (the
     raw rows before packing, rows before un-permuting) go back to the system every
-    `TRIM_EVERY` bytes read: ``free`` leaves them resident in the heap's middle (the load's
-    peak held 20 MiB of them at its last tensor)."""
+    `TRIM_EVERY` bytes read: ``free`` leaves them resident in the heap's middle, where
+    they would add up over the load."""
     span_start = min((t.data.ctypes.data for t in reader.tensors), default=0)
     span_end = max((t.data.ctypes.data + t.data.nbytes for t in reader.tensors), default=0)
     since_trim = 0

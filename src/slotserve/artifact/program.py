@@ -134,10 +134,8 @@ class ProgramHalves:
     def mapped_weight_bytes(self) -> int:
         """The tied embedding's tables, mapped from the weights file (`map_tied_embedding`):
         not resident at load, they become so as ``embed`` looks rows up, beside the head's
-        packed copy. Measured on the bundled model's 8da4w bundle: four 2,040-token prompts
-        of random ids took a server's resident pages of the weights file from 0.6 to 27.6
-        MiB (``/proc/PID/smaps``), its 27.2 MiB table nearly whole; the plan's weights
-        count them (`slotserve.load`)."""
+        packed copy. Prompts of many distinct tokens make a table nearly whole resident,
+        so the plan's weights count them in full (`slotserve.load`)."""
         return sum(table.nbytes for table in self._tied)
 
     @property
@@ -287,9 +285,9 @@ def planned_method_bytes(pte: Any) -> int:
     """The memory ExecuTorch plans for the program's methods: one set of arenas that every
     method shares, each arena (memory id) as large as the largest method's. The runtime
     (executorch 1.5's ``Program.load_method``) gives every host-only method the same
-    arenas, sized to the largest, and copies outputs out of them; measured on a tiny
-    bundle, running eight 6 MiB methods one after another grew the resident set by one
-    of them. Entry 0 of each method's list is reserved and 0. Delegates' own scratch
+    arenas, sized to the largest, and copies outputs out of them, so running every method
+    one after another grows the resident set by the largest method's arenas, not by their
+    sum. Entry 0 of each method's list is reserved and 0. Delegates' own scratch
     (XNNPACK's workspace) is not in it."""
     arenas: dict[int, int] = {}
     for plan in pte.program.execution_plan:

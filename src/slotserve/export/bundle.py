@@ -59,8 +59,8 @@ Backend = Literal["xnnpack", "portable"]
 Quant = Literal["fp32", "8da4w", "8da4w-2pass"]
 QUANTS: tuple[Quant, ...] = ("fp32", "8da4w", "8da4w-2pass")
 # The head takes each sequence's last row: at most this many a call (the executor splits a
-# larger step). Its logits are planned memory of the method, allocated at load: at 512 rows
-# they were 96 MiB of the bundled model's resident set, at 32 rows 6 MiB.
+# larger step). Its logits are planned memory of the method, allocated at load and resident
+# for the bundle's life, in proportion to this bound (rows x vocabulary x 4 bytes).
 HEAD_ROWS = 32
 Progress = Callable[[str], None]
 DELEGATE_IDS: dict[str, tuple[str, ...]] = {"xnnpack": ("XnnpackBackend",), "portable": ()}
@@ -74,7 +74,7 @@ class ExportOptions:
     blocks for an untied embedding, and the head's rows for a tied one; int8 dynamic
     activations per token), or ``8da4w-2pass`` (the
     same, with every projection and the head in two passes, `TwoPass`: as close to llama.cpp
-    as the fp32 model, for decode steps 1.5-2.4x as long; `slotserve export`'s default;
+    as the fp32 model, for longer decode steps; `slotserve export`'s default;
     docs/EXECUTORCH-NOTES.md).
     ``max_tokens``: the largest step (decode tokens plus a prefill chunk) the methods take;
     ``max_context``: the longest sequence the bundle serves (default: the model's).

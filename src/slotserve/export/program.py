@@ -73,8 +73,9 @@ class Q4BlockLinear(nn.Module):
         self.linear = nn.Linear(cols, rows, bias=False)
         self.linear.weight = nn.Parameter(weight, requires_grad=False)
         offset = blocks.m + 8 * blocks.d
-        # The offsets are 1/32 of the weights; in fp32 they would be 14% of the program, so
-        # they are kept as int8 rows (a small error on a small term).
+        # The offsets are 1/32 of the weights; in fp32 (4 bytes each against half a byte a
+        # weight) they would be a sizeable part of the program, so they are kept as int8
+        # rows (a small error on a small term).
         self.offset = int8_rows_linear(offset) if offset.any() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,7 +83,7 @@ class Q4BlockLinear(nn.Module):
         if self.offset is not None:  # Q4_1; Q4_0's offset m + 8d is 0
             # A reshape and a sum (a portable op between two delegate calls), not a product
             # with a 0/1 matrix: XNNPACK packs each linear's weights per method, and those
-            # matrices cost 20 MiB resident across the layers for no measurable speed.
+            # matrices would be resident in every layer for no measurable speed.
             y = y + self.offset(x.view(x.shape[0], -1, BLOCK).sum(-1))
         return y
 
@@ -104,12 +105,11 @@ class TwoPass(nn.Module):
     quantisation lost, so the sum is as close to ``W·x`` as the weights allow.
 
     Both passes are one call on twice the rows, so the weights are read once a step. Per-token
-    int8 is coarser than the int8 blocks of 32 llama.cpp quantises activations in: the
-    bundled model's 8da4w bundle agrees with llama.cpp's reference on 91.6-94.8% of the
-    positions, its 8da4w-2pass bundle (the default export) on 95.5-96.8% (the fp32 model:
-    96.1%). The price, measured on the bundled model on 2026-12-03: a decode step 1.5-2.4x
-    as long (the residual's ~20 small ops and portable ops a projection, twice the rows)
-    and 28 MiB more resident at load (docs/EXECUTORCH-NOTES.md)."""
+    int8 is coarser than the int8 blocks of 32 llama.cpp quantises activations in, so a
+    one-pass bundle agrees with llama.cpp's reference on fewer positions than the fp32
+    model; two passes bring it back to about the fp32 model's agreement. The price: longer
+    decode steps (the residual's small ops and portable ops a projection, twice the rows)
+    and more resident memory at load. Figures: docs/EXECUTORCH-NOTES.md."""
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
@@ -120,7 +120,7 @@ class TwoPass(nn.Module):
         y: torch.Tensor = self.inner(torch.cat([x, activation_residual(x)]))
         # The passes' sum as twice their mean over a 4D view: XNNPACK runs view, permute and
         # mean; slices of a dynamic size would be portable ops, whose outputs take planned
-        # memory in every method (+550 MiB resident for the bundled model).
+        # memory in every method (resident for the bundle's life, method by method).
         width = y.shape[1]
         passes = y.view(2, rows, width, 1).permute(1, 2, 0, 3)
         return passes.mean((2, 3), keepdim=True).view(rows, width) * 2

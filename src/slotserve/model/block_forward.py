@@ -62,10 +62,9 @@ class _StepBuffers:
 
 # Steps of at most this many rows (decode steps, short turns) keep their buffers and every
 # layer's kernel arguments from one step to the next, and set only their addresses: the
-# Python between a step's kernel calls (which runs with the caches the weights just
-# flushed) went from 0.94-1.02 to 0.80-0.84 ms a step at 1 row and from 1.59-1.71 to
-# 1.20-1.32 ms at 8 (Q4_K_M SmolLM2, 30 layers, AMD EPYC). Larger steps (prompt chunks)
-# build their own; so the buffers kept between steps stay small.
+# Python between a step's kernel calls runs with the caches the weights just flushed, so
+# rebuilding the arguments each step is a visible share of a decode step. Larger steps
+# (prompt chunks) build their own; so the buffers kept between steps stay small.
 REUSED_ROWS = 64
 
 

@@ -23,7 +23,9 @@ from slotserve.native.blocks import (
     BLOCK,
     BLOCK_BYTES,
     BLOCK_SIZES,
+    FIFTH_BITS,
     GROUP,
+    SEGMENTS,
     row_bytes,
 )
 
@@ -39,39 +41,15 @@ __all__ = [
 ]
 
 
-# The kernel's layout of one block of a group of t rows (``native/csrc/quants.h``): these
-# byte ranges of each row's file block, one after another in the order the kernel reads
-# them, each as [words][t][word] (lane n of a vector is row n's word); ``_BITS``: the
-# Q5_0/Q5_1 fifth bits, as 8 masks of 4t bits (mask 2c + h, bit 4n + i: bit 16h + 4c + i
-# of row n's). A Q6_K super-block's weights come as the kernel takes them, 64 at a time:
-# 16 bytes of ql's low half, 16 of its high half and 16 of qh.
-_BITS = 0
-_Q6_K_WEIGHTS = tuple(
-    (start, start + 16, 4)
-    for h in range(2)
-    for q in range(2)
-    for start in (64 * h + 16 * q, 64 * h + 32 + 16 * q, 128 + 32 * h + 16 * q)
-)
-_SEGMENTS: dict[str, tuple[tuple[int, int, int], ...]] = {
-    "Q4_1": ((4, 20, 4), (0, 2, 2), (2, 4, 2)),
-    "Q5_0": ((6, 22, 4), (2, 6, _BITS), (0, 2, 2)),
-    "Q5_1": ((8, 24, 4), (4, 8, _BITS), (0, 2, 2), (2, 4, 2)),
-    "Q8_0": ((2, 34, 4), (0, 2, 2)),
-    "Q4_K": ((4, 16, 4), (0, 2, 2), (2, 4, 2), (16, 144, 4)),
-    "Q5_K": ((4, 16, 4), (0, 2, 2), (2, 4, 2), (16, 48, 4), (48, 176, 4)),
-    "Q6_K": ((192, 208, 4), *_Q6_K_WEIGHTS, (208, 210, 2)),
-}
-
-
 def _interleave(blocks: np.ndarray, kind: str) -> np.ndarray:
     """File blocks ``[G, t, nb, bytes]`` (G groups of t rows) as ``[G, nb · t · bytes]``:
     each group's blocks in turn, each block's segments interleaved over the group's rows."""
     groups, t, nb, _ = blocks.shape
     by_block = blocks.transpose(0, 2, 1, 3)  # [G, nb, t, bytes]
     parts = []
-    for start, end, word in _SEGMENTS[kind]:
+    for start, end, word in SEGMENTS[kind]:
         field = by_block[..., start:end]
-        if word == _BITS:
+        if word == FIFTH_BITS:
             bits = np.unpackbits(field, axis=-1, bitorder="little")
             bits = bits.reshape(groups, nb, t, 2, 4, 4).transpose(0, 1, 4, 3, 2, 5)
             parts.append(np.packbits(bits.reshape(groups, nb, 32 * t), axis=-1, bitorder="little"))
@@ -87,10 +65,10 @@ def _deinterleave(groups: np.ndarray, kind: str, t: int, nb: int) -> np.ndarray:
     by_block = groups.reshape(count, nb, t * BLOCK_BYTES[kind])
     out = np.empty((count, nb, t, BLOCK_BYTES[kind]), dtype=np.uint8)
     at = 0
-    for start, end, word in _SEGMENTS[kind]:
+    for start, end, word in SEGMENTS[kind]:
         width = end - start
         field = by_block[..., at : at + width * t]
-        if word == _BITS:
+        if word == FIFTH_BITS:
             bits = np.unpackbits(field, axis=-1, bitorder="little")
             bits = bits.reshape(count, nb, 4, 2, t, 4).transpose(0, 1, 4, 3, 2, 5)
             out[..., start:end] = np.packbits(
@@ -250,8 +228,8 @@ class BlockLinear:
         """Where each byte of a row's file blocks lies in its group (``[GROUP, width]`` for
         a whole group, ``[n % GROUP, width]`` for a last group of fewer rows), for the byte
         types (Q4_1, Q8_0); None for the others (a Q5 type's fifth bits are bits apart).
-        Lookups read through it: 34 us for 8 rows of a 49,152-row Q8_0 table, against 53 us
-        through `file_rows`."""
+        Lookups read through it, one gather of the wanted rows' bytes, rather than through
+        `file_rows`, which de-interleaves each wanted row's whole group."""
         if self.kind not in ("Q4_1", "Q8_0"):
             return None
         count, width = self.packed.shape

@@ -26,9 +26,9 @@ class Linear(Protocol):
         ...
 
 
-# On these CPUs torch multiplies 2 or 3 rows one row at a time (2-3x the cost of one row),
-# while 4 rows take the blocked GEMM path (~1.6x one row). Measured with F.linear on the
-# bundled model's shapes; see docs/BENCHMARKS.md (concurrency).
+# torch's CPU linear multiplies 2 or 3 rows one row at a time (each row costs as much as a
+# lone one), while 4 rows take the blocked GEMM path (cheaper than 2 rows one by one): a
+# batch of 2 or 3 is padded to 4. See docs/BENCHMARKS.md (concurrency).
 SMALL_BATCH_PAD = 4
 
 
@@ -92,8 +92,9 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 class RopeTables:
     """cos/sin rows (rotate-half layout) of positions up to ``max_positions``, computed in
-    chunks of `CHUNK` positions as steps first reach them: a 32k-token context's tables
-    would cost 64 MiB at a head width of 256, and a device serves a few thousand. A chunk
+    chunks of `CHUNK` positions as steps first reach them: tables for the longest context
+    a model takes would cost memory in proportion to it (positions x head width x 2 x 4
+    bytes), where a device serves a few thousand. A chunk
     is always computed as one tensor, so a position's rows are the same bits whichever step
     first needed them."""
 

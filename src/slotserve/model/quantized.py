@@ -96,8 +96,8 @@ def quantize_int8(weights: LlamaWeights) -> LlamaWeights:
     """The same model with the Q/K/V, output, gate/up projections and the head in int8.
 
     The down projection stays fp32: its input (the SwiGLU product) has outliers that
-    per-tensor activation quantisation cannot hold. On the bundled model, quantising it too
-    dropped teacher-forced agreement with llama.cpp from 87% to 66%.
+    per-tensor activation quantisation cannot hold; quantising it too drops teacher-forced
+    agreement with llama.cpp well below the other projections' (docs/BENCHMARKS.md).
     """
     layers = tuple(
         replace(layer, qkv=_int8(layer.qkv), o=_int8(layer.o), gate_up=_int8(layer.gate_up))

@@ -146,8 +146,7 @@ def build_weights(
     removed as it is used, so the parts of a fused projection are freed as soon as their
     concatenation exists, and the heap's freed pages go back to the system after each layer
     (``free`` alone leaves them resident between the fused copies): the build then holds
-    one layer's copies at a time, not a second copy of every fused matrix (it held 35 MiB
-    more on the bundled model, 0.4x its weights)."""
+    one layer's copies at a time, not a second copy of every fused matrix."""
     sd = _StateDict(tensors, source, dtype, take)
     head_name = "lm_head.weight"
     tied = head_name not in tensors

@@ -1,9 +1,11 @@
-"""Binding of ``csrc/blocks.c``: products with a GGUF file's weight blocks (Q4_1, Q8_0, Q5_0
-and Q5_1 rows interleaved in groups of 8, the other types as the file has them; see
-``csrc/quants.h``), and a
-transformer layer's work around its attention in two calls (`BlockKernel.layer_in`,
-`BlockKernel.layer_out`), or a step's layers, their attention between, in one
-(`BlockKernel.layer_stack`).
+"""Binding of ``csrc/blocks.c``: products with a GGUF file's weight blocks (each type's
+rows interleaved in groups of 8; see ``csrc/quants.h``), and a transformer layer's work
+around its attention in two calls (`BlockKernel.layer_in`, `BlockKernel.layer_out`), or a
+step's layers, their attention between, in one (`BlockKernel.layer_stack`).
+
+`BLOCK_TYPES` is the one table of the weight types the kernel takes (code, block size,
+layout); the C enum and tables, the packer (`slotserve.model.gguf_linear`) and the ctypes
+structs read or are checked against it.
 
 Every call takes one struct (`LinearArgs`, `LayerInArgs`, `LayerOutArgs`, `StackArgs`,
 built of `Matrix` and `Scratch`), mirrored field for field by the C source; a test
@@ -13,25 +15,66 @@ compares their layouts.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
 from slotserve.native.abi import layout_mismatch
 
-BLOCK = 32
-# Each type the kernel multiplies: (values, bytes) of one of its blocks.
-BLOCK_SIZES = {
-    "Q4_1": (32, 20),
-    "Q8_0": (32, 34),
-    "Q5_0": (32, 22),
-    "Q5_1": (32, 24),
-    "Q4_K": (256, 144),
-    "Q5_K": (256, 176),
-    "Q6_K": (256, 210),
-}
-BLOCK_BYTES = {kind: size for kind, (_, size) in BLOCK_SIZES.items()}
-KIND_CODES = {kind: code for code, kind in enumerate(BLOCK_SIZES)}  # the kernel's names
+BLOCK = 32  # values in a block of the 32-value types, and in an activation block
+SUPER = 256  # values in a K-quant super-block
 GROUP = 8  # rows interleaved in a matrix (every type: gguf_linear.pack)
+# A segment's word size that marks the Q5_0/Q5_1 fifth bits, interleaved as bit masks
+# rather than words (`slotserve.model.gguf_linear`).
+FIFTH_BITS = 0
+
+
+@dataclass(frozen=True)
+class BlockType:
+    """The type facts of one GGUF weight type the block kernel multiplies, in one place.
+
+    ``name``: gguf's ``GGMLQuantizationType`` name. ``code``: the kernel's ``KIND_*`` in
+    ``csrc/quants.h`` (what `Matrix.kind` holds). ``values`` and ``size``: weights and bytes
+    of one block (a super-block for the K-quants), as gguf's ``GGML_QUANT_SIZES`` has them.
+    ``segments``: the kernel's layout of one block of a group of t rows: these byte ranges
+    ``(start, end, word)`` of each row's file block, one after another in the order the
+    kernel reads them, each as ``[words][t][word]`` (lane n of a vector is row n's word),
+    or, with word `FIFTH_BITS`, as 8 masks of 4t bits (mask 2c + h, bit 4n + i: bit
+    16h + 4c + i of row n's). They cover the block's bytes once each.
+
+    ``tests/native/test_block_types.py`` checks ``quants.h``'s enum and tables, and gguf's
+    sizes, against `BLOCK_TYPES`."""
+
+    name: str
+    code: int
+    values: int
+    size: int
+    segments: tuple[tuple[int, int, int], ...]
+
+
+# A Q6_K super-block's weights come as the kernel takes them, 64 at a time: 16 bytes of
+# ql's low half, 16 of its high half and 16 of qh.
+_Q6_K_WEIGHTS = tuple(
+    (start, start + 16, 4)
+    for h in range(2)
+    for q in range(2)
+    for start in (64 * h + 16 * q, 64 * h + 32 + 16 * q, 128 + 32 * h + 16 * q)
+)
+BLOCK_TYPES: tuple[BlockType, ...] = (
+    BlockType("Q4_1", 0, BLOCK, 20, ((4, 20, 4), (0, 2, 2), (2, 4, 2))),
+    BlockType("Q8_0", 1, BLOCK, 34, ((2, 34, 4), (0, 2, 2))),
+    BlockType("Q5_0", 2, BLOCK, 22, ((6, 22, 4), (2, 6, FIFTH_BITS), (0, 2, 2))),
+    BlockType("Q5_1", 3, BLOCK, 24, ((8, 24, 4), (4, 8, FIFTH_BITS), (0, 2, 2), (2, 4, 2))),
+    BlockType("Q4_K", 4, SUPER, 144, ((4, 16, 4), (0, 2, 2), (2, 4, 2), (16, 144, 4))),
+    BlockType("Q5_K", 5, SUPER, 176, ((4, 16, 4), (0, 2, 2), (2, 4, 2), (16, 48, 4), (48, 176, 4))),
+    BlockType("Q6_K", 6, SUPER, 210, ((192, 208, 4), *_Q6_K_WEIGHTS, (208, 210, 2))),
+)
+# Views of `BLOCK_TYPES` by name: (values, bytes) of a block, its bytes, the kernel's code,
+# and the layout's segments.
+BLOCK_SIZES = {t.name: (t.values, t.size) for t in BLOCK_TYPES}
+BLOCK_BYTES = {t.name: t.size for t in BLOCK_TYPES}
+KIND_CODES = {t.name: t.code for t in BLOCK_TYPES}
+SEGMENTS = {t.name: t.segments for t in BLOCK_TYPES}
 
 _P, _I64, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 

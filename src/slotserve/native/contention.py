@@ -2,10 +2,10 @@
 
 The kernels' OpenMP threads spin between their parallel regions (about 150 a decode step),
 which is what makes a step fast on cores of its own. When another process takes one of
-those cores, every region's barrier waits for a descheduled thread for a time slice: a
-Q4_K_M SmolLM2 decode loop on 2 cores fell to 1 tok/s with a test run busy beside it, where
-the same loop on one thread kept 95 tok/s (AMD EPYC, 2 cores). A device shares its cores
-with other apps, so the runtime cannot assume them.
+those cores, every region's barrier waits for a descheduled thread for a time slice, and
+a decode loop on all cores runs far slower than the same loop on one thread (figures:
+docs/BENCHMARKS.md). A device shares its cores with other apps, so the runtime cannot
+assume them.
 
 The governor watches, over windows of stepping, the share of its threads' time the process
 really ran (process CPU time over wall time times threads). Below `GovernorConfig.contended`

@@ -5,22 +5,22 @@ process that has imported torch, their library binds to torch's own libgomp, so 
 torch share one set of worker threads. A block-weight step's own torch ops are tiny while
 the kernels make ~150 parallel regions a step; with torch's threads as well, libgomp manages
 more threads than there are cores and stops spinning between regions, so every region waits
-for a sleeping thread to wake (the bundled model served 53 tok/s instead of 115 on 2 cores).
+for a sleeping thread to wake, which costs a large share of decode throughput
+(docs/BENCHMARKS.md).
 So `dedicate_cores_to_kernels` gives torch's own ops one thread; `slotserve.load` calls it
 before it reads a file into kernel-backed weights, for the CLI, the benches and library users
 alike. It must come before the process's first parallel torch op: that op starts an OpenMP
 team on its thread that outlives it, and the engine thread's kernels then start a second
-one (measured: the bundled model served 79 tok/s instead of 159 when load() gave torch one
-thread only after reading the file; AMD EPYC, 2 cores).
+one, with the same effect.
 
 The same holds for the kernels' own regions: one thread of the process runs them on all
 cores, the engine's. A parallel region started on any other thread leaves a team there for
 the life of the process, libgomp then manages more threads than there are cores and spins
 only ~100 times before it sleeps (its "throttled" mode), and each of the engine's regions
-waits for its worker to wake: the bundled model decoded 45-63 tok/s instead of 98 once the
-load had run its first step on the main thread with both threads (AMD EPYC, 2 cores, a
-VM). Kernel work outside an engine runs in `on_own_thread` (`Model.logits` does, and so
-the load's first step), on a thread whose team ends with it.
+waits for its worker to wake: a load that ran its first step on the main thread with all
+threads slowed every later decode step. Kernel work outside an engine runs in
+`on_own_thread` (`Model.logits` does, and so the load's first step), on a thread whose team
+ends with it.
 
 Spinning assumes the cores are the process's own. When another process takes one, the
 engine's `slotserve.native.contention.ThreadGovernor` drops the kernels to one thread until

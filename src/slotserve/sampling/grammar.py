@@ -67,7 +67,8 @@ class GrammarCompiler:
     """Compiles grammars for one tokenizer and logits width.
 
     Owns llguidance's view of the tokenizer, built on the first compile (it walks the whole
-    vocabulary: ~0.3 s and ~60 MiB for 49k tokens; `release` drops it) and shared by every
+    vocabulary, so it costs time and memory in proportion to it; `release` drops it) and
+    shared by every
     grammar compiled here, so whoever keeps a model's grammars keeps one compiler per model.
     Any thread may compile: the index is built once, under the compiler's lock. `submit`
     compiles in the bounded pool (`GrammarConfig`), started on its first use; `close` ends

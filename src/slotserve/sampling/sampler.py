@@ -35,7 +35,8 @@ class RequestSampler:
         self.generator = torch.Generator().manual_seed(seed)
         self.seen = torch.zeros(vocab_size, dtype=torch.bool)
         self.generated_counts = torch.zeros(vocab_size, dtype=torch.float32)
-        # numpy views of the same memory: a token's two updates took 8.7 us as torch ops, 0.27 here
+        # numpy views of the same memory: a token's two updates are two scalar stores, which
+        # as torch ops would pay the per-op dispatch on every sampled token
         self._seen, self._counts = self.seen.numpy(), self.generated_counts.numpy()
         if prompt:
             self._seen[list(prompt)] = True

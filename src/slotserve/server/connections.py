@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 DEFAULT_HEADER_TIMEOUT_S = 5.0
-# A 1 MiB body (the default --max-body-bytes) within this needs 100 KiB/s.
+# A body of the default --max-body-bytes arrives within this at a tenth of its size a
+# second: the floor a client's upload rate must clear.
 DEFAULT_BODY_TIMEOUT_S = 10.0
 DEFAULT_MAX_CONNECTIONS = 128
 DEFAULT_MAX_CONNECTIONS_PER_CLIENT = 64

@@ -323,8 +323,8 @@ class _HFCodec:
         # One backend, and its encode_special_tokens flag (special-token text encoded as
         # ordinary text) set only for the call that asks, under a lock: the tokenizer is
         # used from several threads at once (server, engine, runner). A second backend
-        # for text, the earlier way, held a copy of the vocabulary and merges: 43 MiB for
-        # the bundled model, outside the memory plan.
+        # for text, the earlier way, held a copy of the vocabulary and merges, outside the
+        # memory plan.
         with self._lock:
             self.backend.encode_special_tokens = not parse_special
             try:

@@ -91,9 +91,8 @@ INLINE void group_rows(int kind, const product *p, const uint8_t *w, int t, int6
  * size as a constant (their loads and offsets compile for it); only the last group of a
  * matrix may have fewer rows. A group's bytes are read in one forward stream, which the
  * hardware prefetchers follow: prefetching the next group's lines ahead (as rows one by
- * one needed) made products slower. On the 2-core AMD EPYC, caches evicted, Gemma 3's 168
- * MB Q8_0 head took 9.4 -> 6.3 ms at 1 row on one thread without it, 22.0 -> 19.2 ms at 8;
- * a [576 x 1536] Q5_0 product streamed from memory on 2 threads 37 -> 28-31 us at 1 row. */
+ * one needed) made products slower, for a large head and a small projection alike
+ * (docs/BENCHMARKS.md). */
 INLINE void groups(int kind, const product *p, int64_t first, int64_t last) {
     const int64_t row_bytes = weight_row_bytes(kind, p->a.k);
     for (int64_t n = first; n < last; n += GROUP) {
@@ -381,8 +380,8 @@ int layer_out(const layer_out_args *a) {
 
 /* Every layer of a step in turn: layer_in, its attention, layer_out, the calls a step
  * makes one by one from Python, in the same order on the same arguments (so the same
- * results), without the interpreter between them, which ran with caches the weights had
- * just flushed: 0.5-1.0 ms of an 11-17 ms step of 8 rows on Q4_K_M SmolLM2 (30 layers). Returns 0, or -(3 l + c + 1) where call c of layer l
+ * results), without the interpreter between them, which runs with caches the weights have
+ * just flushed. Returns 0, or -(3 l + c + 1) where call c of layer l
  * (0: layer_in, 1: the attention, 2: layer_out) refused its arguments; the layers before
  * it have run. */
 int layer_stack(const stack_args *a) {

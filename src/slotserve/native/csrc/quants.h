@@ -41,10 +41,7 @@
  * n's super-block, the fields in the order the products read them (k_segments: Q6_K's
  * weights 64 at a time), so one dot-product instruction multiplies four weights
  * of 8 rows, and a sub-block's sums of 8 rows take one integer multiply by its 8 scales
- * (dot_group_k). A [576 x 1536] product on one thread of the 2-core AMD EPYC (Zen 4),
- * best of alternating runs, super-blocks row by row -> grouped: Q4_K 44.0 -> 30.2 us at
- * 1 row and 127.5 -> 84.2 us at 8 rows, Q5_K 51.3 -> 36.5 and 139.5 -> 92.6, Q6_K
- * 44.9 -> 37.8 and 115.5 -> 99.8.
+ * (dot_group_k), where super-blocks row by row decoded each row's scales on their own.
  *
  * Nibble vector c (0..3) holds in lane n bytes 4c..4c+3 of row n's 16 nibble bytes (as the
  * file has them: weight j in the low nibble of byte j, j + 16 in its high nibble), so its
@@ -54,16 +51,11 @@
  * dot-product instruction multiplies four weights of each of 8 rows by the same four
  * activations (broadcast), and one fma scales a block of 8 rows, where rows one by one
  * needed a shuffle, a conversion and an fma per block and row (llama.cpp's repacked GEMMs
- * interleave rows the same way). A [3072 x 576] product on one thread of the 2-core AMD
- * EPYC, best of three alternating runs, rows one by one -> interleaved: Q5_0 78.4 -> 61.9
- * us at 1 row and 262.9 -> 178.0 us at 8 rows; Q8_0 67.4 -> 53.2 and 240.1 -> 164.3; Q4_1
- * 68.9 -> 49.5 and 244.4 -> 161.9. A matrix keeps the file's bytes, moved: rows x blocks x
+ * interleave rows the same way). A matrix keeps the file's bytes, moved: rows x blocks x
  * block bytes. Activations are quantised in natural order, except that with AVX-512 VNNI
  * they are stored in the products' groups of rows, a pair's words side by side, so that the
- * products run two rows to a 512-bit vector (act_word, dot_group_pairs): a [576 x 1536]
- * product of 8 rows on one thread of the AMD EPYC, Q4_1 90.5 -> 73.5 us, Q5_0 94 -> 76.7,
- * Q8_0 94 -> 71, Q4_K 80 -> 75.5, Q6_K 92 -> 86.5 (a 256-bit dot-product instruction there
- * takes 0.48 ns, a 512-bit one 0.60).
+ * products run two rows to a 512-bit vector (act_word, dot_group_pairs): one 512-bit
+ * dot-product instruction does the work of two 256-bit ones for less than twice the time.
  *
  * Each dot computes, for every row, the same operations in the same order whether it runs
  * with 1 or ROWS rows (the rows only share the weights' decoding; the lanes of a group never
@@ -97,6 +89,10 @@
 /* act_group's groups are the products' (blocks.c's group_rows: ROWS rows at a time). */
 _Static_assert(!PAIRED || ROWS == 8, "paired activation groups are 8 rows");
 
+/* The weight types and their codes, block sizes and layouts are native/blocks.py's
+ * BLOCK_TYPES; tests/native/test_block_types.py checks this enum and the tables below
+ * (weight_row_bytes, block_bytes, scales_at, act_format, k_segments) against it. Each
+ * switch names every type it serves in a case, the one it defaults to included. */
 enum { KIND_Q4_1 = 0, KIND_Q8_0 = 1, KIND_Q5_0 = 2, KIND_Q5_1 = 3, KIND_Q4_K = 4, KIND_Q5_K = 5, KIND_Q6_K = 6 };
 enum { ACT_Q8 = 0, ACT_Q8_K = 2 };
 #define GROUP 8 /* rows interleaved in a matrix */
@@ -119,7 +115,7 @@ INLINE int64_t weight_row_bytes(int64_t kind, int64_t k) {
     case KIND_Q5_1: return k / BLOCK * 24;
     case KIND_Q4_K: return k / SUPER * 144;
     case KIND_Q5_K: return k / SUPER * 176;
-    default: return k / SUPER * 210; /* Q6_K */
+    case KIND_Q6_K: default: return k / SUPER * 210;
     }
 }
 
@@ -170,7 +166,7 @@ INLINE void quantize_block(const float *src, float by, int8_t *low, int8_t *high
 }
 
 /* The largest |src[j]|. A compare, not fmaxf: without -ffinite-math-only GCC calls libm's
- * fmaxf for each value (NaN rules), which cost 1% of a decode step. */
+ * fmaxf for each value (NaN rules), a call per activation value on the decode path. */
 INLINE float block_amax(const float *src, int n) {
     float amax = 0.0f;
 #pragma omp simd reduction(max : amax)
@@ -330,7 +326,7 @@ INLINE int64_t block_bytes(int kind) {
     case KIND_Q4_1: return 20;
     case KIND_Q8_0: return 34;
     case KIND_Q5_0: return 22;
-    default: return 24; /* Q5_1 */
+    case KIND_Q5_1: default: return 24;
     }
 }
 
@@ -342,7 +338,7 @@ INLINE int64_t scales_at(int kind, int t) {
     switch (kind) {
     case KIND_Q4_1: return 16 * t;
     case KIND_Q8_0: return 32 * t;
-    default: return 20 * t; /* Q5_0, Q5_1: after 16 t of nibbles and 4 t of fifth bits */
+    case KIND_Q5_0: case KIND_Q5_1: default: return 20 * t; /* after 16 t of nibbles and 4 t of fifth bits */
     }
 }
 
@@ -569,8 +565,8 @@ INLINE void dot_group(int kind, const uint8_t *w, int t, const acts *a, int64_t 
 
 /* ---- K-quants: super-blocks of 256, rows in groups of 8 ------------------------------ */
 
-/* The K-quants' group layout (gguf_linear._SEGMENTS): these byte ranges of each row's
- * file super-block, each as [words][t][word] (lane n of a vector is row n's word), one
+/* The K-quants' group layout (native/blocks.py's BlockType.segments): these byte ranges
+ * of each row's file super-block, each as [words][t][word] (lane n of a vector is row n's word), one
  * after another in the order the products read them (the hardware prefetchers follow one
  * stream). Returns the table, rows {start, end, word}, and its length in `count`. */
 INLINE const int (*k_segments(int kind, int *count))[3] {
