@@ -148,7 +148,7 @@ class Engine:
         self._admission = Admission(
             self.config, self.pool, self.counters, clock, self._under_pressure, self.prefix
         )
-        self._scheduler = scheduler or Scheduler(self.config)
+        self._scheduler = scheduler or Scheduler(self.config, self._under_pressure)
         speculator = speculator_for(self.config, executor)
         self._stepper = Stepper(executor, self.pool, clock, speculator)
         self._known: weakref.WeakValueDictionary[int, Request] = weakref.WeakValueDictionary()
@@ -396,7 +396,7 @@ class Engine:
                     r for r in self._admission.running.values()
                     if r.request_id not in self._restoring
                 ]  # fmt: skip
-                work = self._scheduler.select(ready, self._max_batch())
+                work = self._scheduler.select(ready, self.config.max_seqs)
                 work = self._stepper.draft(work, self.pool)
                 if not work:
                     self._trim_when_idle()
@@ -420,10 +420,6 @@ class Engine:
         elif not self._trimmed and now - self._idle_since >= IDLE_TRIM_S:
             trim_heap()
             self._trimmed = True
-
-    def _max_batch(self) -> int:
-        max_seqs = self.config.max_seqs
-        return max(1, max_seqs // 2) if self._under_pressure() else max_seqs
 
     def _commit(self, work: Work) -> StepBatch:
         """The step's batch, validated and committed in the pool (copy-on-write, lengths)."""
