@@ -28,6 +28,7 @@ REQUESTS = st.lists(
     st.integers(8, 64),
     st.integers(1, 32),
     st.integers(1, 8),
+    st.booleans(),
 )
 def test_select_respects_every_limit(
     tiny: ss.Model,
@@ -36,7 +37,10 @@ def test_select_respects_every_limit(
     max_batch_tokens: int,
     prefill_chunk: int,
     max_batch: int,
+    pressed: bool,
 ) -> None:
+    """Every limit holds; under pressure no background request steps and the batch is
+    at most half of ``max_batch`` (at least one)."""
     config = ss.EngineConfig(
         max_seqs=8,
         max_context=256,
@@ -60,9 +64,10 @@ def test_select_respects_every_limit(
         if cancelled:
             request.cancelled.set()
         running.append(request)
-    work = Scheduler(config).select(running, max_batch)
+    work = Scheduler(config, lambda: pressed).select(running, max_batch)
     chosen = [r for r, _ in work]
-    assert len(chosen) == len({r.request_id for r in chosen}) <= max_batch
+    limit = max(1, max_batch // 2) if pressed else max_batch
+    assert len(chosen) == len({r.request_id for r in chosen}) <= limit
     assert sum(n for _, n in work) <= max_batch_tokens
     for request, n in work:
         assert not request.cancelled.is_set()
@@ -71,6 +76,9 @@ def test_select_respects_every_limit(
         else:
             assert n == 1
     ready = [r for r in running if not r.cancelled.is_set()]
+    if pressed:
+        assert all(r.priority != "background" for r in chosen)
+        ready = [r for r in ready if r.priority != "background"]  # paused, not ready
     if policy == "isolate" and work:
         classes = {r.priority for r in chosen}
         assert len(classes) == 1
@@ -80,4 +88,4 @@ def test_select_respects_every_limit(
         raise AssertionError("ready work but an empty step")
     decodes = [r for r in ready if not r.in_prefill]
     if policy == "fifo":
-        assert sum(1 for r in chosen if not r.in_prefill) == min(len(decodes), max_batch)
+        assert sum(1 for r in chosen if not r.in_prefill) == min(len(decodes), limit)

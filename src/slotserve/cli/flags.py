@@ -22,7 +22,12 @@ from slotserve.engine.config import (
     EngineConfig,
 )
 from slotserve.engine.presets import PRESET_NAMES, PresetChoice, choose_preset
-from slotserve.engine.pressure import PRESSURE_SPELLINGS, PressureSource, pressure_from
+from slotserve.engine.pressure import (
+    PRESSURE_SPELLINGS,
+    PressureSource,
+    check_spelling,
+    pressure_from,
+)
 from slotserve.kv.config import KV_DTYPES
 from slotserve.memory import MemoryLedger, MemoryMap, parse_bytes
 
@@ -229,25 +234,28 @@ def add_pressure_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pressure",
         type=_pressure_spec,
-        default="off",
+        default="auto",
         metavar="SOURCE",
-        help=f"device-pressure signal: {PRESSURE_SPELLINGS} (default off). Under pressure "
-        "background admission pauses (refusals say 'pressure') and batches halve; "
-        "file:PATH reads a level (1.0 = threshold) that another process writes",
+        help=f"device-pressure signal: {PRESSURE_SPELLINGS} (default auto: thermal where a "
+        "thermal zone can be read, else off; logged). Under pressure background work "
+        "pauses (admission refuses with 'pressure'; running background requests take no "
+        "step, their KV kept, until it clears) and batches halve; file:PATH reads a level "
+        "(1.0 = threshold) that another process writes",
     )
 
 
 def _pressure_spec(text: str) -> str:
     """Check the spelling at parse time, before a model is loaded."""
     try:
-        pressure_from(text)
+        check_spelling(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return text
 
 
 def pressure_source(args: argparse.Namespace) -> PressureSource | None:
-    """The `PressureSource` of ``--pressure`` (None for ``off``)."""
+    """The `PressureSource` of ``--pressure`` (None for ``off``, or ``auto`` without a
+    readable thermal zone)."""
     return pressure_from(args.pressure)
 
 

@@ -1,4 +1,9 @@
-"""``slotserve generate``: stream one completion of a prompt (or print it as JSON)."""
+"""``slotserve generate``: stream one completion of a prompt (or print it as JSON).
+
+stdout holds the answer only. Log lines go to stderr, never inside the answer: the ones
+logged while it streams wait until it is out (`LogGate`), each distinct message once.
+ExecuTorch's stats line (``PyTorchObserver {...}``) is shown with ``--stats`` or ``--json``.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import sys
 from typing import Any
 
 from slotserve.cli.flags import add_preset_arg, add_sampling_args
+from slotserve.cli.log_gate import DropStatsLine, LogGate
 from slotserve.engine.config import SPECULATE_MODES
 
 log = logging.getLogger("slotserve")
@@ -19,6 +25,11 @@ def register(commands: Any) -> None:
     parser.add_argument("prompt")
     parser.add_argument("--chat", action="store_true", help="wrap PROMPT in the chat template")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    parser.add_argument(
+        "--stats",
+        action="store_true",
+        help="log ExecuTorch's stats line (PyTorchObserver {...}) on stderr after the answer",
+    )
     add_sampling_args(parser)
     add_preset_arg(parser)
     parser.add_argument(
@@ -57,6 +68,19 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    stats_line = None if args.stats or args.json else DropStatsLine()
+    runner_log = logging.getLogger("slotserve.runner")
+    if stats_line is not None:
+        runner_log.addFilter(stats_line)
+    try:
+        with LogGate() as gate:
+            return _generate_gated(args, gate)
+    finally:
+        if stats_line is not None:
+            runner_log.removeFilter(stats_line)
+
+
+def _generate_gated(args: argparse.Namespace, gate: LogGate) -> int:
     from slotserve.runner import TextLLMRunner
 
     model, context = _model_and_context(args)
@@ -70,8 +94,12 @@ def _generate(args: argparse.Namespace) -> int:
         prompt = tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     else:  # with the model's BOS rule, as llama.cpp tokenises a prompt (the runner adds none)
         prompt = tokenizer.encode(args.prompt)
-    callback = None if args.json else print_piece
-    result = runner.generate(prompt, generation_config(args), token_callback=callback)
+    if args.json:
+        result = runner.generate(prompt, generation_config(args))
+    else:
+        with gate.holding():  # the answer streams: log lines wait until it is out
+            result = runner.generate(prompt, generation_config(args), token_callback=print_piece)
+            sys.stderr.write("\n")  # the lines that waited start on a line of their own
     if args.json:
         report = {
             "tokens": result.tokens,
@@ -81,7 +109,7 @@ def _generate(args: argparse.Namespace) -> int:
         }
         print(json.dumps(report, ensure_ascii=False))
     else:
-        print(f"\n[{summary(result)}]", file=sys.stderr)
+        print(f"[{summary(result)}]", file=sys.stderr)
     return 0
 
 

@@ -148,7 +148,7 @@ class Engine:
         self._admission = Admission(
             self.config, self.pool, self.counters, clock, self._under_pressure, self.prefix
         )
-        self._scheduler = scheduler or Scheduler(self.config)
+        self._scheduler = scheduler or Scheduler(self.config, self._under_pressure)
         speculator = speculator_for(self.config, executor)
         self._stepper = Stepper(executor, self.pool, clock, speculator)
         self._known: weakref.WeakValueDictionary[int, Request] = weakref.WeakValueDictionary()
@@ -395,7 +395,7 @@ class Engine:
                     r for r in self._admission.running.values()
                     if r.request_id not in self._restoring
                 ]  # fmt: skip
-                work = self._scheduler.select(ready, self._max_batch())
+                work = self._scheduler.select(ready, self.config.max_seqs)
                 work = self._stepper.draft(work, self.pool)
                 if not work:
                     self._idle_trim.idle()  # under the lock: a submit waits the trim
@@ -408,10 +408,6 @@ class Engine:
                     log.exception("step refused by the KV pool; ending its requests")
                     for request, _ in work:
                         self._end(request, "error")
-
-    def _max_batch(self) -> int:
-        max_seqs = self.config.max_seqs
-        return max(1, max_seqs // 2) if self._under_pressure() else max_seqs
 
     def _commit(self, work: Work) -> StepBatch:
         """The step's batch, validated and committed in the pool (copy-on-write, lengths)."""

@@ -1,8 +1,12 @@
 """`PressureSource`: a device-pressure signal (thermal zones, a file, or any callable).
 
 Level 0.0 is idle, 1.0 is the threshold of trouble. Under pressure the engine pauses
-background admission (refusals say ``pressure``) and halves its batches. `pressure_from`
-turns the ``serve --pressure`` spelling (``thermal``, ``file:PATH``, ``off``) into a source.
+background work: background admission (refusals say ``pressure``) and the background
+requests already running, which take no step until it clears (`Scheduler.select`: they
+stay bound, their KV kept, and go on where they stopped); other work goes on in batches
+of half the slots. `pressure_from` turns the ``serve --pressure`` spelling (``auto``,
+``thermal``, ``file:PATH``, ``off``) into a source; ``auto`` (serve's default) is
+``thermal`` where a thermal zone can be read and ``off`` elsewhere, and logs which.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ log = logging.getLogger("slotserve")
 
 
 class PressureSource:
+    """A pressure level: ``read``'s value, or without it the thermal zones matching
+    ``thermal_glob`` (the hottest as a fraction of ``hot_celsius``); under pressure at
+    ``threshold`` and above."""
+
     def __init__(
         self,
         read: Callable[[], float] | None = None,
@@ -47,6 +55,7 @@ class PressureSource:
         return max(temps) / self.hot_celsius if temps else 0.0
 
     def under_pressure(self) -> bool:
+        """Whether the level has reached the threshold (raises if ``read`` does)."""
         return self.level() >= self.threshold
 
     def reading(self) -> float:
@@ -101,16 +110,62 @@ class FileLevel:
             log.warning("pressure file " + message, self.path)
 
 
-PRESSURE_SPELLINGS = "thermal, file:PATH or off"
+PRESSURE_SPELLINGS = "auto, thermal, file:PATH or off"
 
 
-def pressure_from(spec: str, threshold: float = 1.0) -> PressureSource | None:
-    """``"thermal"`` (the thermal zones), ``"file:PATH"`` (`FileLevel`) or ``"off"``
-    (None: no signal) → a `PressureSource`."""
+def readable_zones(thermal_glob: str = THERMAL_GLOB) -> list[tuple[str, float]]:
+    """Each thermal zone whose temperature can be read now: its name (the zone's
+    directory, with its ``type`` where the kernel gives one) and degrees Celsius."""
+    zones = []
+    for path in sorted(glob.glob(thermal_glob)):
+        try:
+            celsius = int(Path(path).read_text().strip()) / 1000.0
+        except (OSError, ValueError):
+            continue
+        zone = Path(path).parent
+        try:
+            name = f"{zone.name} ({(zone / 'type').read_text().strip()})"
+        except OSError:
+            name = zone.name
+        zones.append((name, celsius))
+    return zones
+
+
+def check_spelling(spec: str) -> None:
+    """`ValueError` unless ``spec`` is one of `PRESSURE_SPELLINGS` (reads nothing)."""
+    if spec in ("auto", "thermal", "off"):
+        return
+    if spec.startswith("file:") and len(spec) > len("file:"):
+        return
+    raise ValueError(f"--pressure {spec!r}: use {PRESSURE_SPELLINGS}")
+
+
+def pressure_from(
+    spec: str, threshold: float = 1.0, thermal_glob: str = THERMAL_GLOB
+) -> PressureSource | None:
+    """``"thermal"`` (the thermal zones of ``thermal_glob``), ``"file:PATH"``
+    (`FileLevel`), ``"off"`` (None: no signal), or ``"auto"``: ``"thermal"`` where a zone
+    can be read now, else ``"off"``, logged either way → a `PressureSource`."""
+    check_spelling(spec)
     if spec == "off":
         return None
-    if spec == "thermal":
-        return PressureSource(threshold=threshold)
-    if spec.startswith("file:") and len(spec) > len("file:"):
+    if spec.startswith("file:"):
         return PressureSource(FileLevel(spec.removeprefix("file:")), threshold=threshold)
-    raise ValueError(f"--pressure {spec!r}: use {PRESSURE_SPELLINGS}")
+    source = PressureSource(threshold=threshold, thermal_glob=thermal_glob)
+    if spec == "auto":
+        zones = readable_zones(thermal_glob)
+        if not zones:
+            log.info(
+                "pressure off: no readable thermal zone (%s); --pressure file:PATH gives "
+                "a signal of your own",
+                thermal_glob,
+            )
+            return None
+        named = ", ".join(f"{name} at {celsius:.0f} °C" for name, celsius in zones)
+        log.info(
+            "pressure: thermal, from %s; background work pauses while the hottest reaches "
+            "%.0f °C (--pressure off: never)",
+            named,
+            source.hot_celsius * threshold,
+        )
+    return source

@@ -1,11 +1,14 @@
 """`Scheduler`: which running requests advance in the next step, and by how much.
 
-Pure policy over `Request` objects: it never touches tensors or the KV pool.
+Pure policy over `Request` objects: it never touches tensors or the KV pool. Under device
+pressure (``under_pressure``, the engine's reading of its `PressureSource`) background
+requests take no step: they stay bound, their KV kept, and go on where they stopped once
+the pressure clears; the other classes go on, in batches of at most half the slots.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from slotserve.engine.config import EngineConfig
@@ -20,9 +23,19 @@ class Classed(Protocol):
     def priority(self) -> Priority: ...
 
 
+def _never() -> bool:
+    return False
+
+
 class Scheduler:
-    def __init__(self, config: EngineConfig) -> None:
+    """The step policy of one engine: ``config``'s policy and shares, and the pressure
+    signal ``under_pressure`` (read once a step; default: never under pressure)."""
+
+    def __init__(
+        self, config: EngineConfig, under_pressure: Callable[[], bool] | None = None
+    ) -> None:
         self.config = config
+        self.under_pressure = under_pressure or _never
         # Background's accrued claim on contended steps (deficit round robin): each step
         # where background waits behind another class adds ``background_min_share``; a
         # whole step's worth buys background the step. Steps background runs alone earn
@@ -49,9 +62,13 @@ class Scheduler:
         """The step: each chosen request with the number of tokens it feeds.
 
         Decodes (one token each) are taken first so that running streams keep their pace;
-        prefill chunks fill what is left of ``max_batch_tokens``.
+        prefill chunks fill what is left of ``max_batch_tokens``. Under pressure background
+        requests are left out (paused, not released) and ``max_batch`` is halved.
         """
         ready = [r for r in running if r.state == "running" and not r.cancelled.is_set()]
+        if self.under_pressure():
+            ready = [r for r in ready if r.priority != "background"]
+            max_batch = max(1, max_batch // 2)
         # Least recently stepped first, so that a batch cap (pressure) rotates over sessions.
         ready.sort(key=lambda r: r.last_step)
         if self.config.policy == "isolate":
