@@ -1,5 +1,6 @@
-"""Chat and text completions over the engine: parameters, submission, the JSON answer
-and the SSE stream."""
+"""Text completions over the engine (``/v1/completions``): the JSON answer and the SSE
+stream; and what the chat path (`chat_run.start_chat`) shares with them: the chat
+template's prompt, the prompt's checks, the sampling parameters, the request's class."""
 
 from __future__ import annotations
 
@@ -181,14 +182,10 @@ def priority_of(body: SamplingFields, request: Request) -> Priority:
 
 
 async def generate(
-    state: ServerState,
-    engine: Engine,
-    body: SamplingFields,
-    request: Request,
-    prompt: str | list[int],
-    kind: str,
+    state: ServerState, engine: Engine, body: CompletionRequest, request: Request
 ) -> Response:
-    """Run ``prompt`` (text, or token ids) for ``body``: a JSON answer or an SSE stream."""
+    """Run a text completion (its prompt text, or token ids): a JSON answer or an SSE
+    stream. Chat is `chat_run.start_chat`'s."""
     n = body.n or 1
     if n > engine.config.max_seqs:
         raise APIError(
@@ -197,8 +194,7 @@ async def generate(
             "invalid_request_error",
             param="n",
         )
-    param = "messages" if kind == "chat" else "prompt"
-    tokens = prompt_tokens(engine, prompt, param)
+    tokens = prompt_tokens(engine, body.prompt_input(), "prompt")
     room = engine.config.max_context - len(tokens)
     grammar = await response_grammar(state.grammars_of(engine), body, request)
     constraint = request_constraint(body)
@@ -212,30 +208,17 @@ async def generate(
     ]
     # Everything the reply needs before the submit: after it, the route shares the GIL
     # and the cores with the step computing the first token.
-    request_id = state.response_id("chatcmpl" if kind == "chat" else "cmpl")
+    request_id = state.response_id("cmpl")
     created = int(time.time())
-    handles = submit_all(
-        engine, tokens, params, priority_of(body, request), param, keep_conversation=kind == "chat"
-    )
+    handles = submit_all(engine, tokens, params, priority_of(body, request), "prompt")
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         stream = _stream(
-            state,
-            engine,
-            handles,
-            kind,
-            request_id,
-            created,
-            include_usage,
-            body,
-            grammar,
-            grammar_param,
+            state, engine, handles, request_id, created, include_usage, body, grammar, grammar_param
         )
         return StreamingResponse(stream, media_type="text/event-stream")
     outcomes = await collect(handles, request)
-    complete = _complete(
-        state, engine, outcomes, kind, request_id, created, body, grammar, grammar_param
-    )
+    complete = _complete(state, engine, outcomes, request_id, created, body, grammar, grammar_param)
     return JSONResponse(complete)
 
 
@@ -255,10 +238,9 @@ def _complete(
     state: ServerState,
     engine: Engine,
     outcomes: list[Any],
-    kind: str,
     request_id: str,
     created: int,
-    body: SamplingFields,
+    body: CompletionRequest,
     grammar: Grammar | None = None,
     grammar_param: str = SCHEMA_PARAM,
 ) -> dict[str, Any]:
@@ -270,23 +252,16 @@ def _complete(
         if refusal is not None:
             raise refusal
     wants_logprobs = body.logprobs_count() is not None
+    prefix = _echo_prefix(engine, body)
     choices = []
     for index, outcome in enumerate(outcomes):
         final = outcome.final
-        if kind == "chat":
-            logprobs = fmt.chat_logprobs(tokenizer, outcome.events) if wants_logprobs else None
-            choices.append(fmt.chat_choice(index, final, logprobs))
-        else:
-            prefix = _echo_prefix(engine, body)
-            logprobs = (
-                fmt.text_logprobs(tokenizer, outcome.events, len(prefix))
-                if wants_logprobs
-                else None
-            )
-            choices.append(fmt.text_choice(index, prefix + final.text, final, logprobs))
-    kind_name = "chat.completion" if kind == "chat" else "text_completion"
+        logprobs = (
+            fmt.text_logprobs(tokenizer, outcome.events, len(prefix)) if wants_logprobs else None
+        )
+        choices.append(fmt.text_choice(index, prefix + final.text, final, logprobs))
     return {
-        **fmt.envelope(kind_name, request_id, created, state.model_name),
+        **fmt.envelope("text_completion", request_id, created, state.model_name),
         "choices": choices,
         "usage": fmt.usage(finals),
     }
@@ -296,30 +271,24 @@ async def _stream(
     state: ServerState,
     engine: Engine,
     handles: list[Any],
-    kind: str,
     request_id: str,
     created: int,
     include_usage: bool,
-    body: SamplingFields,
+    body: CompletionRequest,
     grammar: Grammar | None = None,
     grammar_param: str = SCHEMA_PARAM,
 ) -> AsyncIterator[str]:
     tokenizer = engine.model.tokenizer
-    kind_name = "chat.completion.chunk" if kind == "chat" else "text_completion"
-    head = fmt.envelope(kind_name, request_id, created, state.model_name)
+    head = fmt.envelope("text_completion", request_id, created, state.model_name)
     if include_usage:
         head["usage"] = None  # on every chunk but the last, as OpenAI streams
     wants_logprobs = body.logprobs_count() is not None
     finals: list[Finished] = []
-    prefix = _echo_prefix(engine, body) if kind == "text" else ""
+    prefix = _echo_prefix(engine, body)
     offsets = [len(prefix)] * len(handles)  # text_offset of each choice's next token
-    for index in range(len(handles)):
-        if kind == "chat":
-            delta = fmt.role_delta("")
-            yield fmt.sse({**head, "choices": [_chunk_choice(kind, index, delta, None, None)]})
-        elif prefix:
-            choice = _chunk_choice(kind, index, {"content": prefix}, None, None)
-            yield fmt.sse({**head, "choices": [choice]})
+    if prefix:
+        for index in range(len(handles)):
+            yield fmt.sse({**head, "choices": [_chunk_choice(index, prefix, None, None)]})
     # aclosing: the handles are cancelled as soon as the stream stops, even on an error.
     async with aclosing(merged(handles)) as events:
         try:
@@ -331,9 +300,9 @@ async def _stream(
                         raise refusal
                     finals.append(event)
                     reason = fmt.FINISH_REASONS[event.reason]
-                    choice = _chunk_choice(kind, index, {}, reason, None)
+                    choice = _chunk_choice(index, "", reason, None)
                 elif event.text or (wants_logprobs and event.token_id >= 0):
-                    choice = _token_choice(tokenizer, kind, index, event, offsets, wants_logprobs)
+                    choice = _token_choice(tokenizer, index, event, offsets, wants_logprobs)
                 else:
                     continue  # a token that completes no character yet
                 yield fmt.sse({**head, "choices": [choice]})
@@ -346,48 +315,28 @@ async def _stream(
 
 def _token_choice(
     tokenizer: Any,
-    kind: str,
     index: int,
     event: TokenEvent,
     offsets: list[int],
     wants_logprobs: bool,
 ) -> dict[str, Any]:
     """The chunk choice for one token of choice ``index``; advances its text offset."""
-    logprobs = _event_logprobs(tokenizer, event, kind, offsets[index]) if wants_logprobs else None
+    logprobs = None
+    if wants_logprobs and event.token_id >= 0:
+        logprobs = fmt.text_logprobs(tokenizer, [event], offsets[index])
     offsets[index] += len(event.text)
-    return _chunk_choice(kind, index, {"content": event.text}, None, logprobs)
+    return _chunk_choice(index, event.text, None, logprobs)
 
 
-def _event_logprobs(
-    tokenizer: Any, event: TokenEvent, kind: str, offset: int
-) -> dict[str, Any] | None:
-    if event.token_id < 0:
-        return None
-    if kind == "chat":
-        return fmt.chat_logprobs(tokenizer, [event])
-    return fmt.text_logprobs(tokenizer, [event], offset)
-
-
-def _echo_prefix(engine: Engine, body: SamplingFields) -> str:
+def _echo_prefix(engine: Engine, body: CompletionRequest) -> str:
     """The prompt text a completion with ``echo`` repeats before its output."""
-    if not isinstance(body, CompletionRequest) or not body.echo:
+    if not body.echo:
         return ""
     prompt = body.prompt_input()
     return prompt if isinstance(prompt, str) else engine.model.tokenizer.decode(prompt)
 
 
 def _chunk_choice(
-    kind: str,
-    index: int,
-    delta: dict[str, Any],
-    finish: str | None,
-    logprobs: dict[str, Any] | None,
+    index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None
 ) -> dict[str, Any]:
-    if kind == "chat":
-        return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
-    return {
-        "index": index,
-        "text": delta.get("content", ""),
-        "finish_reason": finish,
-        "logprobs": logprobs,
-    }
+    return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}

@@ -75,15 +75,6 @@ def text_logprobs(tokenizer: Tokenizer, events: list[TokenEvent], offset: int) -
     }
 
 
-def chat_choice(index: int, final: Finished, logprobs: dict[str, Any] | None) -> dict[str, Any]:
-    return {
-        "index": index,
-        "message": {"role": "assistant", "content": final.text, "refusal": None},
-        "finish_reason": FINISH_REASONS[final.reason],
-        "logprobs": logprobs,
-    }
-
-
 def text_choice(
     index: int, text: str, final: Finished, logprobs: dict[str, Any] | None
 ) -> dict[str, Any]:

@@ -17,7 +17,6 @@ from slotserve.engine.cancel_bound import CancelBound
 from slotserve.engine.views import with_parked_slots
 from slotserve.errors import AdmissionRefused
 from slotserve.server import anthropic
-from slotserve.server.chat_run import reads_reasoning
 from slotserve.server.completions import chat_tokens, generate
 from slotserve.server.embeddings import EmbeddingRequest, embed, embed_texts
 from slotserve.server.errors import APIError, refusal_error
@@ -33,7 +32,6 @@ from slotserve.server.schemas import (
 from slotserve.server.security import KeyedRoute, require_api_key, require_metrics_key
 from slotserve.server.state import ServerState
 from slotserve.server.tool_calls import generate_chat
-from slotserve.server.tools import plan_tools
 
 # redirect_slashes=False everywhere: see create_app. `v1` (OpenAI's routes) is mounted both
 # at /v1 and at the root, as the peers do; `guarded` holds live activity and CPU work;
@@ -128,34 +126,20 @@ def reported(response: Response, body: Reported) -> Response:
     return response
 
 
+# Every chat, from any API, takes one path to the engine, `chat_run.start_chat`: OpenAI's
+# chat completions (`tool_calls.generate_chat`), the Responses API (`create_response`) and
+# Anthropic's Messages (`anthropic.create_message`) each turn the request into a chat
+# request, submit it there, and answer its reply in their own shape.
 @v1.post("/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     async with served(request, body.model) as (state, engine):
-        return await _chat_completions(state, engine, body, request)
-
-
-async def _chat_completions(
-    state: ServerState, engine: Engine, body: ChatCompletionRequest, request: Request
-) -> Response:
-    tokenizer = engine.model.tokenizer
-    tools = plan_tools(tokenizer, body)
-    if tools is not None or reads_reasoning(tokenizer, state, body, tools):
-        reply = await generate_chat(state, engine, body, request)  # the reply has structure
-        return reported(reply, body)
-    prompt = chat_tokens(
-        engine,
-        body.messages,
-        add_generation_prompt=True,
-        template_kwargs=body.chat_template_kwargs,
-    )
-    return reported(await generate(state, engine, body, request, prompt, "chat"), body)
+        return reported(await generate_chat(state, engine, body, request), body)
 
 
 @v1.post("/completions")
 async def completions(body: CompletionRequest, request: Request) -> Response:
     async with served(request, body.model) as (state, engine):
-        prompt = body.prompt_input()
-        return reported(await generate(state, engine, body, request, prompt, "text"), body)
+        return reported(await generate(state, engine, body, request), body)
 
 
 @v1.post("/embeddings")

@@ -1,10 +1,13 @@
-"""A chat completion whose reply is read for its structure (`chat_reply`): its tool calls
-(decoded under its `ToolPlan`'s grammar) and its thinking section (`reasoning`), answered
-as OpenAI does: ``message.tool_calls`` with ``finish_reason: "tool_calls"`` and
+"""OpenAI's chat completions: every ``/v1/chat/completions`` request, submitted by
+`chat_run.start_chat` (the one chat path) and answered here. The reply is read for its
+structure (`chat_reply`) where it has one: its tool calls (decoded under its `ToolPlan`'s
+grammar) and its thinking section (`reasoning`), answered as OpenAI does:
+``message.tool_calls`` with ``finish_reason: "tool_calls"`` and
 ``message.reasoning_content``, or streamed as ``delta.tool_calls`` chunks (each call's
 index, id, type and name first, then its arguments as they are written) and
-``delta.reasoning_content`` chunks. A chat request without tools, for a model that does not
-think (or with ``reasoning_format: "none"``), is answered by `completions.generate`.
+``delta.reasoning_content`` chunks. A reply without either is its text as it came. A
+constrained document the grammar could not finish is an error, never a ``stop``
+(`ChatRun.refusal`).
 """
 
 from __future__ import annotations
@@ -31,8 +34,7 @@ from slotserve.server.state import ServerState
 async def generate_chat(
     state: ServerState, engine: Engine, body: ChatCompletionRequest, request: Request
 ) -> Response:
-    """Run a chat request whose reply may call tools or think: a JSON answer or an SSE
-    stream (`completions.generate`'s, with tool calls and reasoning)."""
+    """Run a chat completion request: a JSON answer or an SSE stream."""
     request_id, created = state.response_id("chatcmpl"), int(time.time())
     run = await start_chat(state, engine, body, request)
     head = fmt.envelope("chat.completion", request_id, created, state.model_name)
@@ -42,7 +44,7 @@ async def generate_chat(
         stream = _stream(engine, run, head, body, include_usage)
         return StreamingResponse(stream, media_type="text/event-stream")
     outcomes = await collect(run.handles, request)
-    return JSONResponse(_complete(engine, outcomes, run.shape, head, body))
+    return JSONResponse(_complete(engine, outcomes, run, head, body))
 
 
 def _finish_reason(final: Finished, called: bool) -> str:
@@ -72,7 +74,7 @@ def _message(shape: ReplyShape, outcome: Outcome) -> dict[str, Any]:
 def _complete(
     engine: Engine,
     outcomes: list[Outcome],
-    shape: ReplyShape,
+    run: ChatRun,
     head: dict[str, Any],
     body: ChatCompletionRequest,
 ) -> dict[str, Any]:
@@ -83,8 +85,11 @@ def _complete(
         final = outcome.final
         assert final is not None  # collect waits for every choice's end
         check_finish(final)
+        refusal = run.refusal(final)
+        if refusal is not None:
+            raise refusal
         finals.append(final)
-        message = _message(shape, outcome)
+        message = _message(run.shape, outcome)
         logprobs = (
             fmt.chat_logprobs(engine.model.tokenizer, outcome.events) if wants_logprobs else None
         )
@@ -124,6 +129,11 @@ async def _stream(
         choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         return fmt.sse({**head, "choices": [choice]})
 
+    # The delta of a token that writes no text yet: in a plain reply, content that
+    # completes no character yet; in a structured one, text not yet known to be
+    # reasoning, content or a call.
+    plain = run.shape.syntax is None and run.shape.reasoning is None
+    held: dict[str, Any] = {"content": ""} if plain else {}
     # The role chunk: a reply that must call a tool has no content ("content": null, as
     # OpenAI's tool-call streams begin); one that may hold text starts it empty.
     calls_only = run.plan is not None and run.plan.mode == "required"
@@ -137,6 +147,9 @@ async def _stream(
                 reply = replies[index]
                 if isinstance(event, Finished):
                     check_finish(event)  # a cut-short stream ends with an error event instead
+                    refusal = run.refusal(event)
+                    if refusal is not None:  # never "stop" on a document the grammar refuses
+                        raise refusal
                     finals.append(event)
                     for delta in reply.push("", final=True):
                         yield chunk(index, _chat_delta(delta), None, None)
@@ -149,7 +162,7 @@ async def _stream(
                 )
                 deltas = reply.push(run.shape.text(event))
                 if not deltas and logprobs is not None:
-                    deltas = [{}]  # a token held back still reports its logprobs
+                    deltas = [held]  # a token whose text is held back still has its logprobs
                 for delta in deltas:
                     yield chunk(index, _chat_delta(delta), None, logprobs)
                     logprobs = None  # a token's logprobs ride on its first chunk
