@@ -459,7 +459,7 @@ class SessionPool:
         groups: list[RingGroup | FlatGroup] = [*self._rings, *self._flats]
         return [(g, s) for g in groups for s in (*g.keys.values(), *g.values.values())]
 
-    # -- checks ----------------------------------------------------------------------
+    # -- checks ------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
         """Assert every invariant of the sessions, slots and blocks (tests call it after

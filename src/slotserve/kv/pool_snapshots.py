@@ -255,7 +255,7 @@ class SnapshotPool(SessionPool):
                 assert storage.scales is not None
                 storage.scales.index_copy_(0, cells, scales)
 
-    # -- checks ----------------------------------------------------------------------
+    # -- checks ------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
         """`SessionPool.check_integrity`, and the snapshots' own invariants: parked slots
