@@ -19,6 +19,7 @@ from slotserve.engine import EngineConfig
 from slotserve.info import ModelInfo
 from slotserve.kv import KVConfig, KVPool, StepBatch
 from slotserve.kv.layouts import PrefixGroup, RingGroup
+from slotserve.kv.plan import PrefixPlan, RingKernelPlan
 from slotserve.native import build_kernels
 from slotserve.native.attention import AttentionKernel, StepCells
 
@@ -147,17 +148,21 @@ def test_every_step_takes_the_kernel() -> None:
         assert isinstance(group, PrefixGroup | RingGroup)
         pool.reserve(0, 40)
         for batch in (StepBatch([0], [0], [30]), StepBatch([0], [30], [1])):
-            if isinstance(group, RingGroup):
-                plan = group._kernel_plan(batch, pool.sessions, info.n_heads)
-            else:
-                plan = group._plan(batch, pool.sessions, info.n_heads)
-            assert isinstance(plan["kernel"], StepCells)
+            pool.begin_step(batch)
+            assert batch.plan is not None
+            (plan,) = batch.plan.groups
+            expected = RingKernelPlan if isinstance(group, RingGroup) else PrefixPlan
+            assert isinstance(plan, expected)
+            assert isinstance(plan.kernel, StepCells)
     plain = KVPool(info, KVConfig(layout="flat", max_seqs=2, max_context=64))
     (torch_group,) = plain.groups
     assert isinstance(torch_group, PrefixGroup)
     plain.reserve(0, 40)
-    decode = StepBatch([0], [30], [1])
-    assert "kernel" not in torch_group._plan(decode, plain.sessions, info.n_heads)
+    for batch in (StepBatch([0], [0], [30]), StepBatch([0], [30], [1])):
+        plain.begin_step(batch)
+        assert batch.plan is not None
+        (plan,) = batch.plan.groups
+        assert isinstance(plan, PrefixPlan) and plan.kernel is None
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C compiler on PATH")

@@ -167,10 +167,10 @@ def largest_step(
         starts=[config.max_context - chunk] * seqs,
         lengths=[chunk] * seqs,
     )
-    pool.begin_step(batch)
     trim_heap()
     reset_peak()
     before = read_process()
+    pool.begin_step(batch)  # inside the reading: the step's plan is the step's memory
     began = time.perf_counter()
     # A step is its forward and its sampling, for live requests holding their samplers'
     # state: each row drawn as the costliest settings draw it.
@@ -226,8 +226,8 @@ def measure_cancel_bound(
     for _ in range(max(repeats, 1)):
         pool.reserve(0, tokens)
         batch = StepBatch.single(0, tokens)
+        began = time.perf_counter()  # the step's plan is made in begin_step: time it too
         pool.begin_step(batch)
-        began = time.perf_counter()
         executor.step(torch.tensor(ids), batch, pool)
         times.append(time.perf_counter() - began)
         pool.release(0)

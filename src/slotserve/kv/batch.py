@@ -1,19 +1,20 @@
 """`StepBatch`: which sequences a forward step advances, and by how many tokens.
 
 Built once per step by the caller (runner or engine), read by the model (positions) and by
-the KV store (where to write, what each query may attend to). Derived tensors that every
-layer needs (write indices, masks) are computed once per step through `memo`.
+the KV store (where to write, what each query may attend to). The pool's `begin_step`
+gives it the step's `slotserve.kv.plan.StepPlan` (``plan``): the cells and masks every
+layer reads, built once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING
 
 import torch
 
-T = TypeVar("T")
+if TYPE_CHECKING:
+    from slotserve.kv.plan import StepPlan
 
 
 @dataclass
@@ -28,7 +29,11 @@ class StepBatch:
     starts: list[int]
     lengths: list[int]
     positions: torch.Tensor = field(init=False)
-    _memo: dict[Hashable, Any] = field(init=False, default_factory=dict)
+    # Set by the pool's `begin_step` (None before): what every layer of the step reads.
+    plan: StepPlan | None = field(init=False, default=None, repr=False, compare=False)
+    _pad_index: tuple[torch.Tensor, torch.Tensor] | None = field(
+        init=False, default=None, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if not (len(self.sessions) == len(self.starts) == len(self.lengths)) or not self.sessions:
@@ -44,13 +49,6 @@ class StepBatch:
     @classmethod
     def single(cls, start: int, length: int, session: int = 0) -> StepBatch:
         return cls([session], [start], [length])
-
-    def memo(self, key: Hashable, factory: Callable[[], T]) -> T:
-        """``factory()`` computed once per step per key (shared by all layers)."""
-        if key not in self._memo:
-            self._memo[key] = factory()
-        value: T = self._memo[key]
-        return value
 
     @property
     def size(self) -> int:
@@ -79,14 +77,13 @@ class StepBatch:
         return torch.tensor(self.lengths).cumsum(0) - 1
 
     def pad_index(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sequence index, index within the sequence) of every flattened token."""
-
-        def build() -> tuple[torch.Tensor, torch.Tensor]:
+        """(sequence index, index within the sequence) of every flattened token; made at
+        the first call, shared by the step's layers."""
+        if self._pad_index is None:
             seq = torch.repeat_interleave(torch.arange(self.size), torch.tensor(self.lengths))
             within = torch.cat([torch.arange(n) for n in self.lengths])
-            return seq, within
-
-        return self.memo("pad_index", build)
+            self._pad_index = seq, within
+        return self._pad_index
 
     def query_positions(self) -> torch.Tensor:
         """``[B, max_len]`` position of each (padded) query row."""

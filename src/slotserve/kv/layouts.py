@@ -21,6 +21,7 @@ import torch
 
 from slotserve.kv.attention import attend, pad_rows, prefix_mask, visibility_mask
 from slotserve.kv.batch import StepBatch
+from slotserve.kv.plan import GroupPlan, PrefixPlan, RingKernelPlan, RingPlan
 from slotserve.kv.session import SessionKV
 from slotserve.kv.storage import KVStorage
 from slotserve.native.attention import AttentionKernel, LayerAttends, StepCells, Storage
@@ -65,15 +66,16 @@ class LayerGroup(ABC):
         """Cells holding ``positions`` of ``session``."""
 
     @abstractmethod
+    def plan(self, batch: StepBatch, sessions: Mapping[int, SessionKV], heads: int) -> GroupPlan:
+        """The step's cells in this group (`slotserve.kv.plan`), for queries of ``heads``
+        heads: made once a step, after its blocks are un-shared, and read by every layer."""
+
+    @abstractmethod
     def update_and_attend(
-        self,
-        layer: int,
-        qkv: torch.Tensor,
-        batch: StepBatch,
-        sessions: Mapping[int, SessionKV],
+        self, layer: int, qkv: torch.Tensor, batch: StepBatch, plan: GroupPlan
     ) -> torch.Tensor:
-        """Write the step's K/V for ``layer`` (from fused ``[q | k | v]`` rows) and return
-        its attention output."""
+        """Write the step's K/V for ``layer`` (from fused ``[q | k | v]`` rows) at the cells
+        ``plan`` (this group's, made by `plan`) names and return its attention output."""
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views ``q[T, heads, hd]``, ``k, v[T, kv_heads, hd]`` of fused rows."""
@@ -115,37 +117,40 @@ class PrefixGroup(LayerGroup):
         super().__init__(layers, n_cells, shape)
         self.window = window
         self.kernel = kernel
-        self._attends: LayerAttends | None = None  # made at the first `set_attends`
+        # Each layer's kernel arguments, kept from step to step (`set_attends` sets them).
+        self.attends = (
+            None
+            if kernel is None
+            else LayerAttends({layer: self._storages(layer) for layer in self.layers})
+        )
 
     def set_attends(
-        self,
-        batch: StepBatch,
-        sessions: Mapping[int, SessionKV],
-        qkv: torch.Tensor,
-        heads: int,
-        out: torch.Tensor,
+        self, plan: GroupPlan, qkv: torch.Tensor, heads: int, out: torch.Tensor
     ) -> LayerAttends | None:
-        """Each layer's kernel arguments for this step, the call `update_and_attend` makes
-        (on the same step plan), writing ``out``; None without the kernel."""
-        if self.kernel is None:
+        """Each layer's kernel arguments for the step ``plan`` is this group's plan of, the
+        call `update_and_attend` makes, writing ``out``; None without the kernel."""
+        if self.kernel is None or self.attends is None:
             return None
-        plan = batch.memo(("kv-plan", id(self)), lambda: self._plan(batch, sessions, heads))
-        step = plan["kernel"]
-        assert isinstance(step, StepCells)
-        if self._attends is None:
-            self._attends = LayerAttends({layer: self._storages(layer) for layer in self.layers})
+        step = self._kernel_step(plan, heads)
         first = self._storages(self.layers[0])
         args = self.kernel.arguments(qkv, heads, step, *first, self.window, 0, out)
-        self._attends.set(args)
-        return self._attends
+        self.attends.set(args)
+        return self.attends
+
+    @staticmethod
+    def _kernel_step(plan: GroupPlan, heads: int) -> StepCells:
+        """``plan``'s cells for the kernel, checked against the queries' ``heads`` (the
+        kernel's scratch is sized for the plan's)."""
+        assert isinstance(plan, PrefixPlan) and plan.kernel is not None
+        if heads != plan.heads:
+            raise ValueError(f"rows of {heads} query heads in a step planned for {plan.heads}")
+        return plan.kernel
 
     def _storages(self, layer: int) -> tuple[Storage, Storage]:
         key, value = self.keys[layer], self.values[layer]
         return (key.data, key.scales), (value.data, value.scales)
 
-    def _plan(
-        self, batch: StepBatch, sessions: Mapping[int, SessionKV], heads: int
-    ) -> dict[str, object]:
+    def plan(self, batch: StepBatch, sessions: Mapping[int, SessionKV], heads: int) -> PrefixPlan:
         key_len = max(batch.ends)
         bound = [sessions[s] for s in batch.sessions]
         write = torch.cat(
@@ -161,50 +166,35 @@ class PrefixGroup(LayerGroup):
                 for s, e in zip(bound, batch.ends, strict=True)
             ]
         )
-        plan: dict[str, object] = {"write": write, "gather": gather}
         if self.kernel is not None:
             seq, group = batch.pad_index()[0], heads // self.shape.kv_heads
-            plan["kernel"] = StepCells.of(
-                write, gather, seq, batch.positions, group, self.kernel.threads
-            )
-            return plan
+            step = StepCells.of(write, gather, seq, batch.positions, group, self.kernel.threads)
+            return PrefixPlan(write, gather, heads, step)
         causal = batch.size == 1 and batch.starts[0] == 0 and self.window is None
-        plan["causal"] = causal
-        plan["mask"] = None if causal else prefix_mask(batch, key_len, self.window)
-        return plan
+        mask = None if causal else prefix_mask(batch, key_len, self.window)
+        return PrefixPlan(write, gather, heads, None, causal, mask)
 
-    def _keys(self, storage: KVStorage, plan: dict[str, object]) -> torch.Tensor:
-        gather = plan["gather"]
-        assert isinstance(gather, torch.Tensor)
+    def _keys(self, storage: KVStorage, gather: torch.Tensor) -> torch.Tensor:
         if self.kind == "flat" and gather.shape[0] == 1:
             return storage.cells(int(gather[0, 0]), gather.shape[1]).unsqueeze(0)
         return storage.gather(gather)
 
     def update_and_attend(
-        self,
-        layer: int,
-        qkv: torch.Tensor,
-        batch: StepBatch,
-        sessions: Mapping[int, SessionKV],
+        self, layer: int, qkv: torch.Tensor, batch: StepBatch, plan: GroupPlan
     ) -> torch.Tensor:
         """The kernel reads the fused rows in place; the torch path takes views of them."""
-        heads = self.query_heads(qkv)
-        plan = batch.memo(("kv-plan", id(self)), lambda: self._plan(batch, sessions, heads))
-        step = plan.get("kernel")
-        if isinstance(step, StepCells):
+        assert isinstance(plan, PrefixPlan)
+        if plan.kernel is not None:
             assert self.kernel is not None
-            storages = self._storages(layer)
+            heads = self.query_heads(qkv)
+            step, storages = self._kernel_step(plan, heads), self._storages(layer)
             return self.kernel.update_and_attend(qkv, heads, step, *storages, self.window)
         q, k, v = self.split(qkv)
-        write = plan["write"]
-        assert isinstance(write, torch.Tensor)
-        self.keys[layer].write(write, k)
-        self.values[layer].write(write, v)
-        keys = self._keys(self.keys[layer], plan).transpose(1, 2)
-        values = self._keys(self.values[layer], plan).transpose(1, 2)
-        mask = plan["mask"]
-        assert mask is None or isinstance(mask, torch.Tensor)
-        return attend(q, keys, values, batch, mask, causal_from_zero=bool(plan["causal"]))
+        self.keys[layer].write(plan.write, k)
+        self.values[layer].write(plan.write, v)
+        keys = self._keys(self.keys[layer], plan.gather).transpose(1, 2)
+        values = self._keys(self.values[layer], plan.gather).transpose(1, 2)
+        return attend(q, keys, values, batch, plan.mask, causal_from_zero=plan.causal)
 
 
 class FlatGroup(PrefixGroup):
@@ -302,9 +292,17 @@ class RingGroup(LayerGroup):
         intact_from = high_water - self.window  # cells below this were overwritten
         return needed_from >= min(intact_from, new_length)
 
+    def plan(
+        self, batch: StepBatch, sessions: Mapping[int, SessionKV], heads: int
+    ) -> RingPlan | RingKernelPlan:
+        """On the kernel, `_kernel_plan`; on torch ops, `_torch_plan`."""
+        if self.kernel is not None:
+            return self._kernel_plan(batch, sessions, heads)
+        return self._torch_plan(batch, sessions)
+
     def _kernel_plan(
         self, batch: StepBatch, sessions: Mapping[int, SessionKV], heads: int
-    ) -> dict[str, object]:
+    ) -> RingKernelPlan:
         """Row t of the step goes to the step buffers (cell ``n_cells + t``); each
         sequence's positions map to the ring's cells below its start, to the step buffers
         from it. The buffers are made once a step and shared by the group's layers."""
@@ -328,9 +326,9 @@ class RingGroup(LayerGroup):
             ((keys.data, keys.scales), (values.data, values.scales)), split,
         )  # fmt: skip
         rows, ring_cells = self._new_cells(batch, bound)
-        return {"kernel": step, "buffers": (keys, values), "rows": rows, "to": ring_cells}
+        return RingKernelPlan(step, heads, (keys, values), rows, ring_cells)
 
-    def _plan(self, batch: StepBatch, sessions: Mapping[int, SessionKV]) -> dict[str, torch.Tensor]:
+    def _torch_plan(self, batch: StepBatch, sessions: Mapping[int, SessionKV]) -> RingPlan:
         bound = [sessions[s] for s in batch.sessions]
         old = [self.kept_positions(start) for start in batch.starts]
         old_len = max(len(p) for p in old)
@@ -346,7 +344,7 @@ class RingGroup(LayerGroup):
         k_valid = torch.cat([old_pos >= 0, new_valid], dim=1)
         mask = visibility_mask(new_pos, k_pos, k_valid, self.window, self.sinks)
         rows, write = self._new_cells(batch, bound)
-        return {"old_cells": old_cells, "mask": mask, "rows": rows, "write": write}
+        return RingPlan(old_cells, mask, rows, write)
 
     def _new_cells(
         self, batch: StepBatch, bound: list[SessionKV]
@@ -380,42 +378,33 @@ class RingGroup(LayerGroup):
         self._copy_cells(src.slot * self.row + cells, dst.slot * self.row + cells)
 
     def update_and_attend(
-        self,
-        layer: int,
-        qkv: torch.Tensor,
-        batch: StepBatch,
-        sessions: Mapping[int, SessionKV],
+        self, layer: int, qkv: torch.Tensor, batch: StepBatch, plan: GroupPlan
     ) -> torch.Tensor:
-        if self.kernel is not None:
+        if isinstance(plan, RingKernelPlan):
+            assert self.kernel is not None
             heads = self.query_heads(qkv)
-            fused = batch.memo(
-                ("kv-plan", id(self)), lambda: self._kernel_plan(batch, sessions, heads)
-            )
-            step, buffers = fused["kernel"], fused["buffers"]
-            rows, ring_cells = fused["rows"], fused["to"]
-            assert isinstance(step, StepCells) and isinstance(buffers, tuple)
-            key_rows, value_rows = buffers
-            assert isinstance(rows, torch.Tensor) and isinstance(ring_cells, torch.Tensor)
+            if heads != plan.heads:
+                raise ValueError(f"rows of {heads} query heads in a step planned for {plan.heads}")
+            key_rows, value_rows = plan.buffers
             key, value = self.keys[layer], self.values[layer]
             storages = (key.data, key.scales), (value.data, value.scales)
             out = self.kernel.update_and_attend(
-                qkv, heads, step, *storages, self.window, self.sinks
+                qkv, heads, plan.kernel, *storages, self.window, self.sinks
             )
-            key.copy_from(key_rows, rows, ring_cells)
-            value.copy_from(value_rows, rows, ring_cells)
+            key.copy_from(key_rows, plan.rows, plan.to)
+            value.copy_from(value_rows, plan.rows, plan.to)
             return out
+        assert isinstance(plan, RingPlan)
         q, k, v = self.split(qkv)
-        plan = batch.memo(("kv-plan", id(self)), lambda: self._plan(batch, sessions))
         # The step's own rows with the storage's rounding, as the kernel path reads them:
         # a row's attention then does not depend on how its sequence was chunked.
         keys = torch.cat(
-            [self.keys[layer].gather(plan["old_cells"]), pad_rows(self._as_stored(k), batch)], 1
+            [self.keys[layer].gather(plan.old_cells), pad_rows(self._as_stored(k), batch)], 1
         )
         values = torch.cat(
-            [self.values[layer].gather(plan["old_cells"]), pad_rows(self._as_stored(v), batch)],
-            1,
+            [self.values[layer].gather(plan.old_cells), pad_rows(self._as_stored(v), batch)], 1
         )
-        out = attend(q, keys.transpose(1, 2), values.transpose(1, 2), batch, plan["mask"])
-        self.keys[layer].write(plan["write"], k[plan["rows"]])
-        self.values[layer].write(plan["write"], v[plan["rows"]])
+        out = attend(q, keys.transpose(1, 2), values.transpose(1, 2), batch, plan.mask)
+        self.keys[layer].write(plan.write, k[plan.rows])
+        self.values[layer].write(plan.write, v[plan.rows])
         return out
