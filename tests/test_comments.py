@@ -44,7 +44,6 @@ FIGURES = {
 ALLOWED: dict[tuple[str, str], str] = {
     ("slotserve/native/csrc/quants.h", "128 s"): "algebra: 128 times s, a Q8 block's d Σq",
     ("slotserve/native/csrc/quants.h", "16 s"): "algebra: 16 times s, a Q8 block's d Σq",
-    ("slotserve/engine/stepper.py", "8 MB"): "owned by another change, see report",
 }
 
 

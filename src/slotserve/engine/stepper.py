@@ -200,7 +200,7 @@ class Stepper:
         if not sampling:
             return finished
         began = self.clock()
-        # Every row samples in a decode step: no copy (8 MB of Gemma 3 logits at 8 rows).
+        # Every row samples in a decode step: no copy (a row is a whole vocabulary of logits).
         rows = logits if len(sampling_rows) == logits.shape[0] else logits[sampling_rows]
         tokens = sample_batch(rows, [r.sampler for r in sampling])
         now = self.clock()
