@@ -22,6 +22,7 @@ from slotserve.artifact.gguf_tokenizer import TOKENS_KEY
 from slotserve.errors import ArtifactError
 from slotserve.info import ModelInfo, Pooling, RopeConfig
 from slotserve.model.gguf_linear import BlockLinear, to_q4_1
+from slotserve.native.blocks import BLOCK_TYPES
 
 WeightT = TypeVar("WeightT", torch.Tensor, BlockLinear)
 
@@ -359,7 +360,9 @@ def iter_tensors(
         yield name, _unpermute(name, torch.from_numpy(array.copy()), info)
 
 
-BLOCK_KINDS = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# The block kernel's types (`slotserve.native.blocks.BLOCK_TYPES`), and Q4_0, which loads
+# as Q4_1 (`to_q4_1`).
+BLOCK_KINDS = ("Q4_0", *(t.name for t in BLOCK_TYPES))
 
 
 def has_block_matrices(path: Path) -> bool:
