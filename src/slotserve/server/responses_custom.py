@@ -20,21 +20,18 @@ language, so a Lark grammar cannot constrain it there.
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
 from slotserve.server.errors import APIError
+from slotserve.server.tool_formats import json_string_prefix
 
 INVALID = "invalid_request_error"
 INPUT_KEY = "input"
 # The head of a custom call's arguments as the call grammar writes them (its fixed JSON
 # separators: `tool_formats.JSON_OPTIONS`).
 _HEAD = '{"' + INPUT_KEY + '": '
-# A JSON string's body as far as its characters are whole (an escape cut short waits).
-_STRING_BODY = re.compile(r'(?:[^"\\]|\\u[0-9a-fA-F]{4}|\\[^u])*')
-_HIGH_SURROGATE_TAIL = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}\Z")
 
 
 def _refuse(param: str, reason: str) -> APIError:
@@ -99,18 +96,7 @@ def input_of(arguments: str) -> str:
     or half a surrogate pair, is left out until it is whole."""
     if not arguments.startswith(_HEAD):
         return ""
-    raw = arguments[len(_HEAD) :]
-    if not raw.startswith('"'):
-        return ""
-    match = _STRING_BODY.match(raw, 1)
-    body = match.group() if match else ""
-    if _HIGH_SURROGATE_TAIL.search(body):
-        body = body[:-6]
-    try:
-        decoded: str = json.loads(f'"{body}"')
-    except ValueError:  # not JSON the grammar wrote: show it as it is
-        return body
-    return decoded
+    return json_string_prefix(arguments[len(_HEAD) :])
 
 
 def custom_item(name: str, text: str, call_id: str | None = None) -> dict[str, Any]:

@@ -220,7 +220,7 @@ def scan(syntax: CallSyntax, text: str, *, final: bool) -> Scan:
     not final, content that could still turn out to begin the trigger is held back."""
     if syntax is GENERIC:
         if text.startswith(CONTENT_HEAD) or (CONTENT_HEAD.startswith(text) and not final):
-            return Scan(content=_json_string_prefix(text[len(CONTENT_HEAD) :]))
+            return Scan(content=json_string_prefix(text[len(CONTENT_HEAD) :]))
         if not text.startswith(GENERIC.prefix) and not final:
             return Scan()  # still a prefix of both heads, or of the calls' head
         start = 0 if text.startswith(GENERIC.prefix) else -1
@@ -283,7 +283,7 @@ _STRING_BODY = re.compile(r'(?:[^"\\]|\\u[0-9a-fA-F]{4}|\\[^u])*')
 _HIGH_SURROGATE_TAIL = re.compile(r"\\u[dD][89abAB][0-9a-fA-F]{2}\Z")
 
 
-def _json_string_prefix(raw: str) -> str:
+def json_string_prefix(raw: str) -> str:
     """The characters of the JSON string that ``raw`` begins (from its opening quote) as
     far as they are whole: an escape cut short, or half a surrogate pair, waits."""
     if not raw.startswith('"'):
