@@ -1,6 +1,7 @@
 """Device pressure driven through ``serve --pressure file:PATH`` on a real server process:
 background is refused with ``pressure`` (HTTP 429) while the level is high, interactive
-work still runs, and background is admitted again once the level drops."""
+work still runs, and background is admitted again once the level drops; with several
+models in the process, the one signal reaches every model's engine."""
 
 from __future__ import annotations
 
@@ -64,6 +65,31 @@ def test_file_pressure_pauses_then_resumes_background(
             assert time.monotonic() < deadline, answer.text
             time.sleep(0.05)
         assert pressure_gauge(server) == 0.2
+    finally:
+        assert server.stop() == 0
+    assert "Traceback" not in server.output(), server.output()
+
+
+def test_pressure_reaches_every_model_of_a_set(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
+    level = tmp_path / "pressure"
+    write_level(level, 2.0)
+    server = ServerProcess(
+        f"chat={tiny_dirs['llama']}",
+        *("--model", f"other={tiny_dirs['qwen2']}", "--max-context", "128"),
+        *("--queue-depth", "0", "--pressure", f"file:{level}"),
+    )
+    try:
+        for model in ("chat", "other"):
+            refused = complete(server, model, "background")
+            assert refused.status_code == 429, (model, refused.text)
+            assert refused.json()["error"]["code"] == "pressure", model
+            assert complete(server, model, "interactive").status_code == 200, model
+        write_level(level, 0.0)
+        for model in ("chat", "other"):
+            deadline = time.monotonic() + 5
+            while (answer := complete(server, model, "background")).status_code != 200:
+                assert time.monotonic() < deadline, (model, answer.text)
+                time.sleep(0.05)
     finally:
         assert server.stop() == 0
     assert "Traceback" not in server.output(), server.output()

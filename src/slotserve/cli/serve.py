@@ -29,6 +29,7 @@ from slotserve.engine.config import EngineConfig
 if TYPE_CHECKING:
     from slotserve.engine.device import DeviceScheduler
     from slotserve.engine.models import Loaded, ModelSet, ModelSpec
+    from slotserve.engine.pressure import PressureSource
     from slotserve.memory import MemoryLedger
     from slotserve.sampling.grammar_index import GrammarCost
     from slotserve.server.defaults import SamplingDefaults
@@ -500,7 +501,8 @@ def _serve_models(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
 def model_set(args: argparse.Namespace, specs: list[ModelSpec], grammars: Any) -> ModelSet:
     """The `ModelSet` of ``specs`` as ``serve`` runs it (and ``plan`` plans it): the
     device ledger (the process's runtime before any model, the server's grammars and
-    stored responses), one `DeviceScheduler`, each model loaded by `load_member`, against
+    stored responses), one `DeviceScheduler` and one --pressure signal for every model's
+    engine (the device is hot for all of them), each model loaded by `load_member`, against
     --memory-budget. Not started (`ModelSet.start` loads and plans every model)."""
     from slotserve.engine.device import DeviceScheduler
     from slotserve.engine.models import ModelSet
@@ -511,10 +513,11 @@ def model_set(args: argparse.Namespace, specs: list[ModelSpec], grammars: Any) -
     ledger.add("runtime", read_process().anonymous, "measured", "the process before a model")
     add_server_arenas(ledger, "process", grammars.cache_bytes)
     device = DeviceScheduler()
+    pressure = pressure_source(args) if hasattr(args, "pressure") else None  # plan: none
     budget = parse_bytes(args.memory_budget) if args.memory_budget else None
     return ModelSet(
         specs,
-        lambda spec: load_member(args, spec, grammars, template, device),
+        lambda spec: load_member(args, spec, grammars, template, device, pressure),
         budget=budget,
         shared_bytes=lambda: ledger.total,
         shared_arenas=ledger.arenas,
@@ -527,10 +530,12 @@ def load_member(
     grammars: Any,
     template: str | None,
     device: DeviceScheduler,
+    pressure: PressureSource | None = None,
 ) -> Loaded:
     """Load one model of a set as `_serve` loads the one model (its tokenizer, weights,
     grammar index and first step in a ledger of its own, then its engine), its steps
-    taking turns on ``device``; nothing stays when any part fails."""
+    taking turns on ``device`` and its background work pausing under ``pressure``;
+    nothing stays when any part fails."""
     from slotserve.artifact import load
     from slotserve.engine import Engine
     from slotserve.engine.device import DeviceSeat
@@ -563,7 +568,14 @@ def load_member(
         config = dataclasses.replace(config, memory_budget=None, memory_map=None)
         # Its steps take turns on the device with the other models' (`DeviceScheduler`).
         seat = DeviceSeat(device, spec.name)
-        engine = Engine(model, config, executor=executor_for(model), ledger=ledger, device=seat)
+        engine = Engine(
+            model,
+            config,
+            pressure=pressure,
+            executor=executor_for(model),
+            ledger=ledger,
+            device=seat,
+        )
     except BaseException:
         compiler.close()
         raise
