@@ -12,6 +12,7 @@ the tests see the engine between the bind and the commit."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -177,6 +178,48 @@ def test_a_cancel_during_the_read_is_released_once_it_ends(
         assert engine.stats().slots_in_use == 0
         assert not engine.pool.session_ids()  # its slot and KV went back
         assert engine.pool.usage() == baseline
+    finally:
+        engine.close()
+    engine.check_integrity()
+
+
+def test_a_cancel_stops_a_slow_read_before_its_next_part(
+    exact: ss.Model, stored: tuple[dict[str, Any], list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slow store (each part's read sleeps): a cancel during the read is released after
+    at most the part being read, not after the whole file, and the pool is at its baseline."""
+    config, turn5 = stored
+    real = store_file.payload_parts
+    read: list[int] = []  # parts handed to the pool
+    first = threading.Event()
+    total: list[int] = []
+
+    def slow(handle: Any, entry: store_module.StoreEntry) -> Iterator[Any]:
+        parts = list(real(handle, entry))
+        total.append(len(parts))
+        for part in parts:
+            time.sleep(0.2)
+            read.append(1)
+            first.set()
+            yield part
+
+    monkeypatch.setattr(store_module, "payload_parts", slow)
+    engine = ss.Engine(exact, ss.EngineConfig(**config))
+    try:
+        baseline = engine.pool.usage()
+        handle = engine.submit(turn5, GREEDY)
+        assert first.wait(30)
+        at_cancel = len(read)
+        ack = handle.cancel(wait=True)
+        assert ack is not None
+        assert handle.result().reason == "cancelled"
+        assert total and total[0] > at_cancel + 1  # the file had parts left to read
+        assert len(read) <= at_cancel + 1  # at most the part in flight was read after
+        engine.check_integrity()
+        assert engine.stats().slots_in_use == 0
+        assert engine.pool.usage() == baseline
+        prefix = engine.stats().prefix
+        assert prefix is not None and prefix.store is not None and prefix.store.hits == 0
     finally:
         engine.close()
     engine.check_integrity()
