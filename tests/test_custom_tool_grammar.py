@@ -10,7 +10,6 @@ a prefix of the whole input, never a broken escape."""
 from __future__ import annotations
 
 import json
-import random
 import re
 from typing import Any
 
@@ -24,8 +23,9 @@ from slotserve.server.responses_custom import call_arguments, input_of, input_sc
 from slotserve.server.tool_formats import GENERIC, call_grammar
 from slotserve.testing import TINY_VOCAB, tiny_tokenizer
 from slotserve.tokenizer import Tokenizer
+from tests.test_grammar_property import random_walk
 
-EOS = 2
+EOS = 2  # the tiny vocabulary's end-of-sequence (as in test_grammar_property)
 WALK_TOKENS = 160
 _ALPHABET = 'ab1"\\\n\t'
 
@@ -57,24 +57,6 @@ def _tool(regex: str) -> dict[str, Any]:
     return {"type": "custom", "name": "run", "format": form}
 
 
-def _walk(compiler: GrammarCompiler, grammar: Any, seed: int) -> str | None:
-    """A random reply the grammar allows, ended where end-of-sequence is allowed (half the
-    time it is; always when it is the only token); None if the budget ran out first."""
-    rng = random.Random(seed)
-    matcher = grammar.matcher(TINY_VOCAB)
-    tokens: list[int] = []
-    for _ in range(WALK_TOKENS):
-        allowed = matcher.allowed().nonzero().flatten().tolist()
-        others = [t for t in allowed if t != EOS]
-        if not others or (EOS in allowed and rng.random() < 0.5):
-            assert EOS in allowed or matcher.is_stopped()
-            return compiler.tokenizer.decode(tokens)
-        token = rng.choice(others)
-        tokens.append(token)
-        matcher.accept(token)
-    return None
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(regex=EXPRESSIONS, seed=st.integers(0, 2**32 - 1))
 def test_a_custom_call_input_matches_its_regex(
@@ -87,9 +69,10 @@ def test_a_custom_call_input_matches_its_regex(
     except GrammarError:
         pytest.fail(f"every drawn expression admits a string, yet {regex!r} was refused")
     for attempt in range(3):
-        reply = _walk(compiler, grammar, seed + attempt)
-        if reply is None:
+        tokens = random_walk(compiler, grammar, seed + attempt, budget=WALK_TOKENS, strict=True)
+        if tokens is None:
             continue
+        reply = compiler.tokenizer.decode(tokens[:-1])
         content, calls, cut = parse_reply(GENERIC, reply)
         assert content == "" and not cut and [name for name, _ in calls] == ["run"], reply
         given_input = input_of(calls[0][1])

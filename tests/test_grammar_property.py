@@ -142,17 +142,27 @@ def _finished(tokens: list[int]) -> Finished:
     return Finished("stop", usage, RequestTimings(0.0), "", tuple(tokens), eos_token=EOS)
 
 
-def _walk(compiler: GrammarCompiler, grammar: Any, seed: int) -> list[int] | None:
+def random_walk(
+    compiler: GrammarCompiler,
+    grammar: Any,
+    seed: int,
+    *,
+    budget: int = WALK_TOKENS,
+    strict: bool = False,
+) -> list[int] | None:
     """A random output: allowed tokens drawn uniformly, end-of-sequence half the time it is
     allowed (always when it is the only one, as the sampler does for a matcher in error);
-    None if the budget ran out first (a "length" finish, claiming nothing)."""
+    None if the ``budget`` of tokens ran out first (a "length" finish, claiming nothing).
+    ``strict``: the matcher must never be in error (end-of-sequence allowed, or the matcher
+    stopped, wherever no other token is)."""
     rng = random.Random(seed)
     matcher = grammar.matcher(TINY_VOCAB)
     tokens: list[int] = []
-    for _ in range(WALK_TOKENS):
+    for _ in range(budget):
         allowed = matcher.allowed().nonzero().flatten().tolist()
         others = [t for t in allowed if t != EOS]
         if not others or (EOS in allowed and rng.random() < 0.5):
+            assert not strict or EOS in allowed or matcher.is_stopped()
             return [*tokens, EOS]
         token = rng.choice(others)
         tokens.append(token)
@@ -174,7 +184,7 @@ def test_a_stop_output_validates_for_every_accepted_schema(
     except GrammarError:
         return  # refused at compile time: never half-enforced
     for attempt in range(3):
-        tokens = _walk(compiler, grammar, seed + attempt)
+        tokens = random_walk(compiler, grammar, seed + attempt)
         if tokens is None or output_refusal(grammar, _finished(tokens)) is not None:
             continue  # "length", or the server's 500: no "stop" is claimed
         text = compiler.tokenizer.decode(tokens[:-1])
@@ -299,7 +309,7 @@ def _walk_text(compiler: GrammarCompiler, grammar: Any, seed: int) -> str | None
     """A random walk's text, when it ended on end-of-sequence as a document the grammar
     accepts (what the server reports as "stop"); None otherwise."""
     for attempt in range(3):
-        tokens = _walk(compiler, grammar, seed + attempt)
+        tokens = random_walk(compiler, grammar, seed + attempt)
         if tokens is not None and output_refusal(grammar, _finished(tokens)) is None:
             return compiler.tokenizer.decode(tokens[:-1])
     return None
