@@ -18,8 +18,8 @@ from typing import Any
 import openai
 import pytest
 
-from slotserve.server.chat_reply import CallStream, parse_reply
-from slotserve.server.tool_formats import GENERIC, HERMES, LLAMA3, MISTRAL, CallSyntax
+from slotserve.server.chat.reply import CallStream, parse_reply
+from slotserve.server.chat.tool_formats import GENERIC, HERMES, LLAMA3, MISTRAL, CallSyntax
 from tests.server.conftest import ServerProcess
 from tests.server.test_tool_calling import strict_client
 
