@@ -1,7 +1,7 @@
-"""A Responses custom tool's regular expression (`responses_custom`) holds inside the model's
+"""A Responses custom tool's regular expression (`responses.custom`) holds inside the model's
 call: the call grammar of a reply that must call the tool (`tool_formats.call_grammar`,
 the generic syntax, the tool's arguments schema `input_schema`), compiled for the tiny
-vocabulary and walked at random to end-of-sequence, reads back (`chat_reply.parse_reply`,
+vocabulary and walked at random to end-of-sequence, reads back (`chat.reply.parse_reply`,
 `input_of`) as an input the regular expression matches whole, for regular expressions
 hypothesis draws over an alphabet that JSON must escape (a quote, a backslash, a newline,
 a tab). `input_of` is also checked on every prefix of a call's arguments: what it reads is
@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from slotserve.sampling import GrammarCompiler, GrammarError
-from slotserve.server.chat_reply import parse_reply
-from slotserve.server.responses_custom import call_arguments, input_of, input_schema
-from slotserve.server.tool_formats import GENERIC, call_grammar
+from slotserve.server.chat.reply import parse_reply
+from slotserve.server.chat.tool_formats import GENERIC, call_grammar
+from slotserve.server.responses.custom import call_arguments, input_of, input_schema
 from slotserve.testing import TINY_VOCAB, tiny_tokenizer
 from slotserve.tokenizer import Tokenizer
 from tests.test_grammar_property import random_walk

@@ -26,7 +26,7 @@ from slotserve.engine import Finished
 from slotserve.engine.events import Usage
 from slotserve.engine.timings import RequestTimings
 from slotserve.sampling import GrammarCompiler, GrammarError
-from slotserve.server.structured import choice_grammar, output_refusal
+from slotserve.server.chat.structured import choice_grammar, output_refusal
 from slotserve.testing import TINY_VOCAB, tiny_tokenizer
 from slotserve.tokenizer import Tokenizer
 

@@ -23,8 +23,8 @@ from slotserve.plan import CapacityPlan, LoadPeakError
 from slotserve.sampling import grammar_index
 from slotserve.sampling.grammar import GrammarCompiler, GrammarConfig, GrammarError
 from slotserve.sampling.grammar_index import prepare
-from slotserve.server.state import ServerState
-from slotserve.server.structured import GrammarCache, configure, configured
+from slotserve.server.chat.structured import GrammarCache, configure, configured
+from slotserve.server.http.state import ServerState
 
 MIB = 2**20
 KV = KVConfig(layout="cell", max_seqs=2, max_context=256)

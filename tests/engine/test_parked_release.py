@@ -22,7 +22,7 @@ from fastapi.testclient import TestClient
 import slotserve as ss
 from slotserve.engine.views import with_parked_slots
 from slotserve.server import create_app
-from slotserve.server.dashboard import SnapshotFeed
+from slotserve.server.ops.dashboard import SnapshotFeed
 
 LONG = ss.SamplingParams(temperature=0, max_new_tokens=200, ignore_eos=True)
 SHORT = ss.SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)

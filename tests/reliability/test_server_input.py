@@ -254,7 +254,9 @@ def test_kept_alive_connection_serves_requests_after_the_deadline(server: Server
 def test_exposed_bind_without_api_key_warns(
     caplog: pytest.LogCaptureFixture, host: str, api_key: str | None, warns: bool
 ) -> None:
-    from slotserve.server.run import warn_if_exposed  # here: the module's other tests stand alone
+    from slotserve.server.http.serve import (
+        warn_if_exposed,  # here: the module's other tests stand alone
+    )
 
     with caplog.at_level(logging.WARNING, logger="slotserve"):
         assert warn_if_exposed(host, api_key) is warns

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from slotserve.server.connections import IDLE_GRACE_S
+from slotserve.server.http.connections import IDLE_GRACE_S
 from tests.reliability.slow_clients import BODY_TIMEOUT_S, KEY, head, slow_body
 from tests.server.conftest import ServerProcess
 

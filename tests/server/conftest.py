@@ -1,4 +1,5 @@
-"""A real `slotserve serve` process on a free loopback port, per test module."""
+"""A real `slotserve serve` process on a free loopback port, per test module: the tiny model's
+(`tiny_server`, `client`) and the bundled model's (`bundled_server`, `bundled_client`)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,16 @@ class ServerProcess(BenchServerProcess):
         super().__init__(slotserve_command(model, port, *flags), port)
 
 
+def strict_client(server: ServerProcess) -> openai.OpenAI:
+    """The official OpenAI client on ``server``, validating responses strictly."""
+    return openai.OpenAI(
+        base_url=server.url + "/v1",
+        api_key="unused",
+        max_retries=0,
+        _strict_response_validation=True,
+    )
+
+
 @pytest.fixture(scope="module")
 def tiny_server(tiny_dirs: dict[str, Path]) -> Iterator[ServerProcess]:
     server = ServerProcess(str(tiny_dirs["llama"]), "--max-seqs", "4", "--max-context", "256")
@@ -37,4 +48,21 @@ def client(tiny_server: ServerProcess) -> Iterator[openai.OpenAI]:
         max_retries=0,
         _strict_response_validation=True,
     ) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def bundled_server() -> Iterator[ServerProcess]:
+    """A server on the bundled model (SmolLM2-135M-Instruct), two slots, 2048 tokens each;
+    named apart from the bundled model's own fixture (``bundled``)."""
+    server = ServerProcess("bundled", "--max-seqs", "2", "--max-context", "2048")
+    yield server
+    assert server.stop() == 0
+    assert "Traceback" not in server.output(), server.output()
+
+
+@pytest.fixture(scope="module")
+def bundled_client(bundled_server: ServerProcess) -> Iterator[openai.OpenAI]:
+    """The strict OpenAI client on `bundled_server`."""
+    with strict_client(bundled_server) as client:
         yield client

@@ -11,7 +11,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from slotserve.server.anthropic import error_response
+from slotserve.server.anthropic.messages import error_response
 from tests.server.conftest import ServerProcess
 from tests.server.test_tool_calling import WEATHER, serve, write_long_tiny
 

@@ -24,7 +24,7 @@ import httpx
 import pytest
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from slotserve.server.reasoning import CLOSE, OPEN
+from slotserve.server.chat.reasoning import CLOSE, OPEN
 from tests.server.conftest import ServerProcess
 from tests.server.scripted_model import chain_of, write_scripted_qwen3
 from tests.server.spec_checks import SSE, json_events, stream_post

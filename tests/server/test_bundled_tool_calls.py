@@ -13,7 +13,6 @@ does; a completed call must validate."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
@@ -21,7 +20,6 @@ import openai
 import pytest
 
 from tests.server.conftest import ServerProcess
-from tests.server.test_tool_calling import strict_client
 
 MAX_TOKENS = 256
 TIMER = {
@@ -88,20 +86,6 @@ ASKS = {
 }
 
 
-@pytest.fixture(scope="module")
-def bundled() -> Iterator[ServerProcess]:
-    server = ServerProcess("bundled", "--max-seqs", "2", "--max-context", "2048")
-    yield server
-    assert server.stop() == 0
-    assert "Traceback" not in server.output(), server.output()
-
-
-@pytest.fixture(scope="module")
-def client(bundled: ServerProcess) -> Iterator[openai.OpenAI]:
-    with strict_client(bundled) as client:
-        yield client
-
-
 def assert_valid(name: str, arguments: str) -> dict[str, Any]:
     """The call's arguments, which must be JSON valid under its function's schema."""
     value = json.loads(arguments)
@@ -110,9 +94,11 @@ def assert_valid(name: str, arguments: str) -> dict[str, Any]:
     return value
 
 
-def ask(client: openai.OpenAI, bundled: ServerProcess, name: str, choice: Any, **kw: Any) -> Any:
-    return client.chat.completions.create(
-        model=bundled.model_name,
+def ask(
+    bundled_client: openai.OpenAI, bundled_server: ServerProcess, name: str, choice: Any, **kw: Any
+) -> Any:
+    return bundled_client.chat.completions.create(
+        model=bundled_server.model_name,
         messages=[{"role": "user", "content": ASKS[name]}],
         tools=TOOLS,
         tool_choice=choice,
@@ -150,8 +136,8 @@ def named(name: str) -> dict[str, Any]:
 
 
 def sampled_calls(
-    client: openai.OpenAI,
-    bundled: ServerProcess,
+    bundled_client: openai.OpenAI,
+    bundled_server: ServerProcess,
     name: str,
     choice: Any,
     seeds: tuple[int, ...],
@@ -163,11 +149,13 @@ def sampled_calls(
     (the kernels' rounding decides which seeds ramble)."""
     for seed in seeds:
         if stream:
-            chunks = list(ask(client, bundled, name, choice, stream=True, seed=seed, **fields))
+            chunks = list(
+                ask(bundled_client, bundled_server, name, choice, stream=True, seed=seed, **fields)
+            )
             if any(c.finish_reason == "length" for chunk in chunks for c in chunk.choices):
                 continue
             return streamed_calls(chunks)
-        answer = ask(client, bundled, name, choice, seed=seed, **fields)
+        answer = ask(bundled_client, bundled_server, name, choice, seed=seed, **fields)
         if answer.choices[0].finish_reason != "length":
             return whole_calls(answer)
     pytest.fail(f"{name}: every seed of {seeds} ran past {MAX_TOKENS} tokens")
@@ -176,9 +164,11 @@ def sampled_calls(
 @pytest.mark.parametrize("name", sorted(FUNCTIONS))
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_named_calls_validate(
-    client: openai.OpenAI, bundled: ServerProcess, name: str, stream: bool
+    bundled_client: openai.OpenAI, bundled_server: ServerProcess, name: str, stream: bool
 ) -> None:
-    calls = sampled_calls(client, bundled, name, named(name), (3, 4, 5, 6), stream, temperature=1.0)
+    calls = sampled_calls(
+        bundled_client, bundled_server, name, named(name), (3, 4, 5, 6), stream, temperature=1.0
+    )
     assert {n for n, _ in calls} == {name}
     for called, arguments in calls:
         assert_valid(called, arguments)
@@ -187,12 +177,12 @@ def test_named_calls_validate(
 @pytest.mark.parametrize("name", sorted(FUNCTIONS))
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_required_calls_validate(
-    client: openai.OpenAI, bundled: ServerProcess, name: str, stream: bool
+    bundled_client: openai.OpenAI, bundled_server: ServerProcess, name: str, stream: bool
 ) -> None:
     """Any of the tools may be called; each call validates against the one it names."""
     calls = sampled_calls(
-        client,
-        bundled,
+        bundled_client,
+        bundled_server,
         name,
         "required",
         (7, 8, 9, 10),
@@ -206,11 +196,15 @@ def test_required_calls_validate(
         assert_valid(called, arguments)
 
 
-def test_greedy_streamed_equals_whole(client: openai.OpenAI, bundled: ServerProcess) -> None:
+def test_greedy_streamed_equals_whole(
+    bundled_client: openai.OpenAI, bundled_server: ServerProcess
+) -> None:
     """Greedy, the streamed call is the whole one, fragment by fragment."""
     fields: dict[str, Any] = {"temperature": 0, "parallel_tool_calls": False}
-    whole = whole_calls(ask(client, bundled, "create_event", "required", **fields))
-    chunks = list(ask(client, bundled, "create_event", "required", stream=True, **fields))
+    whole = whole_calls(ask(bundled_client, bundled_server, "create_event", "required", **fields))
+    chunks = list(
+        ask(bundled_client, bundled_server, "create_event", "required", stream=True, **fields)
+    )
     assert streamed_calls(chunks) == whole
     for called, arguments in whole:
         assert_valid(called, arguments)

@@ -18,12 +18,12 @@ from fastapi.testclient import TestClient
 import slotserve as ss
 from slotserve.engine.pressure import PressureSource
 from slotserve.server import create_app
-from slotserve.server.dashboard import SnapshotFeed
-from slotserve.server.metrics import PrometheusMetrics
+from slotserve.server.ops.dashboard import SnapshotFeed
+from slotserve.server.ops.metrics import PrometheusMetrics
 from tests.engine.test_accounting import STEP_COST_PER_TOKEN
 from tests.engine.test_cancel_bound import PARAMS, synthetic_engine
 
-WEB = Path(ss.__file__).parent / "server" / "web"
+WEB = Path(ss.__file__).parent / "server" / "ops" / "web"
 CONFIG = {"max_seqs": 1, "max_context": 256, "prefill_chunk": 64, "max_batch_tokens": 64}
 
 

@@ -33,7 +33,7 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
 )
 
-from slotserve.server.schemas import UNSUPPORTED
+from slotserve.server.openai.schemas import UNSUPPORTED
 from slotserve.testing import TINY_VOCAB
 from tests.server.conftest import ServerProcess
 

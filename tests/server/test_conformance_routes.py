@@ -31,8 +31,8 @@ from hypothesis import strategies as st
 from schemathesis import BaseSchema, Case
 from schemathesis.errors import FailureGroup
 
-from slotserve.server.reasoning import CLOSE, OPEN
-from slotserve.server.responses_input import ResponsesRequest
+from slotserve.server.chat.reasoning import CLOSE, OPEN
+from slotserve.server.responses.request import ResponsesRequest
 from slotserve.testing import TINY_VOCAB
 from tests.server.conftest import ServerProcess
 from tests.server.scripted_model import chain_of, write_scripted_qwen3

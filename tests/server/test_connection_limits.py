@@ -19,15 +19,16 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from slotserve.cli import build_parser, main
 from slotserve.cli import serve as serve_cli
-from slotserve.server import create_app, dashboard, page, routes
-from slotserve.server.connections import (
+from slotserve.server import create_app, routes
+from slotserve.server.http.connections import (
     IDLE_GRACE_S,
     ConnectionTracker,
     HTTPLimits,
     is_loopback,
 )
-from slotserve.server.run import warn_if_descriptors_short
-from slotserve.server.security import KEY_DEPENDENCIES, KeyedRoute
+from slotserve.server.http.security import KEY_DEPENDENCIES, KeyedRoute
+from slotserve.server.http.serve import warn_if_descriptors_short
+from slotserve.server.ops import dashboard, page
 
 
 def test_cli_defaults_are_the_limits_defaults() -> None:

@@ -12,16 +12,14 @@ reply: what the stream sends is what the whole reply reads."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
 
-from slotserve.server.chat_reply import CallStream, parse_reply
-from slotserve.server.tool_formats import GENERIC, HERMES, LLAMA3, MISTRAL, CallSyntax
+from slotserve.server.chat.reply import CallStream, parse_reply
+from slotserve.server.chat.tool_formats import GENERIC, HERMES, LLAMA3, MISTRAL, CallSyntax
 from tests.server.conftest import ServerProcess
-from tests.server.test_tool_calling import strict_client
 
 TIMER = {
     "type": "object",
@@ -35,23 +33,11 @@ ASK: list[Any] = [{"role": "user", "content": "Set a timer for 9 minutes"}]
 BUDGETS = (12, 14, 18, 24, 27)
 
 
-@pytest.fixture(scope="module")
-def bundled() -> Iterator[ServerProcess]:
-    server = ServerProcess("bundled", "--max-seqs", "2", "--max-context", "2048")
-    yield server
-    assert server.stop() == 0
-    assert "Traceback" not in server.output(), server.output()
-
-
-@pytest.fixture(scope="module")
-def client(bundled: ServerProcess) -> Iterator[openai.OpenAI]:
-    with strict_client(bundled) as client:
-        yield client
-
-
-def _chat(client: openai.OpenAI, bundled: ServerProcess, budget: int, **fields: Any) -> Any:
-    return client.chat.completions.create(
-        model=bundled.model_name,
+def _chat(
+    bundled_client: openai.OpenAI, bundled_server: ServerProcess, budget: int, **fields: Any
+) -> Any:
+    return bundled_client.chat.completions.create(
+        model=bundled_server.model_name,
         messages=ASK,
         tools=TOOLS,
         tool_choice="required",
@@ -63,14 +49,14 @@ def _chat(client: openai.OpenAI, bundled: ServerProcess, budget: int, **fields: 
 
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_chat_cut_call_is_the_streamed_call(
-    client: openai.OpenAI, bundled: ServerProcess, budget: int
+    bundled_client: openai.OpenAI, bundled_server: ServerProcess, budget: int
 ) -> None:
-    whole = _chat(client, bundled, budget).choices[0]
+    whole = _chat(bundled_client, bundled_server, budget).choices[0]
     assert whole.finish_reason == "length"
     assert not whole.message.content  # no call syntax, ever
     whole_calls = [(c.function.name, c.function.arguments) for c in whole.message.tool_calls or []]
     content, calls, finish = "", {}, None
-    for chunk in _chat(client, bundled, budget, stream=True):
+    for chunk in _chat(bundled_client, bundled_server, budget, stream=True):
         for choice in chunk.choices:
             content += choice.delta.content or ""
             for delta in choice.delta.tool_calls or []:
@@ -85,23 +71,23 @@ def test_chat_cut_call_is_the_streamed_call(
         assert name == "set_timer" and arguments.startswith('{"minutes": ')
 
 
-def test_responses_cut_call(client: openai.OpenAI, bundled: ServerProcess) -> None:
+def test_responses_cut_call(bundled_client: openai.OpenAI, bundled_server: ServerProcess) -> None:
     tools: list[Any] = [{"type": "function", "name": "set_timer", "parameters": TIMER}]
     ask: dict[str, Any] = {
-        "model": bundled.model_name,
+        "model": bundled_server.model_name,
         "input": ASK[0]["content"],
         "tools": tools,
         "tool_choice": "required",
         "temperature": 0,
         "max_output_tokens": 27,
     }
-    response = client.responses.create(**ask)
+    response = bundled_client.responses.create(**ask)
     assert response.status == "incomplete"
     (item,) = response.output
     assert item.type == "function_call" and item.status == "incomplete"
     assert item.name == "set_timer" and item.arguments.startswith('{"minutes": ')
     streamed = None
-    for event in client.responses.create(**ask, stream=True):
+    for event in bundled_client.responses.create(**ask, stream=True):
         if event.type == "response.incomplete":
             streamed = event.response
     assert streamed is not None
@@ -110,10 +96,10 @@ def test_responses_cut_call(client: openai.OpenAI, bundled: ServerProcess) -> No
     assert (streamed_item.name, streamed_item.arguments) == (item.name, item.arguments)
 
 
-def test_anthropic_cut_call(bundled: ServerProcess) -> None:
+def test_anthropic_cut_call(bundled_server: ServerProcess) -> None:
     anthropic = pytest.importorskip("anthropic")
     ask: dict[str, Any] = {
-        "model": bundled.model_name,
+        "model": bundled_server.model_name,
         "max_tokens": 27,
         "messages": ASK,
         "tools": [{"name": "set_timer", "input_schema": TIMER}],
@@ -121,7 +107,10 @@ def test_anthropic_cut_call(bundled: ServerProcess) -> None:
         "extra_body": {"temperature": 0},
     }
     with anthropic.Anthropic(
-        base_url=bundled.url, api_key="unused", max_retries=0, _strict_response_validation=True
+        base_url=bundled_server.url,
+        api_key="unused",
+        max_retries=0,
+        _strict_response_validation=True,
     ) as client:
         message = client.messages.create(**ask)
         with client.messages.stream(**ask) as stream:

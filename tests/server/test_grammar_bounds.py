@@ -39,10 +39,10 @@ from slotserve.sampling.grammar import (
     GrammarConfig,
     GrammarLimitError,
 )
-from slotserve.server.errors import APIError
-from slotserve.server.schemas import ChatCompletionRequest
-from slotserve.server.structured import SCHEMA_PARAM, GrammarCache
-from slotserve.server.tools import plan_tools, tool_grammar
+from slotserve.server.chat.structured import SCHEMA_PARAM, GrammarCache
+from slotserve.server.chat.tools import plan_tools, tool_grammar
+from slotserve.server.http.errors import APIError
+from slotserve.server.openai.schemas import ChatCompletionRequest
 from slotserve.testing import tiny_model
 from tests.server.conftest import ServerProcess
 

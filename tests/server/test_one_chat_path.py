@@ -1,5 +1,5 @@
 """Every chat, from any API, reaches the engine through one function,
-`chat_run.start_chat` (issue 51): OpenAI's chat completions (plain, streamed, n > 1, with
+`chat.run.start_chat` (issue 51): OpenAI's chat completions (plain, streamed, n > 1, with
 tools, with a thinking section, with structured output), Anthropic's Messages and the
 Responses API, each sent by its official client. `start_chat` is wrapped wherever the
 server's modules hold it, and `Engine.submit` is watched: each chat calls `start_chat`
@@ -22,8 +22,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 import slotserve as ss
-from slotserve.server import chat_run, create_app, tools
-from slotserve.server.reasoning import CLOSE, OPEN
+from slotserve.server import create_app
+from slotserve.server.chat import run as chat_run
+from slotserve.server.chat import tools
+from slotserve.server.chat.reasoning import CLOSE, OPEN
 from tests.server.scripted_model import CONTEXT, chain_of, write_scripted_qwen3
 
 NAME = "thinker"
@@ -107,9 +109,9 @@ def watched(served: Served, monkeypatch: pytest.MonkeyPatch) -> Watched:
             seen.outside += 1
         return real_submit(*args, **kwargs)
 
-    # The OpenAI, Anthropic and Responses modules each hold start_chat, and chat_run itself.
+    # The OpenAI, Anthropic and Responses modules each hold start_chat, and chat.run itself.
     assert _replace_everywhere(monkeypatch, real_start, start_chat) >= 4
-    assert _replace_everywhere(monkeypatch, real_plan, plan_tools) >= 2  # tools, chat_run
+    assert _replace_everywhere(monkeypatch, real_plan, plan_tools) >= 2  # tools, chat.run
     monkeypatch.setattr(served.engine, "submit", submit)
     return seen
 

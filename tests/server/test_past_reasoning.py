@@ -16,8 +16,8 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import ServerProcess
-from tests.server.test_tool_calling import serve, strict_client, write_long_tiny
+from tests.server.conftest import ServerProcess, strict_client
+from tests.server.test_tool_calling import serve, write_long_tiny
 
 # Qwen3's rule, shortened: an assistant turn renders its reasoning_content in <think> tags.
 TEMPLATE = """\

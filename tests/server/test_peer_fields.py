@@ -24,7 +24,7 @@ import jsonschema
 import openai
 import pytest
 
-from slotserve.server.peer_fields import IGNORED_FIELDS_HEADER, PEER_UNSUPPORTED
+from slotserve.server.openai.peer_fields import IGNORED_FIELDS_HEADER, PEER_UNSUPPORTED
 from tests.server.conftest import ServerProcess
 
 YES_NO = 'root ::= "yes" | "no"'

@@ -15,7 +15,7 @@ from slotserve.cli import build_parser
 from slotserve.cli.flags import with_prefix_store
 from slotserve.prefix import REFUSAL_REASONS, SKIP_REASONS
 from slotserve.prefix.store import SUFFIX
-from slotserve.server.metrics import PrometheusMetrics
+from slotserve.server.ops.metrics import PrometheusMetrics
 
 CELL = {"kv_layout": "cell", "block_size": 8, "max_seqs": 2, "max_context": 128}
 

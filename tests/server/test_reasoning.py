@@ -27,8 +27,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from slotserve.server.chat_reply import ReplyShape, ReplyStream
-from slotserve.server.reasoning import (
+from slotserve.server.chat.reasoning import (
     CLOSE,
     OPEN,
     Reasoning,
@@ -37,7 +36,8 @@ from slotserve.server.reasoning import (
     split_reasoning,
     thinks,
 )
-from slotserve.server.tool_formats import HERMES
+from slotserve.server.chat.reply import ReplyShape, ReplyStream
+from slotserve.server.chat.tool_formats import HERMES
 from slotserve.testing import CHAT_TEMPLATE, tiny_tokenizer
 from slotserve.tokenizer import Tokenizer
 from tests.server.conftest import ServerProcess

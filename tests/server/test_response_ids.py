@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from slotserve.server.state import ServerState
+from slotserve.server.http.state import ServerState
 
 
 def test_ids_are_unique_per_server_and_differ_between_servers() -> None:

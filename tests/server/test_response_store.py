@@ -1,6 +1,6 @@
 """The Responses API's `ResponseStore`: bounded by count and by the bytes its responses
 hold (least recently used dropped first, a response larger than the budget never kept),
-and that budget counted in the memory plan when a server starts (`run.CancellingServer`)."""
+and that budget counted in the memory plan when a server starts (`http.serve.CancellingServer`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from slotserve.server.response_store import ResponseStore, StoredResponse, held_bytes
+from slotserve.server.responses.store import ResponseStore, StoredResponse, held_bytes
 
 MIB = 2**20
 

@@ -14,8 +14,8 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server.conftest import ServerProcess
-from tests.server.test_tool_calling import WEATHER, serve, strict_client, write_long_tiny
+from tests.server.conftest import ServerProcess, strict_client
+from tests.server.test_tool_calling import WEATHER, serve, write_long_tiny
 
 TOOLS: list[Any] = [{"type": "function", "name": "get_weather", "parameters": WEATHER}]
 

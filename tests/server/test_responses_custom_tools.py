@@ -17,7 +17,6 @@ bundled model (SmolLM2-135M-Instruct), greedy:
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -25,7 +24,6 @@ import openai
 import pytest
 
 from tests.server.conftest import ServerProcess
-from tests.server.test_tool_calling import strict_client
 
 REGEX = r"[0-9]{1,2} minutes( [a-z]+)?"
 TOOLS: list[Any] = [
@@ -39,31 +37,21 @@ TOOLS: list[Any] = [
 ASK = "Set a timer for 9 minutes"
 
 
-@pytest.fixture(scope="module")
-def bundled() -> Iterator[ServerProcess]:
-    server = ServerProcess("bundled", "--max-seqs", "2", "--max-context", "2048")
-    yield server
-    assert server.stop() == 0
-    assert "Traceback" not in server.output(), server.output()
-
-
-@pytest.fixture(scope="module")
-def client(bundled: ServerProcess) -> Iterator[openai.OpenAI]:
-    with strict_client(bundled) as client:
-        yield client
-
-
-def _ask(client: openai.OpenAI, bundled: ServerProcess, **fields: Any) -> Any:
+def _ask(bundled_client: openai.OpenAI, bundled_server: ServerProcess, **fields: Any) -> Any:
     fields = {"tools": TOOLS, "tool_choice": "required", "max_output_tokens": 60, **fields}
-    return client.responses.create(model=bundled.model_name, input=ASK, temperature=0, **fields)
+    return bundled_client.responses.create(
+        model=bundled_server.model_name, input=ASK, temperature=0, **fields
+    )
 
 
-def _streamed(client: openai.OpenAI, bundled: ServerProcess, budget: int) -> tuple[str, Any]:
+def _streamed(
+    bundled_client: openai.OpenAI, bundled_server: ServerProcess, budget: int
+) -> tuple[str, Any]:
     """The input the stream's deltas spell, and the response its last event carries
     (``response.completed``, or ``response.incomplete`` when the budget ran out)."""
     deltas, final = "", None
-    for event in client.responses.create(
-        model=bundled.model_name,
+    for event in bundled_client.responses.create(
+        model=bundled_server.model_name,
         input=ASK,
         tools=TOOLS,
         tool_choice="required",
@@ -81,14 +69,14 @@ def _streamed(client: openai.OpenAI, bundled: ServerProcess, budget: int) -> tup
 
 
 def test_a_custom_call_matches_its_regex_whole_or_streamed(
-    client: openai.OpenAI, bundled: ServerProcess
+    bundled_client: openai.OpenAI, bundled_server: ServerProcess
 ) -> None:
-    whole = _ask(client, bundled)
+    whole = _ask(bundled_client, bundled_server)
     (call,) = whole.output
     assert whole.status == "completed"
     assert call.type == "custom_tool_call" and call.name == "set_timer"
     assert re.fullmatch(REGEX, call.input), call.input
-    deltas, final = _streamed(client, bundled, 60)
+    deltas, final = _streamed(bundled_client, bundled_server, 60)
     assert deltas == call.input
     assert [item.input for item in final.output] == [call.input]
     assert final.tools[0].type == "custom"
@@ -96,35 +84,35 @@ def test_a_custom_call_matches_its_regex_whole_or_streamed(
 
 @pytest.mark.parametrize("budget", [16, 23])  # inside the arguments, inside the input
 def test_a_cut_custom_call_is_the_streamed_call(
-    client: openai.OpenAI, bundled: ServerProcess, budget: int
+    bundled_client: openai.OpenAI, bundled_server: ServerProcess, budget: int
 ) -> None:
-    whole = _ask(client, bundled, max_output_tokens=budget)
+    whole = _ask(bundled_client, bundled_server, max_output_tokens=budget)
     assert whole.status == "incomplete"
     assert whole.incomplete_details is not None
     (call,) = whole.output
     assert call.type == "custom_tool_call"
-    full = _ask(client, bundled).output[0].input
+    full = _ask(bundled_client, bundled_server).output[0].input
     assert full.startswith(call.input) and call.input != full
-    deltas, final = _streamed(client, bundled, budget)
+    deltas, final = _streamed(bundled_client, bundled_server, budget)
     assert deltas == call.input == final.output[0].input
 
 
 def test_a_custom_call_and_its_output_continue_the_conversation(
-    client: openai.OpenAI, bundled: ServerProcess
+    bundled_client: openai.OpenAI, bundled_server: ServerProcess
 ) -> None:
-    first = _ask(client, bundled)
+    first = _ask(bundled_client, bundled_server)
     call = first.output[0]
     output = {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "set"}
-    stored = client.responses.create(
-        model=bundled.model_name,
+    stored = bundled_client.responses.create(
+        model=bundled_server.model_name,
         previous_response_id=first.id,
         input=[output],  # type: ignore[list-item]
         tools=TOOLS,
         temperature=0,
         max_output_tokens=8,
     )
-    sent_back = client.responses.create(
-        model=bundled.model_name,
+    sent_back = bundled_client.responses.create(
+        model=bundled_server.model_name,
         input=[
             {"role": "user", "content": ASK},
             {
@@ -160,12 +148,12 @@ def test_a_custom_call_and_its_output_continue_the_conversation(
     ],
 )
 def test_a_format_that_cannot_be_enforced_is_a_400_naming_it(
-    client: openai.OpenAI, bundled: ServerProcess, form: dict[str, Any], param: str
+    bundled_client: openai.OpenAI, bundled_server: ServerProcess, form: dict[str, Any], param: str
 ) -> None:
     tool = {"type": "custom", "name": "t", "format": form}
     with pytest.raises(openai.BadRequestError) as refused:
-        client.responses.create(
-            model=bundled.model_name,
+        bundled_client.responses.create(
+            model=bundled_server.model_name,
             input="x",
             tools=[tool],
             max_output_tokens=4,  # type: ignore[list-item]
@@ -174,10 +162,10 @@ def test_a_format_that_cannot_be_enforced_is_a_400_naming_it(
 
 
 def test_responses_fields_are_reported_refused_or_accepted(
-    client: openai.OpenAI, bundled: ServerProcess
+    bundled_client: openai.OpenAI, bundled_server: ServerProcess
 ) -> None:
-    raw = client.responses.with_raw_response.create(
-        model=bundled.model_name,
+    raw = bundled_client.responses.with_raw_response.create(
+        model=bundled_server.model_name,
         input="hi",
         max_output_tokens=3,
         service_tier="auto",
@@ -185,22 +173,24 @@ def test_responses_fields_are_reported_refused_or_accepted(
         extra_body={"foo_bar": 1, "dry_multiplier": 0.5},
     )
     assert raw.headers["x-slotserve-ignored-fields"] == "dry_multiplier,foo_bar"
-    quiet = client.responses.with_raw_response.create(
-        model=bundled.model_name, input="hi", max_output_tokens=3, prompt_cache_key="k"
+    quiet = bundled_client.responses.with_raw_response.create(
+        model=bundled_server.model_name, input="hi", max_output_tokens=3, prompt_cache_key="k"
     )
     assert "x-slotserve-ignored-fields" not in quiet.headers
     with pytest.raises(openai.BadRequestError) as refused:
-        client.responses.create(
-            model=bundled.model_name, input="hi", max_output_tokens=3, max_tool_calls=2
+        bundled_client.responses.create(
+            model=bundled_server.model_name, input="hi", max_output_tokens=3, max_tool_calls=2
         )
     assert refused.value.body["param"] == "max_tool_calls"  # type: ignore[index]
     assert refused.value.body["code"] == "unsupported_parameter"  # type: ignore[index]
 
 
-def test_messages_fields_are_reported_refused_or_accepted(bundled: ServerProcess) -> None:
-    with anthropic.Anthropic(base_url=bundled.url, api_key="unused", max_retries=0) as client:
+def test_messages_fields_are_reported_refused_or_accepted(bundled_server: ServerProcess) -> None:
+    with anthropic.Anthropic(
+        base_url=bundled_server.url, api_key="unused", max_retries=0
+    ) as client:
         ask: Any = {
-            "model": bundled.model_name,
+            "model": bundled_server.model_name,
             "messages": [{"role": "user", "content": "hi"}],
         }
         raw = client.messages.with_raw_response.create(
@@ -215,4 +205,6 @@ def test_messages_fields_are_reported_refused_or_accepted(bundled: ServerProcess
         with pytest.raises(anthropic.BadRequestError) as refused:
             client.messages.create(**ask, max_tokens=3, extra_body={"output_config": output_format})
         assert "output_config" in str(refused.value)
-    assert "ignored request fields that no supported API defines: ['zzz']" in bundled.output()
+    assert (
+        "ignored request fields that no supported API defines: ['zzz']" in bundled_server.output()
+    )

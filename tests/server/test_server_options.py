@@ -11,9 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from slotserve.server.completions import sampling_params
-from slotserve.server.defaults import SamplingDefaults, defaults_for
-from slotserve.server.schemas import ChatCompletionRequest
+from slotserve.server.chat.defaults import SamplingDefaults, defaults_for
+from slotserve.server.openai.completions import sampling_params
+from slotserve.server.openai.schemas import ChatCompletionRequest
 from tests.server.conftest import ServerProcess
 
 KEY, METRICS_KEY = "sekret", "scrape"

@@ -10,8 +10,8 @@ import json
 from hypothesis import given
 from hypothesis import strategies as st
 
-from slotserve.server.anthropic_reply import event
-from slotserve.server.responses import sse
+from slotserve.server.anthropic.reply import event
+from slotserve.server.openai.replies import sse
 
 
 @given(st.text())

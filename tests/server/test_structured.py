@@ -15,13 +15,13 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from slotserve.server.schemas import (
+from slotserve.server.chat.structured import GrammarCache
+from slotserve.server.openai.schemas import (
     NO_OPS,
     UNSUPPORTED,
     ChatCompletionRequest,
     CompletionRequest,
 )
-from slotserve.server.structured import GrammarCache
 from slotserve.testing import tiny_model
 from tests.server.conftest import ServerProcess
 from tests.test_sampling import TINY_SCHEMA

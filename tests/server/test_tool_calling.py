@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from slotserve.testing import write_tiny_hf_dir
-from tests.server.conftest import ServerProcess
+from tests.server.conftest import ServerProcess, strict_client
 
 WEATHER = {
     "type": "object",
@@ -81,15 +81,6 @@ def long_tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def serve(model: Path, *flags: str) -> ServerProcess:
     return ServerProcess(str(model), "--max-seqs", "4", "--max-context", "2048", *flags)
-
-
-def strict_client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=server.url + "/v1",
-        api_key="unused",
-        max_retries=0,
-        _strict_response_validation=True,
-    )
 
 
 @pytest.fixture(scope="module")

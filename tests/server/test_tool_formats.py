@@ -16,8 +16,8 @@ from tokenizers import AddedToken
 
 from slotserve.engine import TokenEvent
 from slotserve.sampling import Grammar, GrammarCompiler
-from slotserve.server.chat_reply import CallStream, ReplyShape, read_reply
-from slotserve.server.tool_formats import (
+from slotserve.server.chat.reply import CallStream, ReplyShape, read_reply
+from slotserve.server.chat.tool_formats import (
     GENERIC,
     HERMES,
     LLAMA3,
@@ -28,7 +28,7 @@ from slotserve.server.tool_formats import (
     scan,
     template_syntax,
 )
-from slotserve.server.tools import takes_tools
+from slotserve.server.chat.tools import takes_tools
 from slotserve.testing import CHAT_TEMPLATE, TINY_VOCAB, tiny_tokenizer
 from slotserve.tokenizer import Tokenizer
 

@@ -21,10 +21,11 @@ import slotserve as ss
 from slotserve.engine import SlotView
 from slotserve.engine.events import Priority
 from slotserve.kv import KVStore, StepBatch
-from slotserve.server import create_app, dashboard
-from slotserve.server.dashboard import ClassLatency, SnapshotFeed, histogram_view
-from slotserve.server.metrics import PrometheusMetrics
-from slotserve.server.page import ASSETS
+from slotserve.server import create_app
+from slotserve.server.ops import dashboard
+from slotserve.server.ops.dashboard import ClassLatency, SnapshotFeed, histogram_view
+from slotserve.server.ops.metrics import PrometheusMetrics
+from slotserve.server.ops.page import ASSETS
 
 
 class GatedExecutor:

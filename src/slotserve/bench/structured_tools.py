@@ -6,7 +6,7 @@ The request is what an on-device assistant sends: three functions (`TOOLS`) and
 plan, prompt and grammar come from the server's own code (`tools.plan_tools`, the rendering
 of `completions.chat_tokens`, `tools.tool_grammar` through a `GrammarCache`), so the call
 syntax measured is the one the server decodes under for this model's chat template; each
-reply is read back with the server's reader (`chat_reply.read_reply`) and every call it
+reply is read back with the server's reader (`chat.reply.read_reply`) and every call it
 holds is reported (``calls``: name and arguments; the tests validate them against their
 function's schema). Every request has the same prompt, computed once and then restored
 from the prefix cache: only decoding is timed.
@@ -32,10 +32,10 @@ from slotserve.bench.stats import format_summary, markdown_table, percentile, su
 from slotserve.engine import Engine, EngineConfig, Finished, TokenEvent
 from slotserve.model import Model
 from slotserve.sampling import Grammar, SamplingParams
-from slotserve.server.chat_reply import ReplyShape, read_reply
-from slotserve.server.schemas import ChatCompletionRequest
-from slotserve.server.structured import GrammarCache
-from slotserve.server.tools import ToolPlan, plan_tools, template_input, tool_grammar
+from slotserve.server.chat.reply import ReplyShape, read_reply
+from slotserve.server.chat.structured import GrammarCache
+from slotserve.server.chat.tools import ToolPlan, plan_tools, template_input, tool_grammar
+from slotserve.server.openai.schemas import ChatCompletionRequest
 
 BATCHES = (1, 8)
 # Tokens timed per request. Below the shortest call the tool set allows (about 30 tokens
@@ -150,7 +150,7 @@ def _run_batch(
 
 
 def _read_calls(shape: ReplyShape, replies: list[list[TokenEvent]]) -> list[dict[str, Any]]:
-    """Each reply's calls as the server reads them back (`chat_reply.read_reply`): the
+    """Each reply's calls as the server reads them back (`chat.reply.read_reply`): the
     function's name and its arguments, parsed; none for a reply that holds no whole call."""
     calls = []
     for events in replies:

@@ -85,7 +85,7 @@ def reset_peak(pid: int) -> None:
 
 
 def dashboard_snapshot(url: str, timeout_s: float = 30.0) -> dict[str, Any]:
-    """One snapshot of the server's dashboard feed (`slotserve.server.dashboard`)."""
+    """One snapshot of the server's dashboard feed (`slotserve.server.ops.dashboard`)."""
     with httpx.stream("GET", url + "/dashboard/events?interval=5", timeout=timeout_s) as feed:
         for line in feed.iter_lines():
             if line.startswith("data: "):

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from slotserve.engine.pressure import PressureSource
     from slotserve.memory import MemoryLedger
     from slotserve.sampling.grammar_index import GrammarCost
-    from slotserve.server.defaults import SamplingDefaults
+    from slotserve.server.chat.defaults import SamplingDefaults
 
 # The share of the KV pool the server's prefix cache may pin by default (cell layout).
 SERVER_PREFIX_SHARE = 0.25
@@ -229,7 +229,7 @@ def add_server_arenas(
     (``budget_scope`` ``"process"``: they are the process's, not the model's own) what
     compiling costs (``cost``, as `prepare_grammars` measured it: `add_grammar_cost`) and
     the Responses API's stored responses (their byte budget, computed)."""
-    from slotserve.server.response_store import DEFAULT_STORED_BYTES
+    from slotserve.server.responses.store import DEFAULT_STORED_BYTES
 
     if budget_scope == "process":
         if cost is not None:
@@ -285,7 +285,7 @@ def warn_if_template_fails(tokenizer: Any, source: object) -> bool:
 
 def sampling_defaults(args: argparse.Namespace) -> SamplingDefaults:
     """The model's (or the local-server) defaults, with the sampling flags over them."""
-    from slotserve.server.defaults import defaults_for
+    from slotserve.server.chat.defaults import defaults_for
 
     return defaults_for(args.model).overridden(
         temperature=args.temperature,
@@ -384,7 +384,7 @@ def _serve(args: argparse.Namespace) -> int:
     from slotserve.engine import Engine
     from slotserve.engine.probe import command_ledger
     from slotserve.server import serve
-    from slotserve.server.connections import HTTPLimits
+    from slotserve.server.http.connections import HTTPLimits
 
     limits = HTTPLimits(  # checked before the model loads
         header_timeout_s=args.header_timeout,
@@ -425,7 +425,7 @@ def _serve(args: argparse.Namespace) -> int:
         engine.close()
         compiler.close()
         raise
-    from slotserve.server import structured
+    from slotserve.server.chat import structured
 
     structured.configure(grammars)
     return serve(
@@ -451,7 +451,7 @@ def _serve_models(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
     runtime before any model, the server's arenas) beside each model's own, one budget
     (--memory-budget) held by the `ModelSet`, one `DeviceScheduler` for their steps."""
     from slotserve.server import serve
-    from slotserve.server.connections import HTTPLimits
+    from slotserve.server.http.connections import HTTPLimits
 
     if not any(spec.resident for spec in specs):
         raise ValueError(
@@ -476,7 +476,7 @@ def _serve_models(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
     primary = primary_spec.name
     engine = models.engine(primary)
     assert engine is not None
-    from slotserve.server import structured
+    from slotserve.server.chat import structured
 
     structured.configure(grammars)
     return serve(

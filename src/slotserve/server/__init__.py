@@ -2,7 +2,7 @@
 HTTP statuses, Prometheus metrics and a slots view. `create_app` builds it around an engine;
 `serve` runs it."""
 
-from slotserve.server.app import create_app
-from slotserve.server.run import serve
+from slotserve.server.http.app import create_app
+from slotserve.server.http.serve import serve
 
 __all__ = ["create_app", "serve"]

@@ -16,22 +16,22 @@ from slotserve.engine import Engine, EngineStats
 from slotserve.engine.cancel_bound import CancelBound
 from slotserve.engine.views import with_parked_slots
 from slotserve.errors import AdmissionRefused
-from slotserve.server import anthropic
-from slotserve.server.completions import chat_tokens, generate
-from slotserve.server.embeddings import EmbeddingRequest, embed, embed_texts
-from slotserve.server.errors import APIError, refusal_error
-from slotserve.server.peer_fields import ignored_header
-from slotserve.server.responses_api import create_response
-from slotserve.server.responses_input import ResponsesRequest
-from slotserve.server.schemas import (
+from slotserve.server.anthropic import messages as anthropic
+from slotserve.server.http.errors import APIError, refusal_error
+from slotserve.server.http.security import KeyedRoute, require_api_key, require_metrics_key
+from slotserve.server.http.state import ServerState
+from slotserve.server.openai.chat import generate_chat
+from slotserve.server.openai.completions import chat_tokens, generate
+from slotserve.server.openai.embeddings import EmbeddingRequest, embed, embed_texts
+from slotserve.server.openai.peer_fields import ignored_header
+from slotserve.server.openai.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
 )
-from slotserve.server.security import KeyedRoute, require_api_key, require_metrics_key
-from slotserve.server.state import ServerState
-from slotserve.server.tool_calls import generate_chat
+from slotserve.server.responses.api import create_response
+from slotserve.server.responses.request import ResponsesRequest
 
 # redirect_slashes=False everywhere: see create_app. `v1` (OpenAI's routes) is mounted both
 # at /v1 and at the root, as the peers do; `guarded` holds live activity and CPU work;
@@ -126,8 +126,8 @@ def reported(response: Response, body: Reported) -> Response:
     return response
 
 
-# Every chat, from any API, takes one path to the engine, `chat_run.start_chat`: OpenAI's
-# chat completions (`tool_calls.generate_chat`), the Responses API (`create_response`) and
+# Every chat, from any API, takes one path to the engine, `chat.run.start_chat`: OpenAI's
+# chat completions (`openai.chat.generate_chat`), the Responses API (`create_response`) and
 # Anthropic's Messages (`anthropic.create_message`) each turn the request into a chat
 # request, submit it there, and answer its reply in their own shape.
 @v1.post("/chat/completions")
