@@ -527,6 +527,60 @@ def test_a_document_the_grammar_could_not_finish_is_never_stop(server: ServerPro
     assert "stop" not in reasons
 
 
+RESPONSE_BRANCHES = ({"type": "integer"}, {"type": "boolean"}, {"type": "null"}, {"const": 5})
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_response_the_grammar_could_not_finish_is_never_completed(
+    server: ServerProcess, stream: bool
+) -> None:
+    """The same document through the Responses API (``text.format``): never a response
+    that says it is complete with output the grammar refuses, but a 500 naming
+    ``text.format.schema`` (streamed: an ``error`` event). The Responses API has no ``logit_bias``
+    to choose the wide branch, so the wide object is offered beside each of a few other
+    values, and at least one of those requests must take it (the tiny model is fixed)."""
+    failed = 0
+    for other in RESPONSE_BRANCHES:
+        schema = {
+            "type": "object",
+            "properties": {"a": {"anyOf": [other, WIDE_OBJECT]}},
+            "required": ["a"],
+            "additionalProperties": False,
+        }
+        form = {"type": "json_schema", "name": "doc", "schema": schema}
+        body = {
+            "model": server.model_name,
+            "input": "hi",
+            "max_output_tokens": 8,
+            "temperature": 0,
+            "text": {"format": form},
+            "stream": stream,
+        }
+        response = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
+        if not stream:
+            if response.status_code == 500:
+                error = response.json()["error"]
+                assert error["code"] == "grammar_failed", error
+                assert error["param"] == "text.format.schema", error
+                failed += 1
+                continue
+            assert response.status_code == 200, response.text
+            reply = response.json()
+            if reply["status"] == "completed":
+                text = reply["output"][-1]["content"][0]["text"]
+                assert set(json.loads(text)) == {"a"}, text  # a whole document
+            continue
+        lines = response.text.splitlines()
+        events = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        errors = [e for e in events if e.get("type") == "error"]
+        if errors:
+            assert errors[0]["code"] == "grammar_failed", errors
+            assert errors[0]["param"] == "text.format.schema", errors
+            assert not any(e.get("type") == "response.completed" for e in events)
+            failed += 1
+    assert failed >= 1, "no request took the wide branch: choose other values"
+
+
 def test_a_template_that_fails_is_the_models_error_not_the_clients(server: ServerProcess) -> None:
     url = server.url + "/v1/chat/completions"
     failed = httpx.post(url, json=chat(server, "boom"), timeout=30)

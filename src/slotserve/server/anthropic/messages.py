@@ -35,7 +35,6 @@ from slotserve.server.http.generation import collect
 from slotserve.server.http.security import KeyedRoute
 from slotserve.server.http.state import ServerState
 from slotserve.server.http.validation import describe, json_kind
-from slotserve.server.openai.completions import check_finish
 from slotserve.server.openai.peer_fields import (
     ANTHROPIC_NO_OPS,
     ANTHROPIC_UNSUPPORTED,
@@ -295,5 +294,5 @@ async def create_message(
         return StreamingResponse(reply.stream(), media_type="text/event-stream")
     (outcome,) = await collect(run.handles, request)
     assert outcome.final is not None
-    check_finish(outcome.final)
+    run.check(outcome.final)
     return JSONResponse(reply.whole(outcome.events, outcome.final))

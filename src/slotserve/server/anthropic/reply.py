@@ -22,7 +22,6 @@ from slotserve.server.chat.run import ChatRun
 from slotserve.server.http.errors import APIError
 from slotserve.server.http.generation import merged
 from slotserve.server.http.state import ServerState
-from slotserve.server.openai.completions import check_finish
 from slotserve.server.openai.replies import sse_json
 
 # HTTP status → Anthropic's error type; 503 (shutting down, still loading) is its 529.
@@ -123,7 +122,7 @@ class MessageReply:
             try:
                 async for _, item in events:
                     if isinstance(item, Finished):
-                        check_finish(item)
+                        self.run.check(item)
                         deltas = reply.push("", final=True)
                     else:
                         deltas = reply.push(self.run.shape.text(item))

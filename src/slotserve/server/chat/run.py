@@ -31,6 +31,7 @@ from slotserve.server.http.generation import submit_all
 from slotserve.server.http.state import ServerState
 from slotserve.server.openai.completions import (
     chat_tokens,
+    check_finish,
     priority_of,
     prompt_tokens,
     sampling_params,
@@ -61,6 +62,15 @@ class ChatRun:
         """The error for a choice that ended with a document its output constraint does not
         accept (`structured.output_refusal`); None for any other end."""
         return output_refusal(self.constraint, final, self.constraint_param)
+
+    def check(self, final: Finished) -> None:
+        """Raise the error of a choice that did not end well: the engine's (`check_finish`)
+        or a document its output constraint refuses (`refusal`), never reported as a
+        finished reply. Every API calls it at each choice's end."""
+        check_finish(final)
+        refusal = self.refusal(final)
+        if refusal is not None:
+            raise refusal
 
 
 def reasoning_format(state: ServerState, chat: ChatCompletionRequest) -> ReasoningFormat:

@@ -27,7 +27,6 @@ from slotserve.server.http.errors import APIError, error_body
 from slotserve.server.http.generation import Outcome, collect, merged
 from slotserve.server.http.state import ServerState
 from slotserve.server.openai import replies as fmt
-from slotserve.server.openai.completions import check_finish
 from slotserve.server.openai.schemas import ChatCompletionRequest
 
 
@@ -84,10 +83,7 @@ def _complete(
     for index, outcome in enumerate(outcomes):
         final = outcome.final
         assert final is not None  # collect waits for every choice's end
-        check_finish(final)
-        refusal = run.refusal(final)
-        if refusal is not None:
-            raise refusal
+        run.check(final)
         finals.append(final)
         message = _message(run.shape, outcome)
         logprobs = (
@@ -146,10 +142,9 @@ async def _stream(
             async for index, event in events:
                 reply = replies[index]
                 if isinstance(event, Finished):
-                    check_finish(event)  # a cut-short stream ends with an error event instead
-                    refusal = run.refusal(event)
-                    if refusal is not None:  # never "stop" on a document the grammar refuses
-                        raise refusal
+                    # A cut-short stream, or a document the grammar refuses (never "stop"),
+                    # ends with an error event instead.
+                    run.check(event)
                     finals.append(event)
                     for delta in reply.push("", final=True):
                         yield chunk(index, _chat_delta(delta), None, None)

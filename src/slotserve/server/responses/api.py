@@ -34,7 +34,6 @@ from slotserve.server.chat.run import ChatRun, start_chat
 from slotserve.server.http.errors import APIError
 from slotserve.server.http.generation import collect, merged
 from slotserve.server.http.state import ServerState
-from slotserve.server.openai.completions import check_finish
 from slotserve.server.responses.custom import custom_item, custom_names, input_of
 from slotserve.server.responses.events import (
     EventWriter,
@@ -78,10 +77,13 @@ async def create_response(
         raise names.renamed(exc) from None
     turn = _Turn(state, body, conversation, run.shape)
     if body.stream:
-        return StreamingResponse(turn.stream(run), media_type="text/event-stream")
+        return StreamingResponse(turn.stream(run, names), media_type="text/event-stream")
     (outcome,) = await collect(run.handles, request)
     assert outcome.final is not None
-    check_finish(outcome.final)
+    try:
+        run.check(outcome.final)
+    except APIError as exc:
+        raise names.renamed(exc) from None
     turn.finish(outcome.events, outcome.final)
     return JSONResponse(turn.response)
 
@@ -181,7 +183,7 @@ class _Turn:
                     self.state.responses.describe(),
                 )
 
-    async def stream(self, run: ChatRun) -> AsyncIterator[str]:
+    async def stream(self, run: ChatRun, names: FieldNames) -> AsyncIterator[str]:
         events = EventWriter(self.custom)
         yield events.send("response.created", response=self.response)
         yield events.send("response.in_progress", response=self.response)
@@ -190,7 +192,7 @@ class _Turn:
             try:
                 async for _, event in stream:
                     if isinstance(event, Finished):
-                        check_finish(event)
+                        run.check(event)
                         for line in events.deltas(reply.push("", final=True)):
                             yield line
                         for line in events.close_item(event.reason != "length"):
@@ -205,6 +207,7 @@ class _Turn:
                         continue
                     for line in events.deltas(reply.push(self.shape.text(event))):
                         yield line
-            except APIError as exc:
+            except APIError as exc:  # in the client's names for its fields
+                exc = names.renamed(exc)
                 error = {"code": exc.code or exc.kind, "message": exc.message, "param": exc.param}
                 yield events.send("error", **error)
