@@ -64,7 +64,7 @@ class LimitedHalves:
     """A model's halves with a step limit and another resident size, as a bundle's program
     has them; records the tokens of each step."""
 
-    def __init__(self, inner: LayerHalves, limit: int, weight_bytes: int) -> None:
+    def __init__(self, inner: LayerHalves[Any], limit: int, weight_bytes: int) -> None:
         self.inner, self.limit, self._weight_bytes = inner, limit, weight_bytes
         self.steps: list[int] = []
 
@@ -96,12 +96,16 @@ class LimitedHalves:
         self.steps.append(tokens.numel())
         return self.inner.embed(tokens)
 
-    def qkv(self, layer: int, x: torch.Tensor, step: StepContext) -> torch.Tensor:
+    def begin_step(self, context: StepContext) -> Any:
+        return self.inner.begin_step(context)
+
+    def end_step(self, step: Any) -> None:
+        self.inner.end_step(step)
+
+    def qkv(self, layer: int, x: torch.Tensor, step: Any) -> torch.Tensor:
         return self.inner.qkv(layer, x, step)
 
-    def out(
-        self, layer: int, x: torch.Tensor, attn: torch.Tensor, step: StepContext
-    ) -> torch.Tensor:
+    def out(self, layer: int, x: torch.Tensor, attn: torch.Tensor, step: Any) -> torch.Tensor:
         return self.inner.out(layer, x, attn, step)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:

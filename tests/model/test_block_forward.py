@@ -13,7 +13,7 @@ import torch
 import slotserve as ss
 from slotserve.engine.probe import teacher_forced_logits
 from slotserve.kv import KVConfig, KVPool, StepBatch
-from slotserve.model.block_forward import BlockHalves
+from slotserve.model.block_forward import KEPT_CALLS, REUSED_ROWS, BlockHalves, BlockStep
 from slotserve.model.halves import StepContext
 from slotserve.model.llama import EagerHalves
 from slotserve.testing import write_tiny_gguf
@@ -41,16 +41,18 @@ def test_halves_equal_the_eager_halves(block_model: ss.Model) -> None:
     rows = 5
     gen = torch.Generator().manual_seed(0)
     positions = torch.tensor([0, 3, 4, 9, 2])
-    step = StepContext.of(block_model.rope, positions, block_model.local_rope)
+    context = StepContext.of(block_model.rope, positions, block_model.local_rope)
+    step = fused.begin_step(context)
     x = torch.randn(rows, info.dim, generator=gen)
     for layer in range(info.n_layers):
         torch.testing.assert_close(
-            fused.qkv(layer, x, step), eager.qkv(layer, x, step), rtol=1e-5, atol=1e-5
+            fused.qkv(layer, x, step), eager.qkv(layer, x, context), rtol=1e-5, atol=1e-5
         )
         attn = torch.randn(rows, info.n_heads * info.head_dim, generator=gen)
-        expected = eager.out(layer, x, attn, step)
+        expected = eager.out(layer, x, attn, context)
         got = fused.out(layer, x.clone(), attn, step)
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    fused.end_step(step)
     torch.testing.assert_close(fused.head(x), eager.head(x), rtol=1e-5, atol=1e-5)
 
 
@@ -93,8 +95,9 @@ def test_steps_of_any_shape_agree_with_one_pass(block_model: ss.Model) -> None:
 
 
 def test_threads_stepping_one_model_keep_their_own_buffers(block_model: ss.Model) -> None:
-    """Decode-sized steps keep their buffers and kernel arguments from one step to the next,
-    per thread: two threads stepping the same model at once each get what one alone gets."""
+    """Decode-sized steps reuse their buffers and kernel arguments from one step to the next,
+    each step holding its own: two threads stepping the same model at once each get what
+    one alone gets."""
     ids = list(range(3, 27))
 
     def decode() -> torch.Tensor:
@@ -119,6 +122,67 @@ def test_threads_stepping_one_model_keep_their_own_buffers(block_model: ss.Model
         thread.join()
     assert all(torch.equal(logits, alone) for run in results for logits in run)
     assert sum(len(run) for run in results) == 6
+
+
+def test_a_step_holds_its_calls_alone_and_small_steps_reuse_them(block_model: ss.Model) -> None:
+    """A small step takes the calls the last step of its size gave back (it builds none); a
+    step that runs while another holds them builds its own; a step over `REUSED_ROWS` rows
+    keeps none; at most `KEPT_CALLS` are kept, the most recently ended."""
+    halves = block_model.halves
+    assert isinstance(halves, BlockHalves)
+
+    def begin(rows: int) -> BlockStep:
+        positions = torch.arange(rows)
+        return halves.begin_step(
+            StepContext.of(block_model.rope, positions, block_model.local_rope)
+        )
+
+    first = begin(3)
+    halves.end_step(first)
+    again = begin(3)
+    beside = begin(3)  # while `again` holds the kept calls
+    assert again.calls is first.calls and beside.calls is not again.calls
+    halves.end_step(again)
+    halves.end_step(beside)
+    assert {begin(3).calls, begin(3).calls} == {again.calls, beside.calls}
+    large = begin(REUSED_ROWS + 1)
+    halves.end_step(large)
+    assert begin(REUSED_ROWS + 1).calls is not large.calls
+    ended = []
+    for rows in range(1, KEPT_CALLS + 2):
+        step = begin(rows)
+        halves.end_step(step)
+        ended.append(step.calls)
+    assert begin(1).calls is not ended[0]  # dropped: KEPT_CALLS sizes ended after it
+    assert all(begin(rows).calls is calls for rows, calls in enumerate(ended[1:], 2))
+
+
+def test_a_failed_step_still_ends(block_model: ss.Model) -> None:
+    """`run_layers` ends a step whose attention raised, so its calls go back to the halves."""
+    halves = block_model.halves
+    assert isinstance(halves, BlockHalves)
+    pool = KVPool(block_model.info, KVConfig(layout="cell", max_seqs=1, max_context=16))
+    pool.reserve(0, 16)
+    batch = StepBatch([0], [0], [1])
+    pool.begin_step(batch)
+    held = halves.begin_step(
+        StepContext.of(block_model.rope, torch.zeros(1, dtype=torch.long), block_model.local_rope)
+    )
+    halves.end_step(held)  # the calls the failing step will take
+
+    class Failing(_LayerByLayer):
+        def update_and_attend(
+            self, layer: int, qkv: torch.Tensor, batch: StepBatch
+        ) -> torch.Tensor:
+            raise RuntimeError("attention failed")
+
+    with pytest.raises(RuntimeError, match="attention failed"):
+        block_model.forward(torch.tensor([5]), batch, Failing(pool))
+    step = halves.begin_step(
+        StepContext.of(block_model.rope, torch.zeros(1, dtype=torch.long), block_model.local_rope)
+    )
+    assert step.calls is held.calls
+    halves.end_step(step)
 
 
 class _LayerByLayer:

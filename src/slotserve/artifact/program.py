@@ -77,6 +77,16 @@ class LoadOptions:
         return cls(int(merged.get("threads", 0)), tuple(merged.get("load_order", ())))
 
 
+@dataclass(frozen=True, eq=False, slots=True)
+class ProgramStep:
+    """One step of `ProgramHalves`: ``cos``, ``sin`` ``[T, (heads + 2·kv_heads)·head_dim]``,
+    the step's rotation rows over the fused Q/K/V row (`fused_rope_rows`), which every
+    layer's ``qkv`` method takes."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
 class ProgramHalves:
     """`slotserve.model.halves.LayerHalves` as a bundle's program methods; ``max_step_tokens``
     is the largest step the program was lowered for."""
@@ -152,13 +162,20 @@ class ProgramHalves:
         (x,) = self._embed.execute([tokens.to(torch.long).contiguous(), *self._tied])
         return x  # type: ignore[no-any-return]
 
-    def qkv(self, layer: int, x: torch.Tensor, step: StepContext) -> torch.Tensor:
-        cos, sin = step.memo("program-rope", lambda: fused_rope_rows(self.info, step.cos, step.sin))
-        (rows,) = self._qkv[layer].execute([x, cos, sin])
+    def begin_step(self, context: StepContext) -> ProgramStep:
+        """The step's rotation rows laid over the fused Q/K/V row, as the ``layer{i}_qkv``
+        methods take them (`fused_rope_rows`)."""
+        return ProgramStep(*fused_rope_rows(self.info, context.cos, context.sin))
+
+    def end_step(self, step: ProgramStep) -> None:
+        pass  # nothing held beyond the step's rows
+
+    def qkv(self, layer: int, x: torch.Tensor, step: ProgramStep) -> torch.Tensor:
+        (rows,) = self._qkv[layer].execute([x, step.cos, step.sin])
         return rows  # type: ignore[no-any-return]
 
     def out(
-        self, layer: int, x: torch.Tensor, attn: torch.Tensor, step: StepContext
+        self, layer: int, x: torch.Tensor, attn: torch.Tensor, step: ProgramStep
     ) -> torch.Tensor:
         (y,) = self._out[layer].execute([x, attn.contiguous()])
         return y  # type: ignore[no-any-return]

@@ -8,6 +8,11 @@ same block products, norms and rotations); they only leave out the dozens of sma
 calls per layer that would otherwise cost as much as the products at decode time.
 `BlockHalves.refusal` says why a model is not covered (then it runs the eager halves, on
 the same blocks).
+
+A step's object (`BlockStep`) holds the kernel arguments of every layer over buffers of the
+step's rows, which the step holds alone from `BlockHalves.begin_step` to
+`BlockHalves.end_step`; small steps take them from the halves' kept calls (`_KeptCalls`)
+and give them back, so a decode step builds none.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from slotserve.kv.batch import StepBatch
 from slotserve.kv.store import CompiledAttention
 from slotserve.model.gguf_linear import BlockLinear, StackedBlocks
 from slotserve.model.halves import HalvesKind, StepContext
-from slotserve.model.llama import EagerHalves
+from slotserve.model.llama import LoadedHalves
 from slotserve.model.weights import LlamaWeights
 from slotserve.native.blocks import (
     BlockKernel,
@@ -60,12 +65,16 @@ class _StepBuffers:
         self.scratch = ScratchSpace(m, max(info.dim, info.ffn_dim, attn_width))
 
 
-# Steps of at most this many rows (decode steps, short turns) keep their buffers and every
+# Steps of at most this many rows (decode steps, short turns) reuse their buffers and every
 # layer's kernel arguments from one step to the next, and set only their addresses: the
 # Python between a step's kernel calls runs with the caches the weights just flushed, so
 # rebuilding the arguments each step is a visible share of a decode step. Larger steps
 # (prompt chunks) build their own; so the buffers kept between steps stay small.
 REUSED_ROWS = 64
+# How many small steps' calls are kept between steps, the most recently ended: one serves
+# a model stepped at one size by one thread; two also serve a model whose steps alternate
+# between two sizes, or that two threads step at once, without building any.
+KEPT_CALLS = 2
 
 
 class _LayerCalls:
@@ -109,9 +118,49 @@ class _LayerCalls:
         )  # fmt: skip
 
 
-class BlockHalves(EagerHalves):
-    """The eager halves with ``qkv``, ``out`` and the head's norm as kernel calls (the
-    weights' facts are the eager halves')."""
+class _KeptCalls:
+    """The `_LayerCalls` of small steps (`REUSED_ROWS` rows at most) kept between steps,
+    at most `KEPT_CALLS` of them, the most recently given back.
+
+    Ownership: a step takes calls of its row count at its start (`take`; None: none kept,
+    the step builds its own) and holds them alone until its end (`give_back`), so steps
+    that run at once (one model stepped by two threads, each with its own KV store) never
+    share buffers or arguments. Thread-safety: every thread that steps the model calls
+    both; a lock guards the list, held for a list operation, never across a kernel call."""
+
+    def __init__(self) -> None:
+        self._kept: list[_LayerCalls] = []
+        self._lock = threading.Lock()
+
+    def take(self, m: int) -> _LayerCalls | None:
+        """Kept calls for steps of ``m`` rows, now the caller's (None: none kept)."""
+        with self._lock:
+            for i in range(len(self._kept) - 1, -1, -1):
+                if self._kept[i].m == m:
+                    return self._kept.pop(i)
+        return None
+
+    def give_back(self, calls: _LayerCalls) -> None:
+        """Keep ``calls``, which their step no longer uses, dropping the least recently
+        given back beyond `KEPT_CALLS`."""
+        with self._lock:
+            self._kept.append(calls)
+            del self._kept[:-KEPT_CALLS]
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class BlockStep:
+    """One step of `BlockHalves`: its ``context`` (rotation rows) and ``calls``, the layers'
+    kernel arguments over buffers of the step's rows, held by this step alone."""
+
+    context: StepContext
+    calls: _LayerCalls
+
+
+class BlockHalves(LoadedHalves):
+    """The eager halves (`slotserve.model.llama.EagerHalves`) with ``qkv``, ``out`` and the
+    head's norm as kernel calls, on the same weights (`LoadedHalves`). Any thread may step
+    them, several at once (`_KeptCalls` says who holds what)."""
 
     def __init__(self, weights: LlamaWeights, info: ModelInfo, kernel: BlockKernel) -> None:
         if (reason := self.refusal(weights, info)) is not None:
@@ -134,7 +183,7 @@ class BlockHalves(EagerHalves):
             for layer in weights.layers
         )
         self.final_norm = _floats(weights.norm)
-        self._reused = threading.local()  # each thread's `_LayerCalls` for small steps
+        self._kept = _KeptCalls()
 
     @staticmethod
     def refusal(weights: LlamaWeights, info: ModelInfo) -> str | None:
@@ -151,25 +200,35 @@ class BlockHalves(EagerHalves):
     def kind(self) -> HalvesKind:
         return "block"
 
+    def begin_step(self, context: StepContext) -> BlockStep:
+        """The step's layer calls: kept ones of its size for a small step (`REUSED_ROWS`),
+        else built for it."""
+        m = context.rows
+        calls = self._kept.take(m) if m <= REUSED_ROWS else None
+        return BlockStep(context, calls if calls is not None else _LayerCalls(self, m))
+
+    def end_step(self, step: BlockStep) -> None:
+        """Keep a small step's calls for the next step of its size (`_KeptCalls`)."""
+        if step.calls.m <= REUSED_ROWS:
+            self._kept.give_back(step.calls)
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         rows = self._weights.embed[tokens].float()
         if self.info.embed_scale != 1.0:
             rows = rows * self.info.embed_scale
         return rows.contiguous()
 
-    def qkv(self, layer: int, x: torch.Tensor, step: StepContext) -> torch.Tensor:
-        calls = self._calls(x.shape[0], step)
-        cos, sin = step.rotation(self.info.local_rope(layer))
+    def qkv(self, layer: int, x: torch.Tensor, step: BlockStep) -> torch.Tensor:
+        calls = step.calls
+        cos, sin = step.context.rotation(self.info.local_rope(layer))
         args = calls.ins[layer]
         args.x, args.cos, args.sin = x.data_ptr(), cos.data_ptr(), sin.data_ptr()
         args.threads = self.kernel.threads
         self.kernel.layer_in(args)
         return calls.buffers.qkv
 
-    def out(
-        self, layer: int, x: torch.Tensor, attn: torch.Tensor, step: StepContext
-    ) -> torch.Tensor:
-        calls = self._calls(x.shape[0], step)
+    def out(self, layer: int, x: torch.Tensor, attn: torch.Tensor, step: BlockStep) -> torch.Tensor:
+        calls = step.calls
         if attn.dtype != torch.float32 or not attn.is_contiguous():
             attn = attn.float().contiguous()
         args = calls.outs[layer]
@@ -178,20 +237,21 @@ class BlockHalves(EagerHalves):
         return x
 
     def stack(
-        self, x: torch.Tensor, step: StepContext, batch: StepBatch, kv: CompiledAttention
+        self, x: torch.Tensor, step: BlockStep, batch: StepBatch, kv: CompiledAttention
     ) -> bool:
         """Every layer of the step in one kernel call (`BlockKernel.layer_stack`): the calls
         `qkv`, ``kv.update_and_attend`` and `out` make one by one, on ``x`` in place (fp32,
         contiguous: `embed`'s rows). False, having run nothing, where ``kv`` has no compiled
         calls for this step (`CompiledAttention`)."""
-        calls = self._calls(x.shape[0], step)
+        calls = step.calls
         buffers = calls.buffers
         attention = kv.attention_calls(batch, buffers.qkv, self.info.n_heads, buffers.attn)
         if attention is None:
             return False
         threads, at, attn = self.kernel.threads, x.data_ptr(), buffers.attn.data_ptr()
         rotations = {
-            local: tuple(t.data_ptr() for t in step.rotation(local)) for local in (False, True)
+            local: tuple(t.data_ptr() for t in step.context.rotation(local))
+            for local in (False, True)
         }
         for ins, outs, local in zip(calls.ins, calls.outs, calls.local, strict=True):
             ins.x, (ins.cos, ins.sin), ins.threads = at, rotations[local], threads
@@ -200,16 +260,6 @@ class BlockHalves(EagerHalves):
         calls.stack.attend = attention.function
         self.kernel.layer_stack(calls.stack)
         return True
-
-    def _calls(self, m: int, step: StepContext) -> _LayerCalls:
-        """The layers' calls for a step of ``m`` rows: kept per thread for small steps
-        (`REUSED_ROWS`), made once a step otherwise."""
-        if m > REUSED_ROWS:
-            return step.memo(("block", id(self)), lambda: _LayerCalls(self, m))
-        calls: _LayerCalls | None = getattr(self._reused, "calls", None)
-        if calls is None or calls.m != m:
-            calls = self._reused.calls = _LayerCalls(self, m)
-        return calls
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """The final norm in the kernel (row by row, as the layers' norms), then the head."""

@@ -1,12 +1,15 @@
 """The seam every executor shares: a model family as layer halves, and the one loop that
 drives them.
 
-A step is ``x = embed(tokens)``, then for each layer
-``x = out(i, x, kv.update_and_attend(i, qkv(i, x, step), batch), step)``, then ``head(x)`` on the
-rows whose logits are wanted. ``qkv`` returns one fused projection's rows
-``[T, (heads + 2·kv_heads)·head_dim]`` (query heads, then key heads, then value heads, RoPE
-applied), which the pool reads in place. The KV cache is an argument, never a buffer of a
-half.
+A step is ``step = begin_step(context)``, ``x = embed(tokens)``, then for each layer
+``x = out(i, x, kv.update_and_attend(i, qkv(i, x, step), batch), step)``, then
+``end_step(step)``, then ``head(x)`` on the rows whose logits are wanted. ``context`` is the
+`StepContext` every family reads (the step's rotation rows); ``step`` is what one kind of
+halves makes of it once a step, of that kind's own type (its layers' kernel arguments,
+rotation rows in the layout its methods read), typed by `LayerHalves`'s parameter.
+``qkv`` returns one fused projection's rows ``[T, (heads + 2·kv_heads)·head_dim]`` (query
+heads, then key heads, then value heads, RoPE applied), which the pool reads in place. The
+KV cache is an argument, never a buffer of a half.
 
 Implementations: `slotserve.model.llama.EagerHalves` (torch ops; every family),
 `slotserve.model.block_forward.BlockHalves` (two fused C calls a layer, for the families
@@ -17,8 +20,7 @@ half). `slotserve.model.Model` holds one of them, picked once at load.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal, Protocol, TypeVar, runtime_checkable
 
 import torch
@@ -29,27 +31,28 @@ from slotserve.model.layers import RopeTables
 from slotserve.model.weights import LlamaWeights
 
 HalvesKind = Literal["eager", "block", "program"]
-T = TypeVar("T")
+StepT = TypeVar("StepT")
+StepT_contra = TypeVar("StepT_contra", contravariant=True)
 
 
 @dataclass(frozen=True)
 class StepContext:
-    """What every layer of one step shares: the rotation rows of the step's positions
-    (``cos``, ``sin``: ``[T, head_dim]`` contiguous fp32, rotate-half layout, which the C
-    halves read by address; ``local_cos``, ``local_sin`` those of the sliding-window
-    layers where their RoPE differs, as in Gemma 3), and work space that halves make once
-    a step (`memo`)."""
+    """What every layer of one step shares, whatever the halves: the rotation rows of the
+    step's positions (``cos``, ``sin``: ``[T, head_dim]`` contiguous fp32, rotate-half
+    layout, which the C halves read by address; ``local_cos``, ``local_sin`` those of the
+    sliding-window layers where their RoPE differs, as in Gemma 3). What one kind of
+    halves needs beyond it, it makes in its ``begin_step`` (`LayerHalves`)."""
 
     cos: torch.Tensor
     sin: torch.Tensor
     local_cos: torch.Tensor | None = None
     local_sin: torch.Tensor | None = None
-    _memo: dict[Hashable, object] = field(default_factory=dict, repr=False)
 
     @classmethod
     def of(
         cls, rope: RopeTables, positions: torch.Tensor, local: RopeTables | None = None
     ) -> StepContext:
+        """The context of a step at ``positions`` (one a row, on the flattened axis)."""
         cos, sin = (t.float().contiguous() for t in rope.rows(positions))
         if local is None:
             return cls(cos, sin)
@@ -62,20 +65,24 @@ class StepContext:
             return self.local_cos, self.local_sin
         return self.cos, self.sin
 
-    def memo(self, key: Hashable, make: Callable[[], T]) -> T:
-        """``make()``, once per step and ``key``."""
-        if key not in self._memo:
-            self._memo[key] = make()
-        return self._memo[key]  # type: ignore[return-value]
+    @property
+    def rows(self) -> int:
+        """The step's rows (tokens on the flattened axis)."""
+        return self.cos.shape[0]
 
 
-class LayerHalves(Protocol):
+class LayerHalves(Protocol[StepT]):
     """A model family's layers cut at attention (see the module doc). ``weights`` are the
     loaded tensors (None for a program whose weights live in its own files);
     ``weight_bytes`` what the halves keep resident; ``max_step_tokens`` the largest step
     they take (None: any). A program's halves also have ``planned_method_bytes``, the
     arenas its methods plan, and ``mapped_weight_bytes``, the weights they use in place
-    from a file map (0 for halves that hold their weights)."""
+    from a file map (0 for halves that hold their weights).
+
+    ``StepT`` is the halves' own per-step object: `begin_step` makes it once at a step's
+    start, every ``qkv`` and ``out`` of the step read it, and `end_step` ends it after the
+    step's last layer (also when a layer raised). A model may be stepped from several
+    threads at once (each with its own KV store): one step's object is never another's."""
 
     @property
     def kind(self) -> HalvesKind: ...
@@ -95,30 +102,32 @@ class LayerHalves(Protocol):
     @property
     def mapped_weight_bytes(self) -> int: ...
 
+    def begin_step(self, context: StepContext) -> StepT: ...
+
+    def end_step(self, step: StepT) -> None: ...
+
     def embed(self, tokens: torch.Tensor) -> torch.Tensor: ...
 
-    def qkv(self, layer: int, x: torch.Tensor, step: StepContext) -> torch.Tensor: ...
+    def qkv(self, layer: int, x: torch.Tensor, step: StepT) -> torch.Tensor: ...
 
-    def out(
-        self, layer: int, x: torch.Tensor, attn: torch.Tensor, step: StepContext
-    ) -> torch.Tensor: ...
+    def out(self, layer: int, x: torch.Tensor, attn: torch.Tensor, step: StepT) -> torch.Tensor: ...
 
     def head(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
 @runtime_checkable
-class StackedHalves(Protocol):
+class StackedHalves(Protocol[StepT_contra]):
     """Halves that can also run a step's layers in one call, the attention between them
     a `CompiledAttention` store's: ``stack`` runs them on ``x`` in place and says whether
     it did (False: the store had no compiled calls for this step; nothing ran)."""
 
     def stack(
-        self, x: torch.Tensor, step: StepContext, batch: StepBatch, kv: CompiledAttention
+        self, x: torch.Tensor, step: StepT_contra, batch: StepBatch, kv: CompiledAttention
     ) -> bool: ...
 
 
 def run_layers(
-    halves: LayerHalves,
+    halves: LayerHalves[StepT],
     n_layers: int,
     rope: RopeTables,
     tokens: torch.Tensor,
@@ -129,12 +138,15 @@ def run_layers(
     """The one loop: hidden states ``[T, dim]`` after the last layer (before the head).
     Halves and a store that can run it in C (`StackedHalves`, `CompiledAttention`) make
     the same calls there, in the same order."""
-    step = StepContext.of(rope, batch.positions, local_rope)
-    x = halves.embed(tokens)
-    if isinstance(halves, StackedHalves) and isinstance(kv, CompiledAttention):  # noqa: SIM102
-        if halves.stack(x, step, batch, kv):  # False: the loop below runs the step
-            return x
-    for layer in range(n_layers):
-        attn = kv.update_and_attend(layer, halves.qkv(layer, x, step), batch)
-        x = halves.out(layer, x, attn, step)
-    return x
+    step = halves.begin_step(StepContext.of(rope, batch.positions, local_rope))
+    try:
+        x = halves.embed(tokens)
+        if isinstance(halves, StackedHalves) and isinstance(kv, CompiledAttention):  # noqa: SIM102
+            if halves.stack(x, step, batch, kv):  # False: the loop below runs the step
+                return x
+        for layer in range(n_layers):
+            attn = kv.update_and_attend(layer, halves.qkv(layer, x, step), batch)
+            x = halves.out(layer, x, attn, step)
+        return x
+    finally:
+        halves.end_step(step)

@@ -20,16 +20,13 @@ from slotserve.model.layers import rms_norm, rotate
 from slotserve.model.weights import LlamaWeights
 
 
-class EagerHalves:
-    """`slotserve.model.halves.LayerHalves` in torch ops."""
+class LoadedHalves:
+    """What halves that hold a model's loaded tensors share, the eager and the fused block
+    halves (`slotserve.model.block_forward.BlockHalves`): the weights and their facts."""
 
     def __init__(self, weights: LlamaWeights, info: ModelInfo) -> None:
         self._weights = weights
         self.info = info
-
-    @property
-    def kind(self) -> HalvesKind:
-        return "eager"
 
     @property
     def weights(self) -> LlamaWeights:
@@ -50,6 +47,21 @@ class EagerHalves:
     @property
     def max_step_tokens(self) -> int | None:
         return None
+
+
+class EagerHalves(LoadedHalves):
+    """`slotserve.model.halves.LayerHalves` in torch ops; a step's object is its
+    `StepContext` (the rotation rows are all its layers share)."""
+
+    @property
+    def kind(self) -> HalvesKind:
+        return "eager"
+
+    def begin_step(self, context: StepContext) -> StepContext:
+        return context
+
+    def end_step(self, step: StepContext) -> None:
+        pass  # nothing held beyond the step's context
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         rows = self._weights.embed[tokens]

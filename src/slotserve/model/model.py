@@ -4,6 +4,7 @@ the kernels it was loaded with) and the layer halves that hold its weights."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -32,7 +33,7 @@ class Model:
         self,
         info: ModelInfo,
         tokenizer: Tokenizer,
-        halves: LayerHalves,
+        halves: LayerHalves[Any],
         source: str = "",
         kernels: Kernels = NO_KERNELS,
     ) -> None:
@@ -110,7 +111,7 @@ class Model:
 
 def pick_halves(
     weights: LlamaWeights, info: ModelInfo, kernels: Kernels, source: str = ""
-) -> LayerHalves:
+) -> LayerHalves[Any]:
     """Block halves where they can run ``weights``, else eager (see `Model.from_weights`)."""
     reason = BlockHalves.refusal(weights, info)
     if kernels.blocks is not None and reason is None:
