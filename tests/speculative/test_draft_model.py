@@ -281,3 +281,38 @@ def test_a_draft_is_made_only_where_its_steps_leave_a_gain(tiny_pair: dict[str, 
         speculator.observe_step(rows, 0.020 + 0.0005 * rows)
         drafter.cost.observe(rows, 0.0001 + 0.00001 * rows)  # but its steps timed cheap
     assert len(speculator._choose([(0, likely, [-1] * 8)], rows=1, delivered=1.0)[0]) >= 6
+
+
+def test_the_flags_choose_a_draft_model() -> None:
+    """``--draft-model`` drafts with that model (serve's n-gram default gives way to it);
+    ``--speculate off`` with a draft model is refused, naming both."""
+    from slotserve.cli import build_parser
+    from slotserve.cli.flags import engine_config
+    from slotserve.cli.serve import with_server_speculation
+
+    parse = build_parser().parse_args
+    args = parse(["serve", "--draft-model", "draft.gguf", "--draft-weights", "int8"])
+    config = with_server_speculation(engine_config(args), args)
+    assert (config.speculate, config.draft_model, config.draft_weights) == (
+        "draft",
+        "draft.gguf",
+        "int8",
+    )
+    plain = parse(["serve"])
+    assert with_server_speculation(engine_config(plain), plain).speculate == "ngram"
+    with pytest.raises(ValueError, match=r"draft_model='draft\.gguf'.*'off'"):
+        engine_config(parse(["serve", "--draft-model", "draft.gguf", "--speculate", "off"]))
+
+
+def test_the_runner_drafts_with_a_draft_model(tiny_pair: dict[str, ss.Model]) -> None:
+    """`TextLLMRunner(speculate="draft", draft_model=...)` gives the plain runner's tokens."""
+    target, draft = tiny_pair["target"], tiny_pair["close"]
+    config = ss.GenerationConfig(max_new_tokens=24, temperature=0.0, echo=False)
+    results = []
+    for kwargs in ({"speculate": "draft", "draft_model": draft}, {"speculate": "off"}):
+        runner = ss.TextLLMRunner(target, max_context=96, **kwargs)  # type: ignore[arg-type]
+        try:
+            results.append(runner.generate("the red fox, the red fox, the red", config).tokens)
+        finally:
+            runner.close()
+    assert results[0] == results[1] and results[0]
