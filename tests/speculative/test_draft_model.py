@@ -9,6 +9,7 @@ a draft model of another vocabulary is refused; its memory is in the plan."""
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -316,3 +317,26 @@ def test_the_runner_drafts_with_a_draft_model(tiny_pair: dict[str, ss.Model]) ->
         finally:
             runner.close()
     assert results[0] == results[1] and results[0]
+
+
+def test_a_failing_draft_costs_drafts_never_the_request(
+    tiny_pair: dict[str, ss.Model], caplog: pytest.LogCaptureFixture
+) -> None:
+    """A draft step that fails (here: the draft pool's every slot taken by sessions of no
+    request, so a drafting request cannot bind one) is logged and drafts nothing; the draft
+    sessions start again, and the request's output is plain decoding's."""
+    target, draft = tiny_pair["target"], tiny_pair["close"]
+    config = ss.EngineConfig(max_seqs=1, max_context=96)
+    params = ss.SamplingParams(temperature=0.0, max_new_tokens=24, ignore_eos=True)
+    prompt = "the red fox, the red fox, the red"
+    with drafting(target, draft, config) as engine:
+        speculator = engine._stepper.speculator
+        assert speculator is not None and speculator.drafter is not None
+        speculator.drafter.pool.reserve(999, 8)  # the draft pool's one slot, held
+        with caplog.at_level(logging.ERROR, logger="slotserve"):
+            tokens = engine.submit(prompt, params).result().tokens
+        assert any("draft model's step failed" in r.getMessage() for r in caplog.records)
+        engine.check_integrity()
+        assert engine.stats().speculation.drafted > 0  # type: ignore[union-attr]
+    with ss.Engine(target, config) as plain:
+        assert plain.submit(prompt, params).result().tokens == tokens

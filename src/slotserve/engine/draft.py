@@ -169,6 +169,12 @@ class ModelDrafter:
         if self.sessions.pop(request_id, None) is not None:
             self.pool.release(request_id)
 
+    def reset(self) -> None:
+        """Release every draft session (after a failed draft step: each starts again)."""
+        for request_id in self.pool.session_ids():
+            self.pool.release(request_id)
+        self.sessions.clear()
+
     def check_integrity(self) -> None:
         """The draft pool's invariants, and every draft session holding as many rows as
         the tokens recorded for it."""

@@ -214,13 +214,7 @@ class Speculator:
                 self._state(request).acceptance.idle()
         chosen = self._choose(candidates, sum(n for _, n in work), len(work))
         if self.drafter is not None and chosen:
-            requests = {r.request_id: r for r, _ in work}
-            chosen = self.drafter.propose(
-                {
-                    i: ([*requests[i].prompt, *requests[i].generated], len(t))
-                    for i, t in chosen.items()
-                }
-            )
+            chosen = self._model_drafts(work, chosen)
         for request_id, tokens in chosen.items():
             if not tokens:
                 continue
@@ -228,6 +222,22 @@ class Speculator:
             held = pool.hold_tentative(request_id, start + 1, start + 1 + len(tokens))
             self.drafts[request_id] = Draft(tokens, held)
         return [(request, n + len(chosen.get(request.request_id, ()))) for request, n in work]
+
+    def _model_drafts(self, work: Work, chosen: dict[int, list[int]]) -> dict[int, list[int]]:
+        """The draft model's tokens for the lengths ``chosen``; none where its step fails
+        (logged; its sessions start again), so a draft model's fault costs drafts, never
+        the requests."""
+        assert self.drafter is not None
+        requests = {r.request_id: r for r, _ in work}
+        wanted = {
+            i: ([*requests[i].prompt, *requests[i].generated], len(t)) for i, t in chosen.items()
+        }
+        try:
+            return self.drafter.propose(wanted)
+        except Exception:
+            log.exception("the draft model's step failed; no drafts this step")
+            self.drafter.reset()
+            return {}
 
     def _propose(self, request: Request, k: int) -> list[int]:
         """``request``'s proposal of at most ``k`` tokens: the n-gram lookup's; with a draft
