@@ -104,7 +104,7 @@ def run_speculative(model: Model, repeats: int = 1, draft: Model | None = None) 
         "max_new_tokens": MAX_NEW_TOKENS,
         "repeats": repeats,
         "rows": rows,
-        "draft_model": None if draft is None else draft.source or draft.info.arch,
+        "draft_model": None if draft is None else _described(draft),
         "llama_server": _llama_server_rows(model, single, repeats),
     }
 
@@ -197,6 +197,11 @@ def _workload(
         "acceptance": accepted / drafted if drafted else 0.0,
         "same_output": same,
     }
+
+
+def _described(model: Model) -> str:
+    """A model's file and how its weights are held (the same file may be either)."""
+    return f"{model.source or model.info.arch} ({model.halves.kind} halves)"
 
 
 def _agreement(draft: Model, engine: Engine, prompts: list[list[int]]) -> float:
