@@ -141,6 +141,10 @@ def test_options_are_checked_before_the_model_loads() -> None:
         BenchOptions(preset="nope")
     with pytest.raises(ValueError, match=r"streams applies to the scenario\(s\) servers"):
         run_bench("no-such-model", "mixed", options=BenchOptions(streams=(8,)))
+    with pytest.raises(ValueError, match=r"draft_model applies to the scenario\(s\) speculative"):
+        run_bench("no-such-model", "single", options=BenchOptions(draft_model="bundled"))
+    with pytest.raises(ValueError, match="give draft_model too"):
+        BenchOptions(draft_weights="fp32")
     with pytest.raises(ValueError, match="each at least 1"):
         BenchOptions(streams=(0, 8))
     with pytest.raises(ValueError, match="each count of streams once"):

@@ -134,6 +134,9 @@ ARENAS = (
     "grammar_workers",
     "grammars",
     "responses",
+    "draft_weights",
+    "draft_kv",
+    "draft_activations",
 )
 
 

@@ -101,6 +101,23 @@ class SessionError(SlotserveError, ValueError):
     something its state cannot give (clone past the committed length, say)."""
 
 
+class DraftModelMismatch(SlotserveError, ValueError):
+    """A draft model (speculative decoding) that cannot draft for its target: its
+    vocabulary has ``draft_vocab`` entries where the target's has ``target_vocab`` (a
+    drafted token id must name the target's token), or its context is shorter than the
+    engine's (``what`` says which, with both numbers)."""
+
+    def __init__(self, draft: str, target: str, what: str, draft_value: int, target_value: int):
+        self.draft, self.target, self.what = draft, target, what
+        self.draft_value, self.target_value = draft_value, target_value
+        super().__init__(
+            f"draft model {draft} has {what} {draft_value}, the target {target} {target_value}: "
+            "a draft model must share the target's tokenizer and vocabulary (the same model "
+            "in another weight format, or a smaller one of its family) and hold the engine's "
+            "context; pass another --draft-model, or --speculate ngram"
+        )
+
+
 class ThreadPoolConflict(SlotserveError, ValueError):
     """ExecuTorch's thread pool is one per process: the bundle at ``path`` asks for
     ``requested`` threads while ``holder``, a bundle still loaded, runs it at ``held``."""

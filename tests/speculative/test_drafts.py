@@ -107,7 +107,7 @@ def test_speculation_is_refused_where_logits_depend_on_the_chunking(
 
 
 def test_a_bad_setting_is_named() -> None:
-    with pytest.raises(ValueError, match="speculate='draft'"):
-        ss.EngineConfig(speculate="draft")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="speculate='medusa'"):
+        ss.EngineConfig(speculate="medusa")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="speculate_max_draft=0"):
         ss.EngineConfig(speculate_max_draft=0)

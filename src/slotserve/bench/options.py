@@ -21,6 +21,7 @@ APPLIES_TO: dict[str, tuple[str, ...]] = {
     "preset": ("mixed", "bargein"),
     "reference": ("executors", "servers"),
     "streams": ("servers",),
+    "draft_model": ("speculative",),
 }
 
 
@@ -35,6 +36,8 @@ class BenchOptions:
     the model the torch executor runs beside a bundle in ``executors``, and llama-server's
     GGUF in ``servers`` (None: the file the bundle was exported from). ``streams``: the
     numbers of concurrent streams ``servers`` runs, each a row (None: 1, 2, 4 and 8).
+    ``draft_model``: the draft model ``speculative`` also runs each workload with (its
+    weights held as ``draft_weights``, None: ``"auto"``), beside n-gram drafts.
     """
 
     shares: tuple[float, ...] | None = None
@@ -42,8 +45,15 @@ class BenchOptions:
     memory_budget: int | str | None = None
     reference: str | None = None
     streams: tuple[int, ...] | None = None
+    draft_model: str | None = None
+    draft_weights: str | None = None
 
     def __post_init__(self) -> None:
+        if self.draft_weights is not None and self.draft_model is None:
+            raise ValueError(
+                f"draft_weights={self.draft_weights!r} is how draft_model's weights are held: "
+                "give draft_model too"
+            )
         if self.streams is not None:
             if not self.streams:
                 raise ValueError("streams=() is empty; give at least one count of streams")
@@ -94,4 +104,8 @@ def scenario_kwargs(scenario: str, options: BenchOptions, model: Model) -> dict[
         kwargs["reference"] = load(options.reference)
     if options.streams is not None and scenario in APPLIES_TO["streams"]:
         kwargs["levels"] = tuple(sorted(options.streams))
+    if options.draft_model is not None and scenario in APPLIES_TO["draft_model"]:
+        from slotserve.artifact import load
+
+        kwargs["draft"] = load(options.draft_model, weights=options.draft_weights or "auto")
     return kwargs

@@ -17,6 +17,9 @@ streams reports their tokens over the wall time from the first token to the last
 also gives the engine's drafted and accepted tokens. Both engines' outputs are compared, and
 a difference is reported (it would be a bug: speculation changes nothing but speed).
 
+With a ``draft`` model each workload runs a third time, on an engine of the same config
+drafting with it (``speculate="draft"``), against the same engine without speculation.
+
 Where llama-server is built (`slotserve.bench.llama_server`) and the model is a GGUF file,
 the single-stream workloads also run on llama-server on the same file, once per n-gram
 mode (``--spec-type`` none, ngram-simple, ngram-mod, ngram-cache), the same token ids
@@ -31,6 +34,7 @@ from typing import Any
 
 from slotserve.bench.stats import summary
 from slotserve.engine import Engine, EngineConfig, Finished
+from slotserve.engine.probe import teacher_forced_logits
 from slotserve.model import Model
 from slotserve.sampling import SamplingParams
 
@@ -60,13 +64,17 @@ STREAMS = 8
 LLAMA_SPEC_TYPES = ("none", "ngram-simple", "ngram-mod", "ngram-cache")
 
 
-def run_speculative(model: Model, repeats: int = 1) -> dict[str, Any]:
-    """Each workload ``repeats`` times on each engine, in turns (see the module docstring)."""
+def run_speculative(model: Model, repeats: int = 1, draft: Model | None = None) -> dict[str, Any]:
+    """Each workload ``repeats`` times on each engine, in turns (see the module docstring);
+    with ``draft``, on an engine drafting with it too."""
     config = EngineConfig(
         max_seqs=STREAMS, max_context=1024, kv_layout="flat", max_batch_tokens=512
     )
     on = Engine(model, replace(config, speculate="ngram"))
     off = Engine(model, replace(config, speculate="off"))
+    drafting = None
+    if draft is not None:
+        drafting = Engine(model, replace(config, speculate="draft"), draft=draft)
     try:
         prompts = {
             name: [model.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in texts]
@@ -81,14 +89,22 @@ def run_speculative(model: Model, repeats: int = 1) -> dict[str, Any]:
             _workload(name, on, off, batch, streams, repeats)
             for name, (batch, streams) in workloads.items()
         ]
+        if drafting is not None:
+            assert draft is not None
+            for name, (batch, streams) in workloads.items():
+                row = _workload(f"{name}, draft model", drafting, off, batch, streams, repeats)
+                row["draft_agreement"] = _agreement(draft, off, batch)
+                rows.append(row)
     finally:
-        on.close()
-        off.close()
+        for engine in (on, off, drafting):
+            if engine is not None:
+                engine.close()
     single = {name: prompts for name, (prompts, streams) in workloads.items() if streams == 1}
     return {
         "max_new_tokens": MAX_NEW_TOKENS,
         "repeats": repeats,
         "rows": rows,
+        "draft_model": None if draft is None else _described(draft),
         "llama_server": _llama_server_rows(model, single, repeats),
     }
 
@@ -167,7 +183,7 @@ def _workload(
                 rates[label].append(rate)
             same = same and outputs["on"] == outputs["off"]
     after = on.stats().speculation
-    assert before is not None and after is not None, "the ngram engine does not speculate"
+    assert before is not None and after is not None, f"the {name!r} engine does not speculate"
     drafted, accepted = after.drafted - before.drafted, after.accepted - before.accepted
     ratio = [a / b for a, b in zip(rates["on"], rates["off"], strict=True) if b > 0]
     return {
@@ -181,6 +197,27 @@ def _workload(
         "acceptance": accepted / drafted if drafted else 0.0,
         "same_output": same,
     }
+
+
+def _described(model: Model) -> str:
+    """A model's file and how its weights are held (the same file may be either)."""
+    return f"{model.source or model.info.arch} ({model.halves.kind} halves)"
+
+
+def _agreement(draft: Model, engine: Engine, prompts: list[list[int]]) -> float:
+    """The share of ``engine``'s greedy tokens for ``prompts`` that ``draft`` predicts
+    greedily from the same context (its logits teacher-forced over prompt and output): the
+    per-token acceptance its drafts would have, whether or not the engine chose to draft."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=MAX_NEW_TOKENS)
+    hits = total = 0
+    for prompt in prompts:
+        output = list(engine.submit(prompt, params).result().tokens)
+        if not output:
+            continue
+        logits = teacher_forced_logits(draft, [*prompt, *output[:-1]])[len(prompt) - 1 :]
+        hits += sum(int(p == t) for p, t in zip(logits.argmax(-1).tolist(), output, strict=True))
+        total += len(output)
+    return hits / total if total else 0.0
 
 
 def _streams(prompts: list[list[int]], streams: int) -> list[list[int]]:
@@ -214,6 +251,21 @@ def speculative_section(result: dict[str, Any]) -> list[str]:
         f"Greedy, {result['max_new_tokens']} new tokens, flat layout; slotserve with n-gram "
         "speculation on and off, taking turns; delivered tokens a second (median [min–max] "
         f"over {result['repeats']} repeat(s) of each prompt).",
+        *(
+            [
+                f"Rows marked 'draft model' draft with {result['draft_model']} instead; the "
+                "share of the target's greedy tokens it predicts (its per-token acceptance, "
+                "whether or not the engine chose to draft): "
+                + ", ".join(
+                    f"{row['workload']} {row['draft_agreement']:.0%}"
+                    for row in result["rows"]
+                    if "draft_agreement" in row
+                )
+                + "."
+            ]
+            if result.get("draft_model")
+            else []
+        ),
         "",
         "| workload | streams | on tok/s | off tok/s | on / off | drafted | accepted | "
         "acceptance | same output |",
@@ -231,7 +283,11 @@ def speculative_section(result: dict[str, Any]) -> list[str]:
         return [*lines, f"llama-server: not run ({llama['skipped']}).", ""]
     if not llama:
         return lines
-    ours = {row["workload"]: row for row in result["rows"] if row["streams"] == 1}
+    ours = {
+        row["workload"]: row
+        for row in result["rows"]
+        if row["streams"] == 1 and not row["workload"].endswith("draft model")
+    }
     lines += [
         f"llama-server (llama-cpp-python {llama['llama_cpp_python']}'s llama.cpp, "
         f"{llama['threads']} threads) on the same file and prompts, one stream, by "

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from slotserve.cli.flags import add_preset_arg, add_weights_arg
+from slotserve.engine.config import DRAFT_WEIGHTS
 
 # `slotserve.bench.SCENARIOS` and "all" (spelled out: importing the benches is slow for --help).
 SCENARIO_NAMES = (
@@ -72,6 +73,18 @@ def register(commands: Any) -> None:
         metavar="N[,N...]",
         help="servers: the numbers of concurrent streams, a row each (default 1,2,4,8)",
     )
+    parser.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="SPEC",
+        help="speculative: also run each workload with this draft model (same vocabulary)",
+    )
+    parser.add_argument(
+        "--draft-weights",
+        choices=DRAFT_WEIGHTS,
+        default=None,
+        help="speculative: how --draft-model's weights are held (as --weights; default auto)",
+    )
     add_preset_arg(parser)
     parser.add_argument(
         "--memory-budget", default=None, help="with --preset: the budget it sizes for"
@@ -115,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
         memory_budget=args.memory_budget,
         reference=args.reference,
         streams=args.streams,
+        draft_model=args.draft_model,
+        draft_weights=args.draft_weights,
     )
     report = run_bench(
         args.model,

@@ -18,6 +18,7 @@ from slotserve.engine.config import (
     DEFAULT_PREFIX_STORE_BYTES,
     DEFAULT_PREFIX_STORE_MIN_TOKENS,
     DEFAULT_PREFIX_STORE_WRITE_RATE,
+    DRAFT_WEIGHTS,
     SPECULATE_MODES,
     EngineConfig,
 )
@@ -73,7 +74,22 @@ ENGINE_FLAGS: dict[str, tuple[str, Any, tuple[str, ...] | None, str]] = {
         str,
         SPECULATE_MODES,
         "ngram: verify tokens drafted from each request's prompt and output in one step, the "
-        "output unchanged bit for bit (serve's default, where the model keeps that exact); off",
+        "output unchanged bit for bit (serve's default, where the model keeps that exact); "
+        "draft: tokens drafted by --draft-model instead; off",
+    ),
+    "draft_model": (
+        "draft_model",
+        str,
+        None,
+        "a model of the same vocabulary that drafts tokens for --speculate draft (implies "
+        "it): a smaller one of the family, or the same file in another --draft-weights; its "
+        "weights, KV and activations are arenas of the memory plan",
+    ),
+    "draft_weights": (
+        "draft_weights",
+        str,
+        DRAFT_WEIGHTS,
+        "how --draft-model's weights are held (as --weights)",
     ),
 }
 _CONFIG_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
@@ -266,6 +282,8 @@ def explicit_settings(args: argparse.Namespace) -> dict[str, Any]:
         for dest, (field, *_rest) in ENGINE_FLAGS.items()
         if getattr(args, dest, None) is not None
     }
+    if "draft_model" in settings and "speculate" not in settings:
+        settings["speculate"] = "draft"  # --draft-model drafts unless told otherwise
     settings["budget_scope"] = getattr(args, "budget_scope", "process")
     memory_map = memory_map_from(getattr(args, "memory_map", None))
     if memory_map is not None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from slotserve.cli.flags import add_preset_arg, add_sampling_args
 from slotserve.cli.log_gate import DropStatsLine, LogGate
-from slotserve.engine.config import SPECULATE_MODES
+from slotserve.engine.config import DRAFT_WEIGHTS, SPECULATE_MODES, SpeculateMode
 
 log = logging.getLogger("slotserve")
 
@@ -38,10 +38,23 @@ def register(commands: Any) -> None:
     parser.add_argument(
         "--speculate",
         choices=SPECULATE_MODES,
-        default="ngram",
+        default=None,
         help="ngram (default): verify tokens drafted from the prompt and output in one step, "
-        "the output unchanged bit for bit (where the model keeps that exact); off: one token "
-        "a step",
+        "the output unchanged bit for bit (where the model keeps that exact); draft: tokens "
+        "drafted by --draft-model (the default with it); off: one token a step",
+    )
+    parser.add_argument(
+        "--draft-model",
+        default=None,
+        metavar="SPEC",
+        help="a model of the same vocabulary that drafts tokens (--speculate draft): a "
+        "smaller one of the family, or the same file in another --draft-weights",
+    )
+    parser.add_argument(
+        "--draft-weights",
+        choices=DRAFT_WEIGHTS,
+        default="auto",
+        help="how --draft-model's weights are held (as --weights)",
     )
 
 
@@ -84,8 +97,15 @@ def _generate_gated(args: argparse.Namespace, gate: LogGate) -> int:
     from slotserve.runner import TextLLMRunner
 
     model, context = _model_and_context(args)
+    default: SpeculateMode = "draft" if args.draft_model else "ngram"
+    speculate: SpeculateMode = args.speculate or default
     runner = TextLLMRunner(
-        model, max_context=context, weights=args.weights, speculate=args.speculate
+        model,
+        max_context=context,
+        weights=args.weights,
+        speculate=speculate,
+        draft_model=args.draft_model if speculate == "draft" else None,
+        draft_weights=args.draft_weights,
     )
     runner.load()
     tokenizer = runner.model.tokenizer

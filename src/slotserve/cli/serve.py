@@ -306,10 +306,11 @@ def with_server_queue(config: EngineConfig, args: argparse.Namespace) -> EngineC
 
 
 def with_server_speculation(config: EngineConfig, args: argparse.Namespace) -> EngineConfig:
-    """The server drafts by default (`slotserve.engine.speculate`; ``--speculate off``: it
-    does not): the engine verifies every draft exactly, or refuses to draft where the model
-    could not keep the output unchanged, and logs why."""
-    if getattr(args, "speculate", None) is None:
+    """The server drafts by default, n-grams (`slotserve.engine.speculate`; ``--speculate
+    off``: it does not; ``--draft-model``: that model drafts): the engine verifies every
+    draft exactly, or refuses to draft where the model could not keep the output unchanged,
+    and logs why."""
+    if getattr(args, "speculate", None) is None and config.draft_model is None:
         return dataclasses.replace(config, speculate="ngram")
     return config
 

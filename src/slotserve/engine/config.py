@@ -32,8 +32,10 @@ DEFAULT_PREFIX_STORE_WRITE_RATE = "4MiB"
 DEFAULT_PREFIX_STORE_MIN_TOKENS = 64
 StoreWrites = Literal["reused", "all"]
 STORE_WRITES: tuple[StoreWrites, ...] = ("reused", "all")
-SpeculateMode = Literal["ngram", "off"]
-SPECULATE_MODES: tuple[SpeculateMode, ...] = ("ngram", "off")
+SpeculateMode = Literal["ngram", "draft", "off"]
+SPECULATE_MODES: tuple[SpeculateMode, ...] = ("ngram", "draft", "off")
+# How a draft model's weights may be held (`slotserve.load`'s ``weights``).
+DRAFT_WEIGHTS = ("auto", "gguf", "fp32", "int8")
 # The longest draft one request verifies in a step (speculate_max_draft's default).
 DEFAULT_MAX_DRAFT = 8
 
@@ -78,7 +80,11 @@ class EngineConfig:
     ``speculate="ngram"`` drafts tokens for decoding requests from their own prompt and
     output and verifies them in one step (`slotserve.engine.speculate`), at most
     ``speculate_max_draft`` a request a step; the output is the same as with ``"off"``, bit
-    for bit: only the number of steps changes.
+    for bit: only the number of steps changes. ``speculate="draft"`` drafts with a second
+    model instead, ``draft_model`` (a spec `slotserve.load` reads, its weights held as
+    ``draft_weights``; or the model passed as `Engine`'s ``draft``), run greedily on a flat
+    KV pool of its own (`slotserve.engine.draft`); its weights, KV and activations are
+    arenas of the memory plan.
     A workload preset (`slotserve.engine.presets.preset_config`) is a set of overrides of
     these fields, sized to a budget; the defaults here are the only ones.
     """
@@ -109,6 +115,8 @@ class EngineConfig:
     budget_scope: BudgetScope = "model"
     speculate: SpeculateMode = "off"
     speculate_max_draft: int = DEFAULT_MAX_DRAFT
+    draft_model: str | Path | None = None
+    draft_weights: str = "auto"
 
     def __post_init__(self) -> None:
         if self.budget_scope not in BUDGET_SCOPES:
@@ -122,6 +130,13 @@ class EngineConfig:
                 f"speculate_max_draft={self.speculate_max_draft} must be >= 1 (to turn "
                 "speculation off: speculate='off')"
             )
+        if self.draft_model is not None and self.speculate != "draft":
+            raise ValueError(
+                f"draft_model={str(self.draft_model)!r} drafts only with speculate='draft', "
+                f"not {self.speculate!r}"
+            )
+        if self.draft_weights not in DRAFT_WEIGHTS:
+            raise ValueError(f"draft_weights={self.draft_weights!r} is not one of {DRAFT_WEIGHTS}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} is not one of {POLICIES}")
         if self.prefill_chunk < 1 or self.max_batch_tokens < 1:

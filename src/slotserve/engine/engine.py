@@ -48,6 +48,7 @@ from slotserve.engine.admission import Admission, build_request, check_embedding
 from slotserve.engine.cancel_bound import CancelBound, declare_cancel_bound, largest_step_tokens
 from slotserve.engine.config import EngineConfig
 from slotserve.engine.device import DeviceSeat
+from slotserve.engine.draft import ModelDrafter, open_draft_model
 from slotserve.engine.events import (
     CancelAck,
     Finished,
@@ -62,7 +63,7 @@ from slotserve.engine.probe import ledger_for, time_largest_step
 from slotserve.engine.request import Request
 from slotserve.engine.restore import Restorer
 from slotserve.engine.scheduler import Scheduler
-from slotserve.engine.speculate import speculator_for
+from slotserve.engine.speculate import refusal, speculator_for
 from slotserve.engine.stepper import Stepper, Work
 from slotserve.engine.timings import EngineCounters
 from slotserve.engine.views import (
@@ -100,7 +101,10 @@ class Engine:
     `Scheduler`); ``clock`` stamps every timestamp of every request. ``ledger`` is the
     process's memory ledger (default: the one `slotserve.load` filled); the engine plans
     against it and adds its own start state (`plan`). ``device``: its seat at a served
-    set's `DeviceScheduler`, whose turn each step takes (docs/MODELS.md).
+    set's `DeviceScheduler`, whose turn each step takes (docs/MODELS.md). ``draft``: the
+    draft model of ``speculate="draft"`` (default: `slotserve.load` of the config's
+    ``draft_model``), whose weights, KV and activations join the ledger before the plan is
+    checked (`slotserve.engine.draft`).
     """
 
     def __init__(
@@ -115,6 +119,7 @@ class Engine:
         clock: Callable[[], float] = time.monotonic,
         ledger: MemoryLedger | None = None,
         device: DeviceSeat | None = None,
+        draft: Model | None = None,
     ) -> None:
         self.model = model
         self.config = config or EngineConfig()
@@ -132,7 +137,10 @@ class Engine:
             self.ledger = ledger_for(model, self.config, executor, ledger)
         attention = model.kernels.attention if self.config.kernels == "auto" else None
         self._attention_kernel = attention is not None
-        self.plan.check()  # PlanError: refuse to start
+        drafting = None  # the draft model, where the engine drafts with one
+        if refusal(self.config, executor) is None:
+            drafting = open_draft_model(self.config, model, self.ledger, draft)
+        self.plan.check()  # PlanError: refuse to start (a draft model's arenas counted)
         self.pool = KVPool(model.info, self.config.kv_config(), attention)
         self.prefix = open_prefix_cache(
             self.config, model, self.pool, attention_kernel=attention is not None
@@ -149,7 +157,10 @@ class Engine:
             self.config, self.pool, self.counters, clock, self._under_pressure, self.prefix
         )
         self._scheduler = scheduler or Scheduler(self.config, self._under_pressure)
-        speculator = speculator_for(self.config, executor)
+        drafter = None
+        if drafting is not None:
+            drafter = ModelDrafter(drafting, self.config, executor.weight_bytes)
+        speculator = speculator_for(self.config, executor, drafter)
         self._stepper = Stepper(executor, self.pool, clock, speculator)
         self._known: weakref.WeakValueDictionary[int, Request] = weakref.WeakValueDictionary()
         # (An empty store is falsy: its length is its files.)
@@ -356,6 +367,7 @@ class Engine:
         with self._lock:
             self.pool.check_integrity()
             self._admission.check_integrity()
+            self._stepper.check_integrity()
             if self.prefix is not None:
                 self.prefix.check_integrity()
 

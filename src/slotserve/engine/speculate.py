@@ -10,11 +10,12 @@ A request's logits do not depend on how its tokens are chunked (the engine's exa
 rule), so every delivered token, its log-probabilities and the sampler's state are those of
 plain decoding, bit for bit; only the number of steps changes.
 
-Owns the drafts (`NgramDrafter`: prompt lookup in the request's own prompt and output), the
+Owns the drafts (`NgramDrafter`: prompt lookup in the request's own prompt and output; or,
+with ``speculate="draft"``, a draft model's greedy tokens, `slotserve.engine.draft`), the
 estimate of each request's acceptance (`Acceptance`), the cost of a step's rows
 (`StepCost`), which requests draft in a step and how much (`Speculator.draft`), and the
 rollback of rejected rows in the pool (`Speculator.settle`, through
-`KVPool.hold_tentative` / `KVPool.roll_back`). The
+`KVPool.hold_tentative` / `KVPool.roll_back`, and the draft model's own session). The
 verification itself is the stepper's (`slotserve.engine.stepper`): it samples as ever.
 
 Threading: `draft` and `settle` run on the engine thread under the engine lock (they change
@@ -27,12 +28,17 @@ import logging
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from slotserve.engine.config import SPECULATE_MODES, EngineConfig, SpeculateMode
 from slotserve.engine.prefix_share import is_exact
 from slotserve.engine.request import Request
+from slotserve.engine.step_cost import StepCost
 from slotserve.executor import Executor, TorchExecutor
 from slotserve.kv.pool import KVPool, TentativeRows
+
+if TYPE_CHECKING:  # (the engine builds it: drafting imports nothing of this module's)
+    from slotserve.engine.draft import ModelDrafter
 
 log = logging.getLogger("slotserve")
 
@@ -46,8 +52,6 @@ NGRAM_MIN = 1
 PRIOR_ACCEPTANCE = 0.7
 ACCEPTANCE_WEIGHT = 0.3
 RECOVERY_WEIGHT = 0.02
-# How fast the step-cost fit forgets older steps (per step).
-COST_DECAY = 0.98
 # A draft is verified only where it is expected to raise the step's delivered tokens a
 # second by at least this factor: the estimates are noisy, and a step that drafts for
 # nothing is slower than one that does not draft.
@@ -118,43 +122,6 @@ class Acceptance:
 
 
 @dataclass
-class StepCost:
-    """What a decode step of ``rows`` rows costs, as ``fixed + per_row * rows`` seconds,
-    fitted (least squares, recent steps weighing most) to the steps this engine ran. Before
-    steps of different sizes were seen, half of a step's time is taken to be per row."""
-
-    n: float = 0.0
-    x: float = 0.0
-    y: float = 0.0
-    xx: float = 0.0
-    xy: float = 0.0
-
-    def observe(self, rows: int, seconds: float) -> None:
-        decay = COST_DECAY
-        self.n = self.n * decay + 1
-        self.x = self.x * decay + rows
-        self.y = self.y * decay + seconds
-        self.xx = self.xx * decay + rows * rows
-        self.xy = self.xy * decay + rows * seconds
-
-    def line(self) -> tuple[float, float]:
-        """(fixed, per_row) seconds; (1, 1) before any step (only ratios matter)."""
-        if self.n == 0:
-            return 1.0, 1.0
-        mean_x, mean_y = self.x / self.n, self.y / self.n
-        variance = self.xx / self.n - mean_x**2
-        if variance < 0.25:  # steps of one size so far: the prior
-            per_row = 0.5 * mean_y / mean_x
-        else:
-            per_row = max((self.xy / self.n - mean_x * mean_y) / variance, 0.0)
-        return max(mean_y - per_row * mean_x, 0.0), per_row
-
-    def seconds(self, rows: int) -> float:
-        fixed, per_row = self.line()
-        return fixed + per_row * rows
-
-
-@dataclass
 class SpeculationCounters:
     """Totals over an engine's life: drafted tokens, accepted and rejected ones, and the
     steps in which at least one request verified a draft."""
@@ -185,7 +152,7 @@ class SpeculationStats:
 @dataclass
 class _RequestState:
     request: weakref.ref[Request]
-    drafter: NgramDrafter
+    drafter: NgramDrafter | None  # None: a draft model drafts
     acceptance: Acceptance
 
 
@@ -208,11 +175,15 @@ class Speculator:
     (a prefill chunk already fills the step's rows), and only the drafts expected to raise
     the step's delivered tokens a second: each request's acceptance so far (`Acceptance`)
     against what rows cost on this machine and model (`StepCost`, fitted to the steps run),
-    so speculation does not slow a batch that is already bound by its rows."""
+    so speculation does not slow a batch that is already bound by its rows. With a
+    ``drafter`` (a draft model) the lengths are chosen first, as if every request had a
+    proposal of its longest length, counting what the draft model's steps cost too
+    (`ModelDrafter.cost`); the draft model then drafts them."""
 
     mode: SpeculateMode
     max_draft: int
     max_step_tokens: int
+    drafter: ModelDrafter | None = None
     counters: SpeculationCounters = field(default_factory=SpeculationCounters)
     cost: StepCost = field(default_factory=StepCost)
     drafts: dict[int, Draft] = field(default_factory=dict)  # request id -> this step's
@@ -236,17 +207,55 @@ class Speculator:
         candidates = []
         for request, _ in work:
             k = min(span, self._length_for(request))
-            proposal = self._state(request).drafter.propose(k) if k > 0 else []
+            proposal = self._propose(request, k) if k > 0 else []
             if proposal:
                 candidates.append((request.request_id, self._state(request).acceptance, proposal))
             elif request.params.speculate:
                 self._state(request).acceptance.idle()
         chosen = self._choose(candidates, sum(n for _, n in work), len(work))
+        if self.drafter is not None and chosen:
+            chosen = self._model_drafts(work, chosen)
         for request_id, tokens in chosen.items():
+            if not tokens:
+                continue
             start = pool.length(request_id)
             held = pool.hold_tentative(request_id, start + 1, start + 1 + len(tokens))
             self.drafts[request_id] = Draft(tokens, held)
         return [(request, n + len(chosen.get(request.request_id, ()))) for request, n in work]
+
+    def _model_drafts(self, work: Work, chosen: dict[int, list[int]]) -> dict[int, list[int]]:
+        """The draft model's tokens for the lengths ``chosen``; none where its step fails
+        (logged; its sessions start again), so a draft model's fault costs drafts, never
+        the requests."""
+        assert self.drafter is not None
+        requests = {r.request_id: r for r, _ in work}
+        wanted = {
+            i: ([*requests[i].prompt, *requests[i].generated], len(t)) for i, t in chosen.items()
+        }
+        try:
+            return self.drafter.propose(wanted)
+        except Exception:
+            log.exception("the draft model's step failed; no drafts this step")
+            self.drafter.reset()
+            return {}
+
+    def _propose(self, request: Request, k: int) -> list[int]:
+        """``request``'s proposal of at most ``k`` tokens: the n-gram lookup's; with a draft
+        model, ``k`` placeholders (its tokens are drafted once the lengths are chosen)."""
+        drafter = self._state(request).drafter
+        return [-1] * k if drafter is None else drafter.propose(k)
+
+    def _draft_seconds(self, k: int, depth: int) -> float:
+        """What a draft of ``k`` adds to the draft model's steps where the longest draft
+        chosen so far is ``depth``: a row in each of its ``k`` steps, and the steps past
+        ``depth`` themselves (none without a draft model)."""
+        if self.drafter is None:
+            return 0.0
+        if self.drafter.cost.n:
+            fixed, per_row = self.drafter.cost.line()
+        else:  # no draft step timed yet: the target's, scaled by the weights each reads
+            fixed, per_row = (self.drafter.weight_share * s for s in self.cost.line())
+        return max(k - depth, 0) * fixed + k * per_row
 
     def _choose(
         self, candidates: list[tuple[int, Acceptance, list[int]]], rows: int, delivered: float
@@ -257,11 +266,13 @@ class Speculator:
         drafts), none where no length raises it by `MIN_GAIN`. The step stays within
         ``max_step_tokens``."""
         chosen: dict[int, list[int]] = {}  # by request id
+        drafting, depth = 0.0, 0  # the draft model's seconds and steps so far
         for request_id, acceptance, proposal in sorted(candidates, key=lambda c: -c[1].rate):
             room = self.max_step_tokens - rows
-            best, best_rate = 0, MIN_GAIN * delivered / self.cost.seconds(rows)
+            best, best_rate = 0, MIN_GAIN * delivered / (self.cost.seconds(rows) + drafting)
             for k in range(1, min(len(proposal), room) + 1):
-                rate = (delivered + acceptance.expected(k)) / self.cost.seconds(rows + k)
+                seconds = self.cost.seconds(rows + k) + drafting + self._draft_seconds(k, depth)
+                rate = (delivered + acceptance.expected(k)) / seconds
                 if rate > best_rate:
                     best, best_rate = k, rate
             if best == 0:
@@ -270,6 +281,8 @@ class Speculator:
             chosen[request_id] = proposal[:best]
             rows += best
             delivered += acceptance.expected(best)
+            drafting += self._draft_seconds(best, depth)
+            depth = max(depth, best)
         return chosen
 
     def observe_step(self, rows: int, seconds: float) -> None:
@@ -302,6 +315,8 @@ class Speculator:
                 continue
             held, drafted = draft.held, len(draft.tokens)
             pool.roll_back(held, held.from_position + draft.accepted)
+            if self.drafter is not None:
+                self.drafter.roll_back(request_id, held.from_position + draft.accepted)
             counters.drafted += drafted
             counters.accepted += draft.accepted
             counters.rejected += drafted - draft.accepted
@@ -334,11 +349,14 @@ class Speculator:
         """``request``'s drafter and draft length, its history brought up to date."""
         state = self._states.get(request.request_id)
         if state is None:
-            state = _RequestState(weakref.ref(request), NgramDrafter(), Acceptance())
-            state.drafter.extend(request.prompt)
+            ngram = NgramDrafter() if self.drafter is None else None
+            state = _RequestState(weakref.ref(request), ngram, Acceptance())
+            if ngram is not None:
+                ngram.extend(request.prompt)
             self._states[request.request_id] = state
-        known = len(state.drafter.tokens) - len(request.prompt)
-        state.drafter.extend(request.generated[known:])
+        if state.drafter is not None:
+            known = len(state.drafter.tokens) - len(request.prompt)
+            state.drafter.extend(request.generated[known:])
         return state
 
     def _forget_finished(self) -> None:
@@ -346,32 +364,45 @@ class Speculator:
             request = state.request()
             if request is None or request.state == "done":
                 del self._states[request_id]
+                if self.drafter is not None:
+                    self.drafter.forget(request_id)
 
 
-def speculator_for(config: EngineConfig, executor: Executor) -> Speculator | None:
-    """The engine's `Speculator` (None with ``speculate="off"``, or where drafts cannot be
-    verified exactly: an executor that gives only each sequence's last logits, or a model
-    whose logits may depend on the chunking (`is_exact`); the reason logged)."""
-    if config.speculate == "off":
-        return None
+def refusal(config: EngineConfig, executor: Executor) -> str | None:
+    """Why an engine of ``config`` on ``executor`` may not speculate (None: it may): an
+    executor that gives only each sequence's last logits, or a model whose logits may
+    depend on the chunking (`is_exact`)."""
     if not isinstance(executor, TorchExecutor):
-        log.info(
-            "speculate=%s refused: the executor %s gives only each sequence's last logits, "
-            "and a draft is verified on every row's",
-            config.speculate,
-            type(executor).__name__,
+        return (
+            f"the executor {type(executor).__name__} gives only each sequence's last logits, "
+            "and a draft is verified on every row's"
         )
-        return None
     model = executor.model
     if not is_exact(model, config):
-        log.info(
-            "speculate=%s refused: %s runs %s halves (attention kernel %s), where a chunk's "
-            "logits may differ from one token's in the last bits, so a draft could change "
-            "the output; GGUF block weights on the compiled kernels keep it exact",
-            config.speculate,
-            model.source or model.info.arch,
-            model.halves.kind,
-            "on" if model.kernels.attention is not None and config.kernels == "auto" else "off",
+        attention = model.kernels.attention is not None and config.kernels == "auto"
+        return (
+            f"{model.source or model.info.arch} runs {model.halves.kind} halves (attention "
+            f"kernel {'on' if attention else 'off'}), where a chunk's logits may differ from "
+            "one token's in the last bits, so a draft could change the output; GGUF block "
+            "weights on the compiled kernels keep it exact"
         )
+    return None
+
+
+def speculator_for(
+    config: EngineConfig, executor: Executor, drafter: ModelDrafter | None = None
+) -> Speculator | None:
+    """The engine's `Speculator` (None with ``speculate="off"``, or where drafts cannot be
+    verified exactly, `refusal`, the reason logged); ``drafter``: the draft model's, with
+    ``speculate="draft"``."""
+    if config.speculate == "off":
         return None
-    return Speculator(config.speculate, config.speculate_max_draft, config.max_batch_tokens)
+    reason = refusal(config, executor)
+    if reason is not None:
+        log.info("speculate=%s refused: %s", config.speculate, reason)
+        return None
+    if (config.speculate == "draft") != (drafter is not None):
+        raise ValueError(f"speculate={config.speculate!r} with drafter={drafter!r}")
+    return Speculator(
+        config.speculate, config.speculate_max_draft, config.max_batch_tokens, drafter
+    )

@@ -55,6 +55,11 @@ class Stepper:
         if self.speculator is not None:
             self.speculator.settle(pool)
 
+    def check_integrity(self) -> None:
+        """Under the engine lock: a draft model's pool and sessions (`ModelDrafter`)."""
+        if self.speculator is not None and self.speculator.drafter is not None:
+            self.speculator.drafter.check_integrity()
+
     def speculation(self) -> SpeculationStats | None:
         """Drafted, accepted and rejected tokens so far (None: this engine never drafts)."""
         return None if self.speculator is None else self.speculator.stats()

@@ -15,6 +15,8 @@ Who adds what (docs/ARCHITECTURE.md, "The memory ledger"):
 - ``grammar_index``, ``grammar_workers``, ``grammars``: the server's grammar compiler (its
   tokenizer index, its compile worker processes, the grammars it keeps);
 - ``responses``: the Responses API's stored responses (their byte budget);
+- ``draft_weights``, ``draft_kv``, ``draft_activations``: a draft model's (speculative
+  decoding, `slotserve.engine.draft`), computed by the engine that drafts with it;
 - ``kv`` and ``activations`` are computed from an engine's config by its `CapacityPlan`,
   which adds them to the ledger's arenas when it checks a budget.
 

@@ -70,7 +70,8 @@ class TextLLMRunner:
     ``prefix_store_bytes`` (bytes or ``"4GiB"``); see the module docstring. ``speculate``
     (``"ngram"``): drafted tokens verified in one step, the output the same bit for bit
     (`EngineConfig.speculate`; where the model's logits could depend on the chunking, the
-    engine does not draft and logs why)."""
+    engine does not draft and logs why); ``"draft"``: ``draft_model`` drafts (a spec, its
+    weights held as ``draft_weights``, or a loaded `Model`; `slotserve.engine.draft`)."""
 
     def __init__(
         self,
@@ -82,6 +83,8 @@ class TextLLMRunner:
         prefix_store: str | Path | None = None,
         prefix_store_bytes: int | str = DEFAULT_PREFIX_STORE_BYTES,
         speculate: SpeculateMode = "off",
+        draft_model: str | Path | Model | None = None,
+        draft_weights: str = "auto",
     ):
         if prefix_store is not None and prefix_cache is False:
             raise ValueError(
@@ -94,6 +97,8 @@ class TextLLMRunner:
         self._prefix_store_bytes = prefix_store_bytes
         self._weights = weights
         self._speculate = speculate
+        self._draft_model = draft_model
+        self._draft_weights = draft_weights
         self._model = model if isinstance(model, Model) else None
         self._requested_context = max_context
         self._engine: Engine | None = None
@@ -123,8 +128,14 @@ class TextLLMRunner:
         model = self._model
         info = model.info
         context = min(self._requested_context or min(info.max_context, 4096), info.max_context)
+        draft = self._draft_model
         config = EngineConfig(
-            max_seqs=1, max_context=context, kv_layout="flat", speculate=self._speculate
+            max_seqs=1,
+            max_context=context,
+            kv_layout="flat",
+            speculate=self._speculate,
+            draft_model=None if draft is None or isinstance(draft, Model) else draft,
+            draft_weights=self._draft_weights,
         )
         choice = self._cache_choice = choose_prefix_cache(model, config, self._prefix_cache)
         log.info("%s", choice.describe("prefix_cache=True", "prefix_cache=False"))
@@ -143,7 +154,12 @@ class TextLLMRunner:
                 prefix_store_bytes=self._prefix_store_bytes,
             )
         self._executor = TimedExecutor(model)
-        self._engine = Engine(model, config, executor=self._executor)
+        self._engine = Engine(
+            model,
+            config,
+            executor=self._executor,
+            draft=draft if isinstance(draft, Model) else None,
+        )
         self.stats.model_load_end_ms = now_ms()
 
     def is_loaded(self) -> bool:
