@@ -352,7 +352,7 @@ def _switching(s: dict[str, Any]) -> list[str]:
     ours = s["slotserve"]
     lines += [
         "The two chat models alternate, each request the first since its model was unloaded, "
-        "then one more with it loaded: the first streamed token of a short chat turn. "
+        "then one more with it loaded: the first streamed token of a short plain completion. "
         f"slotserve: `serve --models` with `{s['resident']}` resident as `chat` (a set "
         "answers its own routes on a resident chat model; it is in slotserve's memory "
         "below, not the router's) and both models on demand, `--memory-budget "

@@ -10,7 +10,7 @@ router starts a child process a model and keeps one at a time. The requests alte
 between the two models, each repeat once each way, each request the first since its
 model was unloaded (checked in ``/v1/models`` before it is sent: ``cold_checked``), then
 once more warm. The figure is the client's time to the first streamed token of a short
-chat turn: the load, the prompt and one token. Memory is the whole process tree's (the
+plain completion: the load, the prompt and one token. Memory is the whole process tree's (the
 router's children too): resident and anonymous, sampled every `SAMPLE_S` through the
 switches (peak) and at the end.
 """
@@ -33,7 +33,7 @@ from slotserve.bench.stats import summary
 
 SAMPLE_S = 0.02
 SWITCH_CONTEXT = 2048  # each chat model's context (one slot each), on both servers
-QUESTION = "Name one colour of the sea."
+QUESTION = "The colour of the sea is"
 
 
 class TreeSampler:
@@ -58,21 +58,18 @@ class TreeSampler:
 
 
 def first_token_s(url: str, model: str) -> float:
-    """Seconds from sending a streamed chat turn to its first token with text."""
+    """Seconds from sending a streamed completion of a short plain prompt (a model without
+    a chat template takes it too) to its first token with text."""
     import openai
 
     client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=600)
     sent = time.perf_counter()
-    stream = client.chat.completions.create(
-        model=model,
-        messages=[{"role": "user", "content": QUESTION}],
-        max_tokens=4,
-        temperature=0,
-        stream=True,
+    stream = client.completions.create(
+        model=model, prompt=QUESTION, max_tokens=4, temperature=0, stream=True
     )
     first = None
     for chunk in stream:
-        if first is None and chunk.choices and chunk.choices[0].delta.content:
+        if first is None and chunk.choices and chunk.choices[0].text:
             first = time.perf_counter()
     return (first or time.perf_counter()) - sent
 
