@@ -303,3 +303,15 @@ def test_chat_and_embeddings_answer_concurrently(chat_and_minilm: ServerProcess)
     assert listed["chat"]["slotserve"]["kind"] == "generate"
     refused = chat(url, "embed")
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
+
+
+def test_a_set_without_a_resident_chat_model_is_refused_before_loading() -> None:
+    # The server's own routes run on a generating engine; an encoder alone was an
+    # AttributeError once the server started.
+    command = [sys.executable, "-m", "slotserve.cli", "serve", "--model", "embed=minilm"]
+    done = subprocess.run(
+        [*command, "--port", str(free_port())], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stderr
+    assert "needs a resident chat (generating) model" in done.stderr
+    assert "loading model" not in done.stderr

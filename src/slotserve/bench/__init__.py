@@ -17,6 +17,7 @@ from typing import Any
 from slotserve.bench.executors import run_executors
 from slotserve.bench.layouts import run_layouts
 from slotserve.bench.memory import run_memory
+from slotserve.bench.models import run_models
 from slotserve.bench.options import BenchOptions, scenario_kwargs
 from slotserve.bench.prefix import run_prefix
 from slotserve.bench.report import keep_sections, markdown_report, replace_section
@@ -40,11 +41,13 @@ SCENARIOS: dict[str, Callable[..., dict[str, Any]]] = {
     "executors": run_executors,
     "servers": run_servers,
     "speculative": run_speculative,
+    "models": run_models,
 }
 # Scenarios that write their own section of docs/BENCHMARKS.md and that "all" keeps as they
 # are: ``executors`` needs a bundle (`slotserve export`); ``servers`` needs llama-server
-# (`make bench-deps`), and "all" runs it with ``baselines``; ``speculative`` is run on its own.
-OWN_SECTION_SCENARIOS = ("executors", "servers", "speculative")
+# (`make bench-deps`), and "all" runs it with ``baselines``; ``speculative`` and ``models``
+# (several server processes, minutes) are run on their own.
+OWN_SECTION_SCENARIOS = ("executors", "servers", "speculative", "models")
 # Scenarios that, run alone, rewrite their section of docs/BENCHMARKS.md (``memory``: a real
 # server's worst case, worth keeping beside the command that measured it).
 SECTION_SCENARIOS = (*OWN_SECTION_SCENARIOS, "memory")

@@ -41,12 +41,15 @@ def run_embeddings(
     n_texts: int = 512,
     batch: int = 32,
     weights: str = "auto",
+    texts: list[str] | None = None,
 ) -> dict[str, Any]:
-    """One timed run of slotserve and of sentence-transformers on ``n_texts`` passages;
-    ``weights`` as ``slotserve bench --weights`` says it: ``gguf`` holds the projections
-    as Q8_0 blocks on the block kernel, anything else fp32."""
+    """One timed run of slotserve and of sentence-transformers on ``n_texts`` passages
+    (`passages`), or on ``texts`` where given; ``weights`` as ``slotserve bench --weights``
+    says it: ``gguf`` holds the projections as Q8_0 blocks on the block kernel, anything
+    else fp32."""
     fmt: EncoderWeightFormat = "q8_0" if weights == "gguf" else "fp32"
-    texts = passages(n_texts)
+    texts = passages(n_texts) if texts is None else texts
+    n_texts = len(texts)
     model = load_encoder(spec, weights=fmt)
     config = EncoderConfig(max_texts=n_texts, max_batch_texts=batch)
     with EncoderEngine(model, config) as engine:

@@ -5,7 +5,9 @@ vendored in the ``llama-cpp-python`` sdist (the package registry is the only net
 machines reach), for this CPU's instruction sets (`cpu_cmake_flags`, never AMX), statically
 linked, and caches the binaries under the user cache dir. ``make bench-deps`` runs it
 (``python -m slotserve.bench.llama_server``); it took 5 min 18 s on 2 cores (Intel Xeon).
-With ``llama-quantize`` it also makes the bench's Q4_K_M SmolLM2 (`make_q4_k_m`).
+With ``llama-quantize`` it also makes the bench's Q4_K_M SmolLM2 (`make_q4_k_m`), and with
+llama.cpp's own converter (``convert_hf_to_gguf.py``, from the same sdist) the GGUF of
+all-MiniLM-L6-v2 that ``slotserve bench models`` embeds with (`make_minilm_gguf`).
 """
 
 from __future__ import annotations
@@ -100,14 +102,7 @@ def build_llama_server(jobs: int | None = None, console: Console | None = None) 
     jobs = jobs or os.cpu_count() or 2
     with tempfile.TemporaryDirectory(prefix="slotserve-llama-") as tmp:
         work = Path(tmp)
-        package = f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"
-        with console.status(f"downloading the {package} sdist"):
-            pip = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps"]
-            _run([*pip, "--no-binary", ":all:", package, "-d", str(work)])
-        (sdist,) = work.glob("llama_cpp_python-*.tar.gz")
-        with tarfile.open(sdist) as archive:
-            archive.extractall(work, filter="data")
-        (source,) = work.glob("llama_cpp_python-*/vendor/llama.cpp")
+        source = llama_cpp_sources(work, console)
         build = work / "build"
         with console.status("configuring llama.cpp (cmake)"):
             _run(["cmake", "-S", str(source), "-B", str(build), *CMAKE_FLAGS, *cpu_cmake_flags()])
@@ -122,6 +117,29 @@ def build_llama_server(jobs: int | None = None, console: Console | None = None) 
             partial.replace(target / name)
     console.print(f"built {', '.join(BINARIES)} into {target}")
     return target / "llama-server"
+
+
+def llama_cpp_sources(work: Path, console: Console, parts: tuple[str, ...] = ()) -> Path:
+    """Download the pinned llama-cpp-python sdist into ``work`` and unpack its vendored
+    llama.cpp (only the paths under it that start with one of ``parts``, when given);
+    returns the llama.cpp directory."""
+    package = f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}"
+    with console.status(f"downloading the {package} sdist"):
+        pip = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps"]
+        _run([*pip, "--no-binary", ":all:", package, "-d", str(work)])
+    (sdist,) = work.glob("llama_cpp_python-*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        members = None
+        if parts:
+            members = [
+                member
+                for member in archive.getmembers()
+                if "/vendor/llama.cpp/" in member.name
+                and member.name.split("/vendor/llama.cpp/", 1)[1].startswith(parts)
+            ]
+        archive.extractall(work, members=members, filter="data")
+    (source,) = work.glob("llama_cpp_python-*/vendor/llama.cpp")
+    return source
 
 
 def _run(command: list[str]) -> None:
@@ -164,6 +182,49 @@ def make_q4_k_m(console: Console | None = None) -> Path:
     return target
 
 
+# all-MiniLM-L6-v2 converted by llama.cpp's converter, in fp32 (as sentence-transformers
+# and slotserve's encoder hold it): llama-server's ``--embeddings`` peer of ``bench models``.
+MINILM_GGUF = "all-MiniLM-L6-v2.f32.gguf"
+CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+
+
+def minilm_gguf_path() -> Path:
+    return cache_dir() / "models" / MINILM_GGUF
+
+
+def make_minilm_gguf(console: Console | None = None) -> Path:
+    """``convert_hf_to_gguf.py --outtype f32`` of the installed all-MiniLM-L6-v2 directory,
+    once, with the converter and the ``gguf`` package of the pinned llama.cpp (not the
+    installed ``gguf``, which may be another version). Raises `RuntimeError` with the
+    converter's output when it fails."""
+    from slotserve.artifact.minilm import minilm_dir
+
+    console = console or Console(stderr=True)
+    target = minilm_gguf_path()
+    if target.is_file():
+        console.print(f"the MiniLM GGUF is already made: {target}")
+        return target
+    directory = minilm_dir()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.{os.getpid()}")
+    with tempfile.TemporaryDirectory(prefix="slotserve-convert-") as tmp:
+        source = llama_cpp_sources(Path(tmp), console, CONVERTER_PARTS)
+        command = [sys.executable, str(source / "convert_hf_to_gguf.py"), str(directory)]
+        command += ["--outtype", "f32", "--outfile", str(partial)]
+        env = {**os.environ, "PYTHONPATH": str(source / "gguf-py")}
+        with console.status("converting all-MiniLM-L6-v2 to GGUF (convert_hf_to_gguf.py)"):
+            done = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
+        if done.returncode != 0:
+            partial.unlink(missing_ok=True)
+            raise RuntimeError(
+                f"convert_hf_to_gguf.py failed (exit {done.returncode}): {done.stderr[-2000:]}"
+            )
+    partial.replace(target)
+    console.print(f"made {target}")
+    return target
+
+
 if __name__ == "__main__":
     build_llama_server()
     make_q4_k_m()
+    make_minilm_gguf()

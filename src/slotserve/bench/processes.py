@@ -1,7 +1,10 @@
-"""HTTP servers as child processes: slotserve's own and llama.cpp's, on free loopback ports."""
+"""HTTP servers as child processes: slotserve's own and llama.cpp's, on free loopback ports,
+and the memory of a process with its descendants (llama-server's router runs a child
+process a model)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -12,6 +15,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from slotserve.memory import read_process
 
 
 def free_port() -> int:
@@ -90,12 +95,45 @@ def slotserve_server(model: str, *flags: str, ready_timeout_s: float = 120.0) ->
 
 
 def llama_server(
-    binary: Path, gguf: Path, *, parallel: int, threads: int, context: int
+    binary: Path, gguf: Path, *flags: str, parallel: int, threads: int, context: int
 ) -> ServerProcess:
     """llama.cpp's server on ``gguf``: ``parallel`` slots sharing a ``context`` of
-    ``parallel × per-slot`` tokens, ``threads`` threads for decode and prompt alike."""
+    ``parallel × per-slot`` tokens, ``threads`` threads for decode and prompt alike, then
+    ``flags`` (``--embeddings``…)."""
     port = free_port()
     command = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)]
     command += ["-np", str(parallel), "-c", str(context), "-t", str(threads)]
-    command += ["-tb", str(threads), "--no-webui"]
+    command += ["-tb", str(threads), "--no-webui", *flags]
     return ServerProcess(command, port)
+
+
+def children(pid: int) -> list[int]:
+    """The pids of process ``pid``'s children (Linux ``/proc/PID/task/*/children``)."""
+    found: list[int] = []
+    with contextlib.suppress(OSError):  # ended meanwhile
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as listed:
+                found.extend(int(child) for child in listed.read().split())
+    return found
+
+
+def process_tree(pid: int) -> list[int]:
+    """``pid`` and all its descendants."""
+    found, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        found.append(current)
+        pending.extend(children(current))
+    return found
+
+
+def tree_memory(pids: list[int]) -> tuple[int, int]:
+    """The resident and the anonymous bytes of the processes ``pids`` and all their
+    descendants, summed (a process that ended meanwhile counts 0)."""
+    resident = anonymous = 0
+    for root in pids:
+        for pid in process_tree(root):
+            reading = read_process(pid)
+            resident += reading.resident
+            anonymous += reading.anonymous
+    return resident, anonymous

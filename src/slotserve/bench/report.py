@@ -9,6 +9,7 @@ from importlib.metadata import version
 from typing import Any
 
 from slotserve.bench.executors import executors_section
+from slotserve.bench.models import models_section
 from slotserve.bench.prefix_store import store_section
 from slotserve.bench.servers import servers_section
 from slotserve.bench.speculative import speculative_section
@@ -449,6 +450,7 @@ SECTIONS = {
     "executors": executors_section,
     "servers": servers_section,
     "speculative": speculative_section,
+    "models": models_section,
 }
 
 

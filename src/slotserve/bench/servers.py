@@ -61,10 +61,16 @@ class Stream:
 
 
 def stream_completion(
-    client: Any, model: str, prompt: list[int], start: threading.Barrier, tokens: int
+    client: Any,
+    model: str,
+    prompt: list[int],
+    start: threading.Barrier,
+    tokens: int,
+    extra: dict[str, Any] | None = None,
 ) -> Stream:
     """Send one streamed completion of ``tokens`` tokens once every stream of the round is
-    ready; record when each chunk with text arrived and the usage's token count."""
+    ready; record when each chunk with text arrived and the usage's token count. ``extra``
+    goes into the body beside ``ignore_eos`` (slotserve's ``priority``…)."""
     start.wait()
     stream = Stream(sent=time.perf_counter())
     response = client.completions.create(
@@ -74,7 +80,7 @@ def stream_completion(
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
-        extra_body={"ignore_eos": True},
+        extra_body={"ignore_eos": True, **(extra or {})},
     )
     for chunk in response:
         if chunk.choices and chunk.choices[0].text:
@@ -109,7 +115,7 @@ PASSAGE = (
 )
 
 
-def _prompts(model: Model, level: int, seed: int) -> list[list[int]]:
+def numbered_prompts(model: Model, level: int, seed: int) -> list[list[int]]:
     """``level`` prompts of `PROMPT_TOKENS` tokens, each opening with its own number."""
     prompts = []
     for i in range(level):
@@ -200,7 +206,7 @@ def run_servers(
             task = progress.add_task("bench servers", total=len(levels) * repeats * len(servers))
             for level in levels:
                 for repeat in range(repeats + 1):  # the first is a warm-up
-                    prompts = _prompts(model, level, seed=level * 1000 + repeat)
+                    prompts = numbered_prompts(model, level, seed=level * 1000 + repeat)
                     for name in servers:
                         done = drive(clients[name], names[name], prompts, decode_tokens)
                         if repeat:

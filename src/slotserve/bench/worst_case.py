@@ -36,9 +36,7 @@ the server's and theirs together.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import random
 import threading
 from collections.abc import Callable, Sequence
@@ -48,7 +46,7 @@ from typing import Any
 import httpx
 from rich.progress import Progress
 
-from slotserve.bench.processes import ServerProcess, slotserve_server
+from slotserve.bench.processes import ServerProcess, children, slotserve_server
 from slotserve.memory import read_process
 
 DECODE_TOKENS = 8  # each worst-case stream's tokens after its prompt
@@ -336,15 +334,6 @@ def arena_rows(plan: dict[str, Any], phases: dict[str, dict[str, int]]) -> list[
         }
         for (span, names), got in zip(ARENA_ROWS, measured, strict=True)
     ]
-
-
-def children(pid: int) -> list[int]:
-    """The pids of process ``pid``'s children (Linux ``/proc/PID/task/*/children``)."""
-    found: list[int] = []
-    for task in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/children") as listed:
-            found.extend(int(child) for child in listed.read().split())
-    return found
 
 
 def _anonymous_peak(pid: int) -> int:

@@ -29,6 +29,7 @@ SCENARIO_NAMES = (
     "executors",
     "servers",
     "speculative",
+    "models",
     "all",
 )
 # Benches of an encoder model, outside `slotserve.bench.SCENARIOS` (which load a decoder).

@@ -459,6 +459,14 @@ def _serve_models(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
             "a model set needs at least one resident model (it answers /health and feeds "
             "/metrics); set resident = true on one"
         )
+    # The server's own routes (/health, /tokenize, the dashboard's engine view) run on a
+    # generating engine: an embedding model cannot be the one that answers them.
+    generating = [spec for spec in specs if spec.resident and not is_encoder(spec.source)]
+    if not generating:
+        raise ValueError(
+            "a model set needs a resident chat (generating) model: it answers /health, "
+            "/tokenize and the dashboard; an embedding model is served beside one, not alone"
+        )
     if args.memory_map is not None or args.budget_scope != "process":
         raise ValueError(
             "several models share one --memory-budget of the whole process; --memory-map "
@@ -473,7 +481,7 @@ def _serve_models(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
     grammars = grammar_config(args)
     models = model_set(args, specs, grammars)
     models.start()  # PlanError: the residents (and the largest on-demand model) do not fit
-    primary_spec = next(spec for spec in specs if spec.resident)
+    primary_spec = generating[0]
     primary = primary_spec.name
     engine = models.engine(primary)
     assert engine is not None
