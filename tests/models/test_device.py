@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import slotserve as ss
@@ -91,6 +91,9 @@ def test_a_bad_share_or_class_is_refused_naming_it() -> None:
 
 
 @settings(max_examples=40, deadline=None)
+# A large share with interactive steps waiting throughout: the background credit grew past
+# one turn plus the share while the never-twice-ahead rule withheld its turns.
+@example(waiters=["interactive", "background"] * 4, share=0.9)
 @given(
     waiters=st.lists(st.sampled_from(PRIORITIES), min_size=1, max_size=8),
     share=st.sampled_from([0.0, 0.1, 0.5, 0.9]),

@@ -140,6 +140,9 @@ class DeviceScheduler:
             if self._background_credit >= 1.0 - 1e-9 and not after_background:
                 self._background_credit -= 1.0
                 return "background"
+            # A turn the rule above withholds is owed, but no more than one is banked: a
+            # share above one half cannot be paid while interactive steps keep waiting.
+            self._background_credit = min(self._background_credit, 1.0)
         return best
 
     def _count(self, waiter: _Waiter) -> None:
