@@ -57,7 +57,9 @@ def test_models_runs_every_part_on_tiny_models(tiny_dirs: dict[str, Path]) -> No
         assert peer["index_tokens_alone"] == result["passage_tokens"]
     else:
         assert "skipped" in peer
-    assert "gguf" in result["beside_indexing"][TWO_LLAMA]["skipped"].lower()
+    # Tiny Hugging Face models: llama-server's rows need GGUF files, or llama-server itself.
+    why = "gguf" if find_llama_server() is not None else "make bench-deps"
+    assert why in result["beside_indexing"][TWO_LLAMA]["skipped"].lower()
     assert result["in_process"]["max_abs_diff"] <= 1e-4
     switching = result["switching"]
     ours = switching["slotserve"]
@@ -66,7 +68,7 @@ def test_models_runs_every_part_on_tiny_models(tiny_dirs: dict[str, Path]) -> No
         assert ours["first_token_s_cold"][model]["median"] > 0
     # Room for one of the two on-demand models at a time, and the process kept to it.
     assert ours["peak_anonymous_bytes"] <= ours["budget_bytes"]
-    assert "GGUF" in switching["llama-server router"]["skipped"]
+    assert why in switching["llama-server router"]["skipped"].lower()
     section = "\n".join(models_section(result))
     assert section.startswith("## models:")
     assert f"| {ONE_PROCESS} |" in section and "skipped: " in section
