@@ -48,7 +48,9 @@ class Stepper:
     def draft(self, work: Work, pool: KVPool) -> Work:
         """Under the engine lock, before the step is committed: ``work`` with the drafts
         of the requests that speculate this step (`Speculator.draft`)."""
-        return work if self.speculator is None else self.speculator.draft(work, pool)
+        if self.speculator is None:
+            return work
+        return self.speculator.draft(work, pool, self._threads())
 
     def settle(self, pool: KVPool) -> None:
         """Under the engine lock, after the step: roll rejected draft rows back."""
@@ -81,6 +83,7 @@ class Stepper:
                     feeds.extend(self.speculator.fed(request))
         # Real time, not `clock` (tests run the engine on a synthetic one): the governor
         # weighs the cores this step really got.
+        threads = self._threads()  # (the governor may change it once the step is timed)
         wall, cpu = time.perf_counter(), time.process_time()
         rows: torch.Tensor | None = None  # every row's logits (a step with drafts)
         if any(request.pooling is not None for request, _ in work):
@@ -95,13 +98,18 @@ class Stepper:
         if self.governor is not None:
             self.governor.observe(seconds, time.process_time() - cpu)
         if self.speculator is not None and decode_only:
-            self.speculator.observe_step(batch.n_tokens, seconds)
+            self.speculator.observe_step(batch.n_tokens, seconds, threads)
         if rows is None:
             return self._sample_and_stream(work, logits)
         plain = [index for index, (r, _) in enumerate(work) if not self._drafted(r)]
         return self._verify_drafts(work, rows) + self._sample_and_stream(
             [work[index] for index in plain], logits, plain
         )
+
+    def _threads(self) -> int:
+        """The thread count the kernels run the next step on (0: no governed kernels); read
+        from the kernels, which another engine's governor over the same model may set."""
+        return 0 if self.governor is None else self.governor.kernels[0].threads
 
     def _step_pooling(self, work: Work, feeds: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """The step, with the final hidden states of each embedding request's rows pooled
