@@ -11,6 +11,7 @@ the tokens plain decoding would.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -96,7 +97,8 @@ class Stepper:
             logits = self.executor.step(torch.tensor(feeds), batch, self.kv)
         seconds = time.perf_counter() - wall
         if self.governor is not None:
-            self.governor.observe(seconds, time.process_time() - cpu)
+            with _GOVERNOR_LOCK:
+                self.governor.observe(seconds, time.process_time() - cpu)
         if self.speculator is not None and decode_only:
             self.speculator.observe_step(batch.n_tokens, seconds, threads)
         if rows is None:
@@ -107,9 +109,8 @@ class Stepper:
         )
 
     def _threads(self) -> int:
-        """The thread count the kernels run the next step on (0: no governed kernels); read
-        from the kernels, which another engine's governor over the same model may set."""
-        return 0 if self.governor is None else self.governor.kernels[0].threads
+        """The thread count the kernels run the next step on (0: no governed kernels)."""
+        return 0 if self.governor is None else self.governor.threads
 
     def _step_pooling(self, work: Work, feeds: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """The step, with the final hidden states of each embedding request's rows pooled
@@ -226,13 +227,29 @@ class Stepper:
         return finished
 
 
+# One governor a set of kernels: the kernels are built once a process, so every engine of
+# the process (a server's models, a bench's engines with speculation on and off) sets the
+# same thread counts; governors of their own would each drop or restore them on their own
+# view, and one engine's steps would run on the count another's governor chose. Keyed by
+# the kernels' identities (the governor holds them, so an identity is never reused).
+_GOVERNORS: dict[tuple[int, ...], ThreadGovernor] = {}
+# `observe` of a shared governor may come from several engine threads.
+_GOVERNOR_LOCK = threading.Lock()
+
+
 def _governor_for(executor: Executor) -> ThreadGovernor | None:
-    """The thread governor of the model's own kernels (`slotserve.native.contention`);
-    None when the executor runs none of them (a bundle's program keeps its own threads)."""
+    """The thread governor of the model's own kernels (`slotserve.native.contention`),
+    shared by every engine on them; None when the executor runs none of them (a bundle's
+    program keeps its own threads)."""
     kernels = getattr(getattr(executor, "model", None), "kernels", None)
     threaded: list[Threaded] = [
         k for k in (getattr(kernels, "blocks", None), getattr(kernels, "attention", None)) if k
     ]
     if not threaded:
         return None
-    return ThreadGovernor(threaded, process_cores())  # the count the kernels were built with
+    key = tuple(id(kernel) for kernel in threaded)
+    with _GOVERNOR_LOCK:
+        governor = _GOVERNORS.get(key)
+        if governor is None:  # the count the kernels were built with
+            governor = _GOVERNORS[key] = ThreadGovernor(threaded, process_cores())
+        return governor
