@@ -188,9 +188,11 @@ class Speculator:
     ``max_draft`` bounds one request's draft; ``max_step_tokens`` the tokens of a step with
     drafts (the engine's ``max_batch_tokens``). A step drafts only when it is decode only
     (a prefill chunk already fills the step's rows), and only the drafts expected to raise
-    the step's delivered tokens a second: each request's acceptance so far (`Acceptance`)
-    against what rows cost on this machine and model (`StepCost`, fitted to the steps run),
-    so speculation does not slow a batch that is already bound by its rows. With a
+    the step's delivered tokens a second: each request's acceptance so far of drafts found
+    the same way (`Acceptance`, one per n-gram match length) against what rows cost on this
+    machine and model at the kernels' thread count (`StepCost`, fitted to the steps run and
+    cautious where they cannot tell), so speculation does not slow a batch that is already
+    bound by its rows. With a
     ``drafter`` (a draft model) the lengths are chosen first, as if every request had a
     proposal of its longest length, counting what the draft model's steps cost too
     (`ModelDrafter.cost`); the draft model then drafts them."""
