@@ -51,6 +51,19 @@ def test_a_repeated_phrase_is_drafted() -> None:
     assert drafter.propose(0) == []
 
 
+def test_the_lookup_names_the_length_of_its_match() -> None:
+    """A proposal following a 3-token match is a far likelier guess than one following a
+    single token (in free-form chat most 1-token matches are wrong): the lookup says which
+    it is, and the speculator keeps each length's acceptance apart."""
+    drafter = NgramDrafter()
+    drafter.extend([7, 1, 2, 3, 4, 5, 9, 1, 2, 3])
+    assert drafter.lookup(2) == (3, [4, 5])
+    drafter.extend([8, 5])
+    assert drafter.lookup(2) == (1, [9, 1])  # only "5" occurred before
+    drafter.extend([6])
+    assert drafter.lookup(2) == (0, [])
+
+
 def test_the_acceptance_estimate_follows_the_drafts() -> None:
     acceptance = Acceptance()
     assert acceptance.rate == PRIOR_ACCEPTANCE
@@ -90,6 +103,60 @@ def test_drafts_are_chosen_only_where_they_pay() -> None:
     likely.rate = 0.9
     assert len(cheap._choose([(0, likely, [1] * 8)], rows=1, delivered=1.0)[0]) >= 6
     assert dear._choose([(0, likely, [1] * 8)], rows=1, delivered=1.0) == {}
+
+
+def likely(rate: float) -> Acceptance:
+    acceptance = Acceptance()
+    acceptance.rate = rate
+    return acceptance
+
+
+def test_steps_of_one_size_do_not_make_rows_free() -> None:
+    """Eight streams decode in steps of 8 rows; then three end, and the 5-row steps that
+    follow happen to take as long as the 8-row ones did (the machine's load moved). Fitted
+    blindly, rows cost nothing, and 5 requests would each verify 8 drafted tokens in a
+    45-row step; the fit leans on its prior where the sizes seen vary so little, prices
+    rows past the largest step seen at no less than the prior's rate, and so drafts no
+    further than the rows it has seen cost."""
+    speculator = Speculator("ngram", max_draft=8, max_step_tokens=512)
+    for step in range(50):
+        speculator.observe_step(8, 0.024 + 0.001 * (step % 3))
+    for _ in range(5):
+        speculator.observe_step(5, 0.025)
+    cost = speculator.cost
+    assert cost.seconds(45) - cost.seconds(8) >= 37 * 0.5 * cost.seconds(8) / 8
+    candidates = [(request, likely(0.8), [1] * 8) for request in range(5)]
+    chosen = speculator._choose(candidates, rows=5, delivered=5.0)
+    assert sum(len(tokens) for tokens in chosen.values()) <= 3  # up to the 8 rows seen
+
+
+def test_one_slow_step_does_not_turn_the_fit() -> None:
+    """Once the fit has settled, one step the OS descheduled (a 1-row step taking the time
+    of 18) moves it no more than a step twice as slow as predicted would, so the draft
+    chosen stays the length it was."""
+    speculator = Speculator("ngram", max_draft=8, max_step_tokens=64)
+    for rows in (1, 2, 4, 8) * 10:
+        speculator.observe_step(rows, 0.002 + 0.0025 * rows)
+    candidate = [(0, likely(0.9), [1] * 8)]
+    before = speculator._choose(candidate, rows=1, delivered=1.0)
+    speculator.observe_step(1, 0.045)
+    assert speculator._choose(candidate, rows=1, delivered=1.0) == before
+
+
+def test_each_thread_count_has_its_own_step_cost() -> None:
+    """The thread governor runs the kernels on one thread while another process holds the
+    cores, where a row costs another share of a step than on all of them. Steps on two
+    threads (row-bound: each row nearly a step) and on one (rows nearly free), taking
+    turns, are fitted apart: a likely draft is verified on one thread and not on two."""
+    speculator = Speculator("ngram", max_draft=8, max_step_tokens=64)
+    for rows in (1, 2, 4, 8) * 10:
+        speculator.observe_step(rows, 0.0001 + 0.005 * rows, threads=2)
+        speculator.observe_step(rows, 0.040 + 0.0005 * rows, threads=1)
+    candidate = [(0, likely(0.9), [1] * 8)]
+    speculator.cost.use(2)
+    assert speculator._choose(candidate, rows=1, delivered=1.0) == {}
+    speculator.cost.use(1)
+    assert len(speculator._choose(candidate, rows=1, delivered=1.0)[0]) >= 6
 
 
 def test_speculation_is_refused_where_logits_depend_on_the_chunking(

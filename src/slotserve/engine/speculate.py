@@ -83,14 +83,19 @@ class NgramDrafter:
 
     def propose(self, k: int) -> list[int]:
         """Up to ``k`` tokens guessed to follow the history (none: no earlier match)."""
+        return self.lookup(k)[1]
+
+    def lookup(self, k: int) -> tuple[int, list[int]]:
+        """`propose`'s tokens, with the length ``n`` of the match they follow (0: none).
+        A longer match is the likelier guess: its acceptance is estimated apart."""
         size = len(self.tokens)
         if k <= 0:
-            return []
+            return 0, []
         for n in range(min(self.n_max, size), self.n_min - 1, -1):
             end = self._latest.get(tuple(self.tokens[size - n :]))
             if end is not None:
-                return self.tokens[end + 1 : end + 1 + k]
-        return []
+                return n, self.tokens[end + 1 : end + 1 + k]
+        return 0, []
 
 
 @dataclass
@@ -153,7 +158,16 @@ class SpeculationStats:
 class _RequestState:
     request: weakref.ref[Request]
     drafter: NgramDrafter | None  # None: a draft model drafts
-    acceptance: Acceptance
+    # The acceptance of its drafts by how they were found: the n-gram match's length (a
+    # 1-token match guesses far worse than a 3-token one), 0 for a draft model's.
+    acceptances: dict[int, Acceptance] = field(default_factory=dict)
+
+    def acceptance(self, source: int) -> Acceptance:
+        return self.acceptances.setdefault(source, Acceptance())
+
+    def idle(self) -> None:
+        for acceptance in self.acceptances.values():
+            acceptance.idle()
 
 
 @dataclass
@@ -163,6 +177,7 @@ class Draft:
 
     tokens: list[int]
     held: TentativeRows
+    acceptance: Acceptance  # the estimate its outcome moves
     accepted: int | None = None  # None: not verified (the step failed or it finished)
 
 
@@ -173,9 +188,11 @@ class Speculator:
     ``max_draft`` bounds one request's draft; ``max_step_tokens`` the tokens of a step with
     drafts (the engine's ``max_batch_tokens``). A step drafts only when it is decode only
     (a prefill chunk already fills the step's rows), and only the drafts expected to raise
-    the step's delivered tokens a second: each request's acceptance so far (`Acceptance`)
-    against what rows cost on this machine and model (`StepCost`, fitted to the steps run),
-    so speculation does not slow a batch that is already bound by its rows. With a
+    the step's delivered tokens a second: each request's acceptance so far of drafts found
+    the same way (`Acceptance`, one per n-gram match length) against what rows cost on this
+    machine and model at the kernels' thread count (`StepCost`, fitted to the steps run and
+    cautious where they cannot tell), so speculation does not slow a batch that is already
+    bound by its rows. With a
     ``drafter`` (a draft model) the lengths are chosen first, as if every request had a
     proposal of its longest length, counting what the draft model's steps cost too
     (`ModelDrafter.cost`); the draft model then drafts them."""
@@ -195,10 +212,12 @@ class Speculator:
         if self.max_draft < 1:
             raise ValueError(f"speculate_max_draft={self.max_draft} must be >= 1")
 
-    def draft(self, work: Work, pool: KVPool) -> Work:
+    def draft(self, work: Work, pool: KVPool, threads: int = 0) -> Work:
         """Under the engine lock, before the step is committed: ``work`` with each drafting
         request's draft added to the tokens it feeds (``drafts`` holds them until
-        `settle`)."""
+        `settle`). ``threads``: the kernels' thread count the step will run on (its rows
+        are priced by the steps run on as many, `StepCost.use`)."""
+        self.cost.use(threads)
         self._forget_finished()
         self.drafts.clear()  # a step that was never run (its commit refused) left them
         if self.mode == "off" or any(r.in_prefill or r.pooling is not None for r, _ in work):
@@ -207,12 +226,14 @@ class Speculator:
         candidates = []
         for request, _ in work:
             k = min(span, self._length_for(request))
-            proposal = self._propose(request, k) if k > 0 else []
+            source, proposal = self._propose(request, k) if k > 0 else (0, [])
             if proposal:
-                candidates.append((request.request_id, self._state(request).acceptance, proposal))
+                acceptance = self._state(request).acceptance(source)
+                candidates.append((request.request_id, acceptance, proposal))
             elif request.params.speculate:
-                self._state(request).acceptance.idle()
+                self._state(request).idle()
         chosen = self._choose(candidates, sum(n for _, n in work), len(work))
+        estimates = {request_id: acceptance for request_id, acceptance, _ in candidates}
         if self.drafter is not None and chosen:
             chosen = self._model_drafts(work, chosen)
         for request_id, tokens in chosen.items():
@@ -220,7 +241,7 @@ class Speculator:
                 continue
             start = pool.length(request_id)
             held = pool.hold_tentative(request_id, start + 1, start + 1 + len(tokens))
-            self.drafts[request_id] = Draft(tokens, held)
+            self.drafts[request_id] = Draft(tokens, held, estimates[request_id])
         return [(request, n + len(chosen.get(request.request_id, ()))) for request, n in work]
 
     def _model_drafts(self, work: Work, chosen: dict[int, list[int]]) -> dict[int, list[int]]:
@@ -239,11 +260,12 @@ class Speculator:
             self.drafter.reset()
             return {}
 
-    def _propose(self, request: Request, k: int) -> list[int]:
-        """``request``'s proposal of at most ``k`` tokens: the n-gram lookup's; with a draft
-        model, ``k`` placeholders (its tokens are drafted once the lengths are chosen)."""
+    def _propose(self, request: Request, k: int) -> tuple[int, list[int]]:
+        """``request``'s proposal of at most ``k`` tokens, and its source (whose acceptance
+        estimate it takes): the n-gram lookup's, by the match's length; with a draft model,
+        ``k`` placeholders (its tokens are drafted once the lengths are chosen), source 0."""
         drafter = self._state(request).drafter
-        return [-1] * k if drafter is None else drafter.propose(k)
+        return (0, [-1] * k) if drafter is None else drafter.lookup(k)
 
     def _draft_seconds(self, k: int, depth: int) -> float:
         """What a draft of ``k`` adds to the draft model's steps where the longest draft
@@ -285,8 +307,10 @@ class Speculator:
             depth = max(depth, best)
         return chosen
 
-    def observe_step(self, rows: int, seconds: float) -> None:
-        """A decode-only step of ``rows`` rows took ``seconds`` (the cost model learns)."""
+    def observe_step(self, rows: int, seconds: float, threads: int = 0) -> None:
+        """A decode-only step of ``rows`` rows took ``seconds`` on ``threads`` threads (the
+        cost model of that thread count learns)."""
+        self.cost.use(threads)
         self.cost.observe(rows, seconds)
 
     def fed(self, request: Request) -> list[int]:
@@ -320,9 +344,7 @@ class Speculator:
             counters.drafted += drafted
             counters.accepted += draft.accepted
             counters.rejected += drafted - draft.accepted
-            state = self._states.get(request_id)
-            if state is not None:
-                state.acceptance.observe(drafted, draft.accepted)
+            draft.acceptance.observe(drafted, draft.accepted)
         self.drafts.clear()
 
     def stats(self) -> SpeculationStats:
@@ -350,7 +372,7 @@ class Speculator:
         state = self._states.get(request.request_id)
         if state is None:
             ngram = NgramDrafter() if self.drafter is None else None
-            state = _RequestState(weakref.ref(request), ngram, Acceptance())
+            state = _RequestState(weakref.ref(request), ngram)
             if ngram is not None:
                 ngram.extend(request.prompt)
             self._states[request.request_id] = state

@@ -11,6 +11,7 @@ the tokens plain decoding would.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 
@@ -48,7 +49,9 @@ class Stepper:
     def draft(self, work: Work, pool: KVPool) -> Work:
         """Under the engine lock, before the step is committed: ``work`` with the drafts
         of the requests that speculate this step (`Speculator.draft`)."""
-        return work if self.speculator is None else self.speculator.draft(work, pool)
+        if self.speculator is None:
+            return work
+        return self.speculator.draft(work, pool, self._threads())
 
     def settle(self, pool: KVPool) -> None:
         """Under the engine lock, after the step: roll rejected draft rows back."""
@@ -81,6 +84,7 @@ class Stepper:
                     feeds.extend(self.speculator.fed(request))
         # Real time, not `clock` (tests run the engine on a synthetic one): the governor
         # weighs the cores this step really got.
+        threads = self._threads()  # (the governor may change it once the step is timed)
         wall, cpu = time.perf_counter(), time.process_time()
         rows: torch.Tensor | None = None  # every row's logits (a step with drafts)
         if any(request.pooling is not None for request, _ in work):
@@ -93,15 +97,20 @@ class Stepper:
             logits = self.executor.step(torch.tensor(feeds), batch, self.kv)
         seconds = time.perf_counter() - wall
         if self.governor is not None:
-            self.governor.observe(seconds, time.process_time() - cpu)
+            with _GOVERNOR_LOCK:
+                self.governor.observe(seconds, time.process_time() - cpu)
         if self.speculator is not None and decode_only:
-            self.speculator.observe_step(batch.n_tokens, seconds)
+            self.speculator.observe_step(batch.n_tokens, seconds, threads)
         if rows is None:
             return self._sample_and_stream(work, logits)
         plain = [index for index, (r, _) in enumerate(work) if not self._drafted(r)]
         return self._verify_drafts(work, rows) + self._sample_and_stream(
             [work[index] for index in plain], logits, plain
         )
+
+    def _threads(self) -> int:
+        """The thread count the kernels run the next step on (0: no governed kernels)."""
+        return 0 if self.governor is None else self.governor.threads
 
     def _step_pooling(self, work: Work, feeds: torch.Tensor, batch: StepBatch) -> torch.Tensor:
         """The step, with the final hidden states of each embedding request's rows pooled
@@ -218,13 +227,29 @@ class Stepper:
         return finished
 
 
+# One governor a set of kernels: the kernels are built once a process, so every engine of
+# the process (a server's models, a bench's engines with speculation on and off) sets the
+# same thread counts; governors of their own would each drop or restore them on their own
+# view, and one engine's steps would run on the count another's governor chose. Keyed by
+# the kernels' identities (the governor holds them, so an identity is never reused).
+_GOVERNORS: dict[tuple[int, ...], ThreadGovernor] = {}
+# `observe` of a shared governor may come from several engine threads.
+_GOVERNOR_LOCK = threading.Lock()
+
+
 def _governor_for(executor: Executor) -> ThreadGovernor | None:
-    """The thread governor of the model's own kernels (`slotserve.native.contention`);
-    None when the executor runs none of them (a bundle's program keeps its own threads)."""
+    """The thread governor of the model's own kernels (`slotserve.native.contention`),
+    shared by every engine on them; None when the executor runs none of them (a bundle's
+    program keeps its own threads)."""
     kernels = getattr(getattr(executor, "model", None), "kernels", None)
     threaded: list[Threaded] = [
         k for k in (getattr(kernels, "blocks", None), getattr(kernels, "attention", None)) if k
     ]
     if not threaded:
         return None
-    return ThreadGovernor(threaded, process_cores())  # the count the kernels were built with
+    key = tuple(id(kernel) for kernel in threaded)
+    with _GOVERNOR_LOCK:
+        governor = _GOVERNORS.get(key)
+        if governor is None:  # the count the kernels were built with
+            governor = _GOVERNORS[key] = ThreadGovernor(threaded, process_cores())
+        return governor

@@ -56,8 +56,9 @@ class GovernorConfig:
 
 class ThreadGovernor:
     """Sets the ``threads`` of ``kernels`` (all to the same count) from `observe`'s steps:
-    ``full`` threads while they get their cores, else one. Driven by one thread (the
-    engine's); `threads`, `drops` and `probes` may be read from any."""
+    ``full`` threads while they get their cores, else one. Driven by one thread at a time
+    (the engines of a process share one, `slotserve.engine.stepper`, and call `observe`
+    under a lock); `threads`, `drops` and `probes` may be read from any."""
 
     def __init__(
         self, kernels: list[Threaded], full: int, config: GovernorConfig | None = None
