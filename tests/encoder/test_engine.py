@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from slotserve.engine.device import DeviceScheduler, DeviceSeat, TurnTaker
 from slotserve.engine.encoder import EncoderEngine
 from slotserve.engine.encoder_plan import EncoderConfig
 from slotserve.errors import AdmissionRefused, PlanError
@@ -30,7 +31,7 @@ def test_embeddings_equal_the_model_across_steps(
     texts = [f"note {i}: " + "retrieval " * (i * 7 % 40) for i in range(10)]  # 3 steps
     got = engine.embed(texts, priority="background")
     expected = torch.cat([minilm.embed([ids]) for ids in minilm.tokenize(texts)])
-    assert float((got - expected).abs().max()) <= 1e-5
+    assert torch.equal(got, expected)
     stats = engine.stats()
     assert stats.texts_in_use == 0 and stats.steps >= 3
     engine.check_integrity()
@@ -91,3 +92,48 @@ def test_interactive_request_passes_a_background_batch(engine: EncoderEngine) ->
     assert (first.reason, last.reason) == ("stop", "stop")
     assert first.timings.released is not None and last.timings.released is not None
     assert first.timings.released < last.timings.released
+
+
+def test_a_budgeted_step_cuts_a_batch_into_whole_texts_with_the_same_embeddings(
+    minilm: EncoderModel,
+) -> None:
+    """A step given a time budget embeds only the whole texts its fitted cost per token
+    says fit (at least one): a budget of nothing steps one text at a time, an ample one
+    the whole batch, and the embeddings are the same bits either way."""
+    texts = [f"passage {i}: " + "indexing on a device " * (3 + i * 5 % 30) for i in range(6)]
+    expected = minilm.embed(minilm.tokenize(texts))
+    engine = EncoderEngine(minilm, SMALL, ledger=MemoryLedger(), start=False)
+    try:
+        handle = engine.submit(texts, priority="background")
+        while engine.step(budget_s=0.0):
+            engine.check_integrity()
+        assert engine.stats().steps == len(texts)
+        assert torch.equal(handle.result(timeout=0).embeddings, expected)
+        handle = engine.submit(texts, priority="background")
+        while engine.step(budget_s=3600.0):
+            pass
+        assert engine.stats().steps == len(texts) + 2  # max_batch_texts=4: 4 + 2
+        assert torch.equal(handle.result(timeout=0).embeddings, expected)
+    finally:
+        engine.close()
+
+
+def test_a_turn_taker_cuts_background_steps_to_an_interactive_turn(
+    minilm: EncoderModel,
+) -> None:
+    """On a served set's device, the encoder's background steps last about one interactive
+    turn: after a short interactive turn, a batch goes one text a turn."""
+    device = DeviceScheduler()
+    with device.turn("chat", "interactive"):
+        pass  # an interactive step far shorter than any text's embedding
+    engine = EncoderEngine(minilm, SMALL, ledger=MemoryLedger(), start=False)
+    turns = TurnTaker(engine, DeviceSeat(device, "embed"))
+    try:
+        texts = [f"note {i}: " + "retrieval " * (20 + i) for i in range(4)]
+        result = engine.submit(texts, priority="background").result(timeout=120)
+        assert torch.equal(result.embeddings, minilm.embed(minilm.tokenize(texts)))
+        assert device.counters.turns["embed"] == len(texts)
+    finally:
+        engine.close()
+        turns.stop()
+    device.check_integrity()

@@ -26,11 +26,30 @@ def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
         time.sleep(0.001)
 
 
+class TurnClock:
+    """A device clock on which a turn lasts what the test says: real time (so a hold for
+    the classes above background lapses) plus the seconds `spend` adds."""
+
+    def __init__(self) -> None:
+        self.spent = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self.spent
+
+    def spend(self, seconds: float) -> None:
+        self.spent += seconds
+
+
 def run_turns(
-    device: DeviceScheduler, waiters: list[tuple[str, Priority]], holder: Priority = "normal"
+    device: DeviceScheduler,
+    waiters: list[tuple[str, Priority]],
+    holder: Priority = "normal",
+    costs: dict[str, float] | None = None,
+    clock: TurnClock | None = None,
 ) -> list[str]:
     """Hold the device as ``holder``, line ``waiters`` up (in this order), release, and
-    return the members in the order their turns ran."""
+    return the members in the order their turns ran; a member's turn spends
+    ``costs[member]`` seconds of ``clock`` (the device's)."""
     order: list[str] = []
     device.acquire("holder", holder)
     threads = []
@@ -38,6 +57,8 @@ def run_turns(
     def take(member: str, priority: Priority) -> None:
         with device.turn(member, priority):
             order.append(member)
+            if clock is not None and costs is not None:
+                clock.spend(costs[member])
             device.check_integrity()
 
     for count, (member, priority) in enumerate(waiters, 1):
@@ -69,13 +90,14 @@ def test_first_come_first_served_within_a_class() -> None:
 
 
 def test_background_gets_its_share_but_never_twice_ahead_of_interactive() -> None:
-    # With a share of one half, background takes every second contended turn; an
-    # interactive step never waits behind more than one background step.
-    device = DeviceScheduler(background_min_share=0.5)
+    # With a share of one half and turns of one length, background takes every second
+    # contended turn; an interactive step never waits behind more than one background step.
+    clock = TurnClock()
+    device = DeviceScheduler(background_min_share=0.5, clock=clock)
     waiters: list[tuple[str, Priority]] = []
     for i in range(4):
         waiters += [(f"chat{i}", "interactive"), (f"embed{i}", "background")]
-    order = run_turns(device, waiters)
+    order = run_turns(device, waiters, costs=dict.fromkeys(dict(waiters), 0.01), clock=clock)
     background = [i for i, member in enumerate(order) if member.startswith("embed")]
     assert order[:4] == ["chat0", "embed0", "chat1", "embed1"]
     assert all(b - a > 1 for a, b in itertools.pairwise(background))
@@ -112,6 +134,86 @@ def test_any_line_up_keeps_the_rules(waiters: list[Priority], share: float) -> N
     assert device.counters.max_background_ahead_of_interactive <= 1
     if share == 0.0:
         assert ran == sorted(ran, key=PRIORITIES.index)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    share=st.sampled_from([0.05, 0.1, 0.25, 0.5]),
+    chats=st.integers(min_value=10, max_value=30),
+    background_costs=st.lists(st.integers(min_value=1, max_value=8), min_size=1, max_size=4),
+)
+def test_background_takes_its_share_of_device_time_not_of_turns(
+    share: float, chats: int, background_costs: list[int]
+) -> None:
+    """Interactive turns of one length and background turns up to eight times as long, all
+    waiting: while both classes wait, background's time is its share of the time, give or
+    take one turn (no more: interactive pays only the share; no less: no starvation)."""
+    unit = 0.01
+    clock = TurnClock()
+    device = DeviceScheduler(background_min_share=share, clock=clock)
+    waiters: list[tuple[str, Priority]] = [(f"chat{i}", "interactive") for i in range(chats)]
+    waiters += [(f"embed{i}", "background") for i in range(len(background_costs))]
+    costs = dict.fromkeys((m for m, _ in waiters), unit)
+    costs.update({f"embed{i}": unit * c for i, c in enumerate(background_costs)})
+    order = run_turns(device, waiters, costs=costs, clock=clock)
+    left = {"interactive": chats, "background": len(background_costs)}
+    total = background = 0.0
+    classes = dict(waiters)
+    for member in order:  # the turns that ran while both classes waited
+        if not all(left.values()):
+            break
+        total += costs[member]
+        background += costs[member] if classes[member] == "background" else 0.0
+        left[classes[member]] -= 1
+    longest = max(costs.values())
+    assert background <= share * total + longest + 1e-9
+    assert background >= share * total - 2 * longest - 1e-9
+    assert device.counters.max_background_ahead_of_interactive <= 1
+
+
+def test_an_interactive_loop_keeps_the_device_between_its_steps() -> None:
+    """An engine stepping interactive turns back to back, background waiting throughout:
+    the device is held for it in the gaps between its turns, so background gets its share
+    of the time, not a turn in every gap."""
+    turn_s, steps = 0.01, 20
+    device = DeviceScheduler(background_min_share=0.1)
+    chatting = threading.Event()
+    background_turns: list[float] = []
+
+    def background() -> None:
+        while not chatting.is_set():
+            time.sleep(0.001)
+        while chatting.is_set():
+            with device.turn("embed", "background"):
+                background_turns.append(time.monotonic())
+                time.sleep(turn_s)
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    chatting.set()
+    wait_for(lambda: len(device.waiting) == 1 or bool(background_turns))
+    began = time.monotonic()
+    for _ in range(steps):
+        with device.turn("chat", "interactive"):
+            time.sleep(turn_s)
+    chatting.clear()
+    thread.join(10)
+    during = [t for t in background_turns if t >= began]
+    # One share of twenty turns' time is two turns (a few more slip in where the machine
+    # is loaded); the rest of the gaps stay the chat's.
+    assert len(during) <= 6, f"background took {len(during)} of the chat's {steps} gaps"
+    device.check_integrity()
+
+
+def test_a_background_turn_is_budgeted_one_interactive_turn() -> None:
+    clock = TurnClock()
+    device = DeviceScheduler(clock=clock)
+    assert device.turn_budget_s("background") is None  # no interactive turn yet
+    with device.turn("chat", "interactive"):
+        clock.spend(0.02)
+    assert device.turn_budget_s("background") == pytest.approx(0.02, abs=1e-3)
+    assert device.turn_budget_s("normal") == pytest.approx(0.02, abs=1e-3)
+    assert device.turn_budget_s("interactive") is None
 
 
 def test_an_engines_start_probes_take_a_background_turn(tiny: ss.Model) -> None:

@@ -8,14 +8,24 @@ within one model:
 
 - the highest class waiting goes first (``interactive``, ``normal``, ``background``),
   first come first served within a class;
-- ``background`` is guaranteed ``background_min_share`` of the turns it competes for
-  (deficit round robin, as `Scheduler.pick_class`), but never two turns in a row while an
-  interactive step waits: an interactive step waits behind at most one background step of
-  another model.
+- ``background`` is guaranteed ``background_min_share`` of the device *time* it competes
+  for, and takes no more: a deficit in seconds (each contended turn's measured length
+  times the share, less the contended background turns' lengths) grants background a turn
+  when it is owed time, but never two turns in a row while an interactive step waits: an
+  interactive step waits behind at most one background step of another model;
+- after a turn above ``background`` ends, the device is held for that class for as long as
+  the turn took: an engine stepping in a loop takes its next turn within that gap, so
+  background does not slip into every gap between its steps (a background turn the share
+  owes goes at once; one that comes once the hold has lapsed is not contended);
+- a turn below ``interactive`` should last about as long as an interactive step
+  (`turn_budget_s`): an engine whose steps can be cut (the encoder's batches) cuts them to
+  that, so the time an interactive step waits behind one is bounded, and the share counts
+  time in turns of comparable length.
 
-Pure policy over member names and classes: it never touches an engine, tensors or the KV
-pool. Owns: the turn, its waiters and the counters that prove the rules
-(`check_integrity`). Must not touch: what a step computes or which requests it holds.
+Pure policy over member names, classes and the turns' measured lengths: it never touches an
+engine, tensors or the KV pool. Owns: the turn, its waiters, the background deficit and
+the counters that prove the rules (`check_integrity`). Must not touch: what a step computes
+or which requests it holds.
 """
 
 from __future__ import annotations
@@ -23,7 +33,8 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -33,18 +44,30 @@ from slotserve.engine.events import PRIORITIES, Priority
 DEFAULT_DEVICE_BACKGROUND_SHARE = 0.1
 # How often a `TurnTaker` with nothing to step looks again.
 IDLE_POLL_S = 0.002
+# How fast the typical interactive turn's length (`DeviceScheduler.turn_budget_s`) follows
+# newer turns (the weight an older turn keeps per turn).
+TURN_DECAY = 0.9
 log = logging.getLogger("slotserve")
 
 
 @dataclass
 class DeviceCounters:
-    """What the device scheduler granted: ``turns`` by member, ``turns_by_class``, and the
-    most background turns granted in a row while an interactive step of another member
-    waited (``max_background_ahead_of_interactive``; the rules keep it at most 1)."""
+    """What the device scheduler granted: ``turns`` by member, ``turns_by_class``, their
+    measured ``seconds_by_class``, the most background turns granted in a row while an
+    interactive step of another member waited (``max_background_ahead_of_interactive``;
+    the rules keep it at most 1), the seconds of contended turns (``contended_s``: a
+    background turn while another class waited or held the device, or another class's
+    turn while background waited) and background's part of them
+    (``contended_background_s``; the rules keep it within the share plus one turn)."""
 
     turns: dict[str, int] = field(default_factory=dict)
     turns_by_class: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PRIORITIES, 0))
+    seconds_by_class: dict[str, float] = field(
+        default_factory=lambda: dict.fromkeys(PRIORITIES, 0.0)
+    )
     max_background_ahead_of_interactive: int = 0
+    contended_s: float = 0.0
+    contended_background_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -56,24 +79,35 @@ class _Waiter:
 
 class DeviceScheduler:
     """One turn at a time across engines (module docstring). Thread-safe: every engine's
-    loop thread calls `turn`."""
+    loop thread calls `turn`. ``clock``: what measures a turn's length (seconds)."""
 
-    def __init__(self, background_min_share: float = DEFAULT_DEVICE_BACKGROUND_SHARE) -> None:
+    def __init__(
+        self,
+        background_min_share: float = DEFAULT_DEVICE_BACKGROUND_SHARE,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not 0.0 <= background_min_share < 1.0:
             raise ValueError(
                 f"background_min_share={background_min_share} not in [0, 1); "
                 "e.g. 0.1 gives background one turn in ten it competes for"
             )
         self.background_min_share = background_min_share
+        self.clock = clock
         self.counters = DeviceCounters()
         self._cond = threading.Condition()
         self._holder: _Waiter | None = None
         self._waiting: list[_Waiter] = []
         self._granted: _Waiter | None = None  # chosen, not yet taken by its thread
         self._arrivals = itertools.count()
+        # Seconds of device time background is owed (positive) or ahead (negative).
         self._background_credit = 0.0
         self._last_class: Priority | None = None
         self._background_run = 0  # background turns in a row while interactive waited
+        self._began = 0.0  # when the holder's turn was granted
+        self._contended = False  # whether the holder's turn counts toward the share
+        self._hold_until = float("-inf")  # the device is kept for the classes above background
+        self._longest_turn_s = 0.0
+        self._interactive_turn_s: float | None = None
 
     @contextmanager
     def turn(self, member: str, priority: Priority) -> Iterator[None]:
@@ -94,18 +128,64 @@ class DeviceScheduler:
             self._waiting.append(me)
             self._grant_next()
             while self._granted is not me:
-                self._cond.wait()
+                self._cond.wait(self._hold_left())
+                self._grant_next()  # a hold may have lapsed
             self._granted = None
             self._holder = me
+            self._began = self.clock()
 
     def release(self, member: str) -> None:
         """End ``member``'s turn and grant the next one."""
         with self._cond:
-            assert self._holder is not None and self._holder.member == member, (
-                f"{member!r} released a turn it does not hold ({self._holder})"
+            holder = self._holder
+            assert holder is not None and holder.member == member, (
+                f"{member!r} released a turn it does not hold ({holder})"
             )
+            now = self.clock()
+            self._account(holder.priority, max(now - self._began, 0.0))
+            if holder.priority != "background":
+                self._hold_until = now + (now - self._began)
             self._holder = None
             self._grant_next()
+            if self._granted is None and self._waiting:
+                self._cond.notify_all()  # held: the waiters wait again, until it lapses
+
+    def turn_budget_s(self, priority: Priority) -> float | None:
+        """How long a turn of class ``priority`` should take at most: for a class below
+        ``interactive``, about one interactive turn (the recent interactive turns' length);
+        None for ``interactive`` itself or before any interactive turn has run."""
+        with self._cond:
+            if priority == "interactive":
+                return None
+            return self._interactive_turn_s
+
+    def _account(self, priority: Priority, seconds: float) -> None:
+        """Under the lock, as a turn ends: its length into the counters, the typical
+        interactive turn, and, for a contended turn, background's deficit (the share of
+        the turn's time, less the turn itself when it was background's; never more than
+        the longest turn banked)."""
+        counters = self.counters
+        counters.seconds_by_class[priority] += seconds
+        self._longest_turn_s = max(self._longest_turn_s, seconds)
+        if priority == "interactive":
+            last = self._interactive_turn_s
+            self._interactive_turn_s = (
+                seconds if last is None else TURN_DECAY * last + (1 - TURN_DECAY) * seconds
+            )
+        if not self._contended:
+            return
+        counters.contended_s += seconds
+        credit = self._background_credit + self.background_min_share * seconds
+        if priority == "background":
+            counters.contended_background_s += seconds
+            credit -= seconds
+        self._background_credit = min(credit, self._longest_turn_s)
+
+    def _hold_left(self) -> float | None:
+        """Under the lock: seconds until the hold for the classes above background lapses
+        (None: no hold, wait to be woken)."""
+        left = self._hold_until - self.clock()
+        return left if left > 0 else None
 
     @property
     def waiting(self) -> list[tuple[str, Priority]]:
@@ -123,26 +203,30 @@ class DeviceScheduler:
         waiter by the rules and wake it."""
         if self._holder is not None or self._granted is not None or not self._waiting:
             return
-        chosen = self._pick_class({w.priority for w in self._waiting})
+        classes = {w.priority for w in self._waiting}
+        held = self._hold_left() is not None
+        if classes == {"background"} and held and self._background_credit <= 0.0:
+            return  # kept for the class above that just stepped (`_hold_left` wakes them)
+        chosen = self._pick_class(classes)
         waiter = min((w for w in self._waiting if w.priority == chosen), key=lambda w: w.arrival)
         self._waiting.remove(waiter)
+        if chosen == "background":
+            self._contended = held or classes != {"background"}
+        else:
+            self._contended = "background" in classes
+            self._hold_until = float("-inf")
         self._count(waiter)
         self._granted = waiter
         self._cond.notify_all()
 
     def _pick_class(self, classes: set[Priority]) -> Priority:
         best = next(c for c in PRIORITIES if c in classes)
-        share = self.background_min_share
-        if "background" in classes and best != "background" and share > 0:
-            self._background_credit += share
-            # Never two background turns in a row ahead of a waiting interactive step.
+        if "background" in classes and best != "background" and self._background_credit > 0.0:
+            # Never two background turns in a row ahead of a waiting interactive step: a
+            # turn that rule withholds stays owed (`_account` banks at most one turn).
             after_background = self._last_class == "background" and best == "interactive"
-            if self._background_credit >= 1.0 - 1e-9 and not after_background:
-                self._background_credit -= 1.0
+            if not after_background:
                 return "background"
-            # A turn the rule above withholds is owed, but no more than one is banked: a
-            # share above one half cannot be paid while interactive steps keep waiting.
-            self._background_credit = min(self._background_credit, 1.0)
         return best
 
     def _count(self, waiter: _Waiter) -> None:
@@ -164,7 +248,8 @@ class DeviceScheduler:
     def check_integrity(self) -> None:
         """One holder at most; a granted waiter is neither waiting nor holding; waiters are
         distinct; background never ran two turns in a row ahead of a waiting interactive
-        step."""
+        step; background's deficit stays within one turn either way, so its contended time
+        is at most its share of the contended time plus one turn."""
         with self._cond:
             arrivals = [w.arrival for w in self._waiting]
             assert len(set(arrivals)) == len(arrivals), "a waiter is queued twice"
@@ -175,7 +260,18 @@ class DeviceScheduler:
                 "an interactive step waited behind "
                 f"{self.counters.max_background_ahead_of_interactive} background steps"
             )
-            assert 0.0 <= self._background_credit < 1.0 + self.background_min_share
+            longest, share = self._longest_turn_s, self.background_min_share
+            slack = 1e-9 * (1.0 + self.counters.contended_s)  # float sums' rounding
+            assert -longest - slack <= self._background_credit <= longest + slack, (
+                f"background's deficit {self._background_credit}s outside one turn ({longest}s)"
+            )
+            counters = self.counters
+            assert (
+                counters.contended_background_s <= share * counters.contended_s + longest + slack
+            ), (
+                f"background took {counters.contended_background_s}s of "
+                f"{counters.contended_s}s contended, over its share {share} plus one turn"
+            )
 
 
 @dataclass(frozen=True)
@@ -192,11 +288,12 @@ class DeviceSeat:
 
 class Steppable(Protocol):
     """An engine a caller steps (an encoder engine built with ``start=False``): the class
-    of its next step (None: nothing to step), one step, and whether it is closed."""
+    of its next step (None: nothing to step), one step of at most ``budget_s`` seconds
+    where its steps can be cut (None: a whole step), and whether it is closed."""
 
     def next_class(self) -> Priority | None: ...
 
-    def step(self) -> bool: ...
+    def step(self, budget_s: float | None = None) -> bool: ...
 
     @property
     def closed(self) -> bool: ...
@@ -204,8 +301,8 @@ class Steppable(Protocol):
 
 class TurnTaker:
     """Steps a `Steppable` engine on the device: a thread that, whenever the engine has
-    work, takes a turn of that work's class at ``seat`` and runs one step. Ends when the
-    engine is closed (or `stop`)."""
+    work, takes a turn of that work's class at ``seat`` and runs one step within the turn's
+    budget (`DeviceScheduler.turn_budget_s`). Ends when the engine is closed (or `stop`)."""
 
     def __init__(self, engine: Steppable, seat: DeviceSeat) -> None:
         self.engine, self.seat = engine, seat
@@ -226,7 +323,7 @@ class TurnTaker:
                 continue
             try:
                 with self.seat.turn(priority):
-                    self.engine.step()
+                    self.engine.step(self.seat.scheduler.turn_budget_s(priority))
             except Exception:  # the engine ends a failed step's requests; keep serving
                 log.exception("step of %s failed", self.seat.member)
 

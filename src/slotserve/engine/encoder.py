@@ -5,7 +5,11 @@ It is the encoder's counterpart of `Engine`, without a KV pool: a request is a l
 texts; admission binds all of its texts to text slots (``max_texts``, whose memory
 `plan_encoder` counted) or queues it (bounded, with a deadline) or refuses it with a typed
 reason; a step embeds up to ``max_batch_texts`` texts of one class (`Scheduler.pick_class`:
-interactive first, background its minimum share), longest first; a request ends with one
+interactive first, background its minimum share), longest first, and, when its caller gives
+it a time budget (a device scheduler bounding a turn, `DeviceScheduler.turn_budget_s`), only
+the whole texts that its own fit of seconds per token (`StepCost`) says fit that budget, at
+least one: a batch then runs as several short steps, each a device turn of its own, with
+the same embeddings (`EncoderModel.embed` is batch-invariant). A request ends with one
 `EmbeddingResult` once all of its texts are embedded. A cancel (or a dropped handle) ends
 the request at the next batch boundary and releases its slots, acknowledged with the
 measured latency; its texts in a running step are discarded.
@@ -42,6 +46,7 @@ from slotserve.engine.encoder_request import (
 )
 from slotserve.engine.events import PRIORITIES, CancelAck, Priority, check_priority
 from slotserve.engine.scheduler import Scheduler
+from slotserve.engine.step_cost import StepCost
 from slotserve.errors import AdmissionRefused
 from slotserve.locks import ENGINE, OrderedLock
 from slotserve.memory import MemoryLedger
@@ -118,6 +123,7 @@ class EncoderEngine:
         self._refusals: Counter[str] = Counter()
         self._finished: Counter[str] = Counter()
         self._steps_by_class: Counter[str] = Counter()
+        self._cost = StepCost()  # seconds of a step by its tokens, fitted to the steps run
         self._thread: threading.Thread | None = None
         if start:
             self._thread = threading.Thread(
@@ -174,20 +180,24 @@ class EncoderEngine:
             classes = {r.priority for r in self._running.values() if r.ready}
             return next((c for c in PRIORITIES if c in classes), None)
 
-    def step(self) -> bool:
+    def step(self, budget_s: float | None = None) -> bool:
         """Reap cancels and expired waits, re-admit from the queue, then run one batch step
         (the model outside the lock) and commit it; False when there was nothing to step.
-        One caller steps at a time: the engine's own thread, or the caller that built it
-        with ``start=False``."""
+        ``budget_s``: the seconds the step should take at most; it embeds the whole texts
+        that fit by the engine's fitted cost per token, at least one (None: up to
+        ``max_batch_texts``). One caller steps at a time: the engine's own thread, or the
+        caller that built it with ``start=False``."""
         with self._lock:
             self._reap()
-            step = self._compose()
+            step = self._compose(self._budget_tokens(budget_s))
             if step is None:
                 return False
             self._stepping = True
+        began = time.perf_counter()
         try:
             rows: torch.Tensor | None = self.model.embed(step.texts)
             error = None
+            self._cost.observe(sum(len(text) for text in step.texts), time.perf_counter() - began)
         except Exception as exc:  # a failed step ends its requests, not the engine
             log.exception("encoder step failed; ending its requests")
             rows, error = None, f"the step failed: {exc}"
@@ -322,22 +332,46 @@ class EncoderEngine:
 
     # -- the step (under the lock) ---------------------------------------------------
 
-    def _compose(self) -> _Step | None:
+    def _budget_tokens(self, budget_s: float | None) -> int | None:
+        """The tokens a step of ``budget_s`` seconds holds by the cost fit (None: no bound;
+        0 before any step has been timed: one text)."""
+        if budget_s is None:
+            return None
+        if self._cost.n == 0:
+            return 0
+        fixed, per_token = self._cost.line()
+        if per_token <= 0.0:
+            return None
+        return max(int((budget_s - fixed) / per_token), 0)
+
+    def _compose(self, budget_tokens: int | None = None) -> _Step | None:
         ready = sorted((r for r in self._running.values() if r.ready), key=lambda r: r.request_id)
         if self.config.policy == "isolate":
             chosen = self._scheduler.pick_class(ready)
             ready = [r for r in ready if r.priority == chosen]
         if not ready:
             return None
-        room, parts = self.config.max_batch_texts, []
+        room = self.config.max_batch_texts
+        parts: list[tuple[EmbeddingRequest, list[int]]] = []
+        tokens_left = budget_tokens
         for request in ready:
-            if room == 0:
+            n, full = 0, False
+            for i in request.pending[:room]:
+                length = len(request.texts[i])
+                if tokens_left is not None and length > tokens_left and (parts or n):
+                    full = True  # the budget is spent; the first text always goes
+                    break
+                n += 1
+                if tokens_left is not None:
+                    tokens_left -= length
+            if n:
+                indices = request.take(n)
+                if request.timings.first_step is None:
+                    request.timings.first_step = self.clock()
+                parts.append((request, indices))
+                room -= n
+            if full or room == 0:
                 break
-            indices = request.take(room)
-            if request.timings.first_step is None:
-                request.timings.first_step = self.clock()
-            parts.append((request, indices))
-            room -= len(indices)
         texts = [request.texts[i] for request, indices in parts for i in indices]
         return _Step(parts, texts, ready[0].priority)
 

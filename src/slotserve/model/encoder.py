@@ -5,10 +5,11 @@ L2-normalised final hidden states.
 The model is pure: `EncoderModel.embed` maps a batch of token-id lists (texts of different
 lengths) to one vector each and keeps no state between calls. The texts' rows are packed
 (no padding) through every projection, which goes through the `Linear` seam (dense fp32, or
-Q8_0 blocks on the compiled block kernel of `slotserve.model.gguf_linear`); only the
-attention scores are computed on a padded ``[texts, heads, longest, longest]`` grid, with
-padded keys masked out. A text's embedding does not depend on what it is batched with
-beyond the rounding of the products (tests hold it within 1e-5 of the text alone).
+Q8_0 blocks on the compiled block kernel of `slotserve.model.gguf_linear`); attention runs
+on each text's own rows, ``[heads, length, length]``, never on a grid padded to the batch's
+longest text (whose length changes the order of the score reductions). A text's embedding
+is therefore the same, bit for bit, whatever it is batched with: an engine may split a
+batch into several steps without changing a result (tests hold every split equal).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from slotserve.model.layers import DenseLinear, Linear
 
 EncoderPooling = Literal["mean", "cls"]
 ENCODER_POOLINGS: tuple[EncoderPooling, ...] = get_args(EncoderPooling)
+# The row count of every projection's matrix product (`project`).
+ROW_BLOCK = 64
 EncoderWeightFormat = Literal["fp32", "q8_0"]
 ENCODER_WEIGHT_FORMATS: tuple[EncoderWeightFormat, ...] = get_args(EncoderWeightFormat)
 
@@ -146,17 +149,40 @@ def with_encoder_weights(weights: EncoderWeights, fmt: EncoderWeightFormat) -> E
     return replace(weights, layers=layers)
 
 
+def project(linear: Linear, x: torch.Tensor) -> torch.Tensor:
+    """``linear(x)`` for packed rows ``x[N, in]``, on blocks of exactly `ROW_BLOCK` rows
+    (the last one zero-padded) so that a row's result depends on the row alone.
+
+    A matrix product's kernel, blocking and threading follow its row count, so one product
+    over a step's rows gives a text different roundings in steps of different sizes. Dense
+    weights run as one batched product of at least two blocks (each block one product of
+    the same shape; a batch of one would run as a plain, differently threaded product);
+    other weights (the Q8_0 block kernel) block by block."""
+    n = x.shape[0]
+    blocks = max(2, -(-n // ROW_BLOCK))
+    if blocks * ROW_BLOCK != n:
+        x = torch.cat([x, x.new_zeros(blocks * ROW_BLOCK - n, x.shape[1])])
+    if isinstance(linear, DenseLinear):
+        weight = linear.weight.t().expand(blocks, *linear.weight.t().shape)
+        stacked = x.view(blocks, ROW_BLOCK, x.shape[1])
+        if linear.bias is None:
+            out = torch.bmm(stacked, weight)
+        else:
+            out = torch.baddbmm(linear.bias, stacked, weight)
+        return out.reshape(blocks * ROW_BLOCK, -1)[:n]
+    return torch.cat([linear(block) for block in torch.split(x, ROW_BLOCK)])[:n]
+
+
 @dataclass(frozen=True)
 class TextBatch:
     """A step's texts as packed rows: ``tokens[N]`` and ``positions[N]`` of every text in
-    turn, ``text_of_row[N]`` (which text a row belongs to), ``lengths[B]``, and where each
-    row sits on the padded ``[B, longest]`` grid (``grid_index[N]``)."""
+    turn, ``text_of_row[N]`` (which text a row belongs to), ``lengths[B]`` and the
+    ``longest`` text's length."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
     text_of_row: torch.Tensor
     lengths: torch.Tensor
-    grid_index: torch.Tensor
     longest: int
 
     @classmethod
@@ -172,18 +198,12 @@ class TextBatch:
             positions=positions,
             text_of_row=text_of_row,
             lengths=lengths,
-            grid_index=text_of_row * longest + positions,
             longest=longest,
         )
 
     @property
     def n_texts(self) -> int:
         return int(self.lengths.shape[0])
-
-    def key_mask(self) -> torch.Tensor:
-        """``[B, 1, 1, longest]``: True where a key is one of the text's own tokens."""
-        keys = torch.arange(self.longest).unsqueeze(0) < self.lengths.unsqueeze(1)
-        return keys[:, None, None, :]
 
 
 class EncoderModel:
@@ -225,9 +245,8 @@ class EncoderModel:
             )
         with torch.inference_mode():
             x = self._embed_rows(batch)
-            mask = batch.key_mask()
             for layer in self.weights.layers:
-                x = self._layer(layer, x, batch, mask)
+                x = self._layer(layer, x, batch)
             return self._pool(x, batch)
 
     def _embed_rows(self, batch: TextBatch) -> torch.Tensor:
@@ -235,24 +254,24 @@ class EncoderModel:
         x = w.words[batch.tokens] + w.positions[batch.positions] + w.token_type
         return w.embed_norm(x, self.info.norm_eps)
 
-    def _layer(
-        self, layer: EncoderLayer, x: torch.Tensor, batch: TextBatch, mask: torch.Tensor
-    ) -> torch.Tensor:
+    def _layer(self, layer: EncoderLayer, x: torch.Tensor, batch: TextBatch) -> torch.Tensor:
         eps = self.info.norm_eps
-        attended = self._attend(layer.qkv(x), batch, mask)
-        x = layer.attn_norm(layer.o(attended) + x, eps)
-        return layer.mlp_norm(layer.down(F.gelu(layer.up(x))) + x, eps)
+        attended = self._attend(project(layer.qkv, x), batch)
+        x = layer.attn_norm(project(layer.o, attended) + x, eps)
+        return layer.mlp_norm(project(layer.down, F.gelu(project(layer.up, x))) + x, eps)
 
-    def _attend(self, qkv: torch.Tensor, batch: TextBatch, mask: torch.Tensor) -> torch.Tensor:
+    def _attend(self, qkv: torch.Tensor, batch: TextBatch) -> torch.Tensor:
         """Packed ``qkv[N, 3·dim]`` → packed attention output ``[N, dim]``: each text's
-        queries attend to all of its own keys (bidirectional), none of the padding."""
-        info, n_texts, longest = self.info, batch.n_texts, batch.longest
-        grid = qkv.new_zeros(n_texts * longest, qkv.shape[1])
-        grid[batch.grid_index] = qkv
-        heads = grid.view(n_texts, longest, 3, info.n_heads, info.head_dim).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(heads[0], heads[1], heads[2], attn_mask=mask)
-        rows = out.transpose(1, 2).reshape(n_texts * longest, info.dim)
-        return rows[batch.grid_index]
+        queries attend to all of its own keys (bidirectional), one text at a time, so that
+        no text's scores depend on the others' lengths."""
+        info = self.info
+        outs = []
+        for rows in torch.split(qkv, batch.lengths.tolist()):
+            n = rows.shape[0]
+            heads = rows.view(n, 3, info.n_heads, info.head_dim).permute(1, 2, 0, 3)
+            out = F.scaled_dot_product_attention(heads[0], heads[1], heads[2])
+            outs.append(out.transpose(0, 1).reshape(n, info.dim))
+        return torch.cat(outs)
 
     def _pool(self, x: torch.Tensor, batch: TextBatch) -> torch.Tensor:
         if self.info.pooling == "cls":
@@ -265,10 +284,11 @@ class EncoderModel:
 
     def step_bytes(self, n_texts: int, longest: int) -> int:
         """A lower bound on a step's transient bytes (fp32): the packed rows of the widest
-        projection, the padded Q/K/V grid and one layer's attention scores."""
+        projection, the per-text Q/K/V views and attention outputs, and one text's
+        attention scores."""
         info = self.info
         rows = n_texts * longest
         packed = rows * (3 * info.dim + info.ffn_dim + 2 * info.dim)
         grid = 2 * rows * 3 * info.dim
-        scores = n_texts * info.n_heads * longest * longest
+        scores = info.n_heads * longest * longest
         return 4 * (packed + grid + scores)
