@@ -175,7 +175,9 @@ def test_an_interactive_loop_keeps_the_device_between_its_steps() -> None:
     """An engine stepping interactive turns back to back, background waiting throughout:
     the device is held for it in the gaps between its turns, so background gets its share
     of the time, not a turn in every gap."""
-    turn_s, steps = 0.01, 20
+    # Turns long enough that the chat thread's own gap between two of them (a loop's
+    # iteration, unless the OS deschedules it for longer than a turn) stays inside the hold.
+    turn_s, steps = 0.05, 20
     device = DeviceScheduler(background_min_share=0.1)
     chatting = threading.Event()
     background_turns: list[float] = []
