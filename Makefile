@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 GEMMA := $(VENV)/.gemma3-installed
 
-.PHONY: run test lint types browser cross-tools screenshots bench bench-deps clean
+.PHONY: run test suite lint types browser cross-tools screenshots bench bench-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -34,23 +34,26 @@ run: $(STAMP)
 	$(BIN)/slotserve generate --chat --max-new-tokens 48 "Say hello in one sentence."
 	$(BIN)/slotserve serve --model bundled --max-seqs 4 --kv-layout cell
 
-# The checks and the remaining installs run side by side first (mypy keeps a core busy for
-# about 40 s, the installs mostly wait on the disk and the network), then the suite, which
-# must leave the checkout as it found it (git's view of it, before and after).
-# The suite runs on two pytest-xdist workers, a test file whole on one worker (its module
-# fixtures, servers included, start once). A test that reads its own process's memory
-# reads how much what it did changed it, never a level, so the files that ran before it
-# in its worker do not move its figure;
-# OpenMP's threads sleep when they wait (OMP_WAIT_POLICY=PASSIVE): two workers' spinning
-# kernel threads on two cores would take the cores from each other.
+# The remaining installs first (they mostly wait on the disk and the network), then the
+# suite beside the checks (mypy keeps a core busy for about a minute). The suite must leave
+# the checkout as it found it (git's view of it, before and after).
 test: $(STAMP)
-	$(MAKE) --no-print-directory -j4 --output-sync=target $(GEMMA) lint types browser cross-tools
+	$(MAKE) --no-print-directory -j4 --output-sync=target $(GEMMA) browser cross-tools
 	@git status --porcelain --untracked-files=all > .git/slotserve-test-before 2>/dev/null || true
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
+	$(MAKE) --no-print-directory -j3 --output-sync=line suite lint types
 	@if [ -f .git/slotserve-test-before ]; then \
 		git status --porcelain --untracked-files=all | diff .git/slotserve-test-before - \
 		|| { echo "make test changed the checkout (above): tests must write to temporary dirs"; exit 1; }; \
 	fi
+
+# The suite on two pytest-xdist workers, a test file whole on one worker (its module
+# fixtures, servers included, start once). A test that reads its own process's memory
+# reads how much what it did changed it, never a level, so the files that ran before it
+# in its worker do not move its figure. OpenMP's threads sleep when they wait
+# (OMP_WAIT_POLICY=PASSIVE): two workers' spinning kernel threads on two cores would take
+# the cores from each other.
+suite: $(STAMP) $(GEMMA)
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
 
 # The web page's browser test drives Debian's Chromium (playwright uses it in place;
 # never `playwright install`, which downloads a browser build this network refuses).
