@@ -22,7 +22,6 @@ from typing import Any
 import anthropic
 import httpx
 import jsonschema
-import openai
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -40,7 +39,7 @@ from slotserve.server.chat.reply import ReplyShape, ReplyStream
 from slotserve.server.chat.tool_formats import HERMES
 from slotserve.testing import CHAT_TEMPLATE, tiny_tokenizer
 from slotserve.tokenizer import Tokenizer
-from tests.server.conftest import ServerProcess
+from tests.server.conftest import ServerProcess, strict_client
 from tests.server.scripted_model import THINKING_TEMPLATE, chain_of, write_scripted_qwen3
 
 REASONING, ANSWER = "reason", "OK"
@@ -162,18 +161,9 @@ def caller(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     assert "Traceback" not in server.output(), server.output()
 
 
-def openai_client(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(
-        base_url=server.url + "/v1",
-        api_key="unused",
-        max_retries=0,
-        _strict_response_validation=True,
-    )
-
-
 def chat(server: ServerProcess, **fields: Any) -> Any:
     """A chat completion; streamed (``stream=True``), the list of its chunks."""
-    with openai_client(server) as client:
+    with strict_client(server) as client:
         answer = client.chat.completions.create(
             model=server.model_name, messages=HI, max_tokens=32, temperature=0, **fields
         )
@@ -230,7 +220,7 @@ def test_enable_thinking_reaches_the_template(thinker: ServerProcess) -> None:
 
 
 def test_responses_returns_a_reasoning_item(thinker: ServerProcess) -> None:
-    with openai_client(thinker) as client:
+    with strict_client(thinker) as client:
         response = client.responses.create(
             model=thinker.model_name, input="hi", max_output_tokens=32, temperature=0
         )
@@ -273,7 +263,7 @@ def test_messages_returns_a_thinking_block(thinker: ServerProcess) -> None:
 
 
 def test_tool_call_after_a_thinking_section(caller: ServerProcess) -> None:
-    with openai_client(caller) as client:
+    with strict_client(caller) as client:
         fields: dict[str, Any] = {
             "model": caller.model_name,
             "messages": HI,

@@ -65,13 +65,9 @@ class EmbeddingRequest(Body):
         return list(value)  # type: ignore[arg-type]
 
 
-async def embed(
-    state: ServerState, engine: Engine, body: EmbeddingRequest, request: Request
-) -> dict[str, Any]:
-    """The embeddings response for ``body``: one vector per input, in input order."""
-    if not engine.embeds:
-        raise APIError(400, "this model cannot embed (a bundle)", INVALID, code="unsupported_model")
-    width = engine.model.info.dim
+def _checked_priority(body: EmbeddingRequest, width: int, request: Request) -> Priority:
+    """The request's priority class, once ``dimensions`` (if given) is the model's
+    ``width``: a 400 naming the field otherwise."""
     if body.dimensions is not None and body.dimensions != width:
         message = (
             f"dimensions: this model's embeddings have {width} dimensions and cannot be "
@@ -79,9 +75,18 @@ async def embed(
         )
         raise APIError(400, message, INVALID, "dimensions", "unsupported_value")
     try:
-        priority = check_priority(body.priority or request.headers.get("x-priority") or "normal")
+        return check_priority(body.priority or request.headers.get("x-priority") or "normal")
     except ValueError as exc:
         raise APIError(400, f"X-Priority: {exc}", INVALID, "priority") from None
+
+
+async def embed(
+    state: ServerState, engine: Engine, body: EmbeddingRequest, request: Request
+) -> dict[str, Any]:
+    """The embeddings response for ``body``: one vector per input, in input order."""
+    if not engine.embeds:
+        raise APIError(400, "this model cannot embed (a bundle)", INVALID, code="unsupported_model")
+    priority = _checked_priority(body, engine.model.info.dim, request)
     tokenizer = engine.model.tokenizer
     prompts = [tokenizer.encode(x) if isinstance(x, str) else x for x in body.inputs()]
     params = SamplingParams(max_new_tokens=0)
@@ -146,17 +151,7 @@ async def embed_texts(
     if body.pooling is not None:
         message = "pooling: this embedding model pools as its own modules say; leave it out"
         raise APIError(400, message, INVALID, "pooling", "unsupported_value")
-    width = encoder.model.info.dim
-    if body.dimensions is not None and body.dimensions != width:
-        message = (
-            f"dimensions: this model's embeddings have {width} dimensions and cannot be "
-            f"shortened to {body.dimensions}; leave dimensions out"
-        )
-        raise APIError(400, message, INVALID, "dimensions", "unsupported_value")
-    try:
-        priority = check_priority(body.priority or request.headers.get("x-priority") or "normal")
-    except ValueError as exc:
-        raise APIError(400, f"X-Priority: {exc}", INVALID, "priority") from None
+    priority = _checked_priority(body, encoder.model.info.dim, request)
     try:
         handle = encoder.submit([str(x) for x in inputs], priority, may_queue=True)
     except AdmissionRefused as refusal:
