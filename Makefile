@@ -35,12 +35,13 @@ run: $(STAMP)
 	$(BIN)/slotserve serve --model bundled --max-seqs 4 --kv-layout cell
 
 # The remaining installs first (they mostly wait on the disk and the network), then the
-# suite beside the checks (mypy keeps a core busy for about a minute). The suite must leave
-# the checkout as it found it (git's view of it, before and after).
+# suite beside the checks (mypy keeps a core busy for about a minute; their few lines may
+# fall between the suite's, which are not held back, so a long run shows its progress). The
+# suite must leave the checkout as it found it (git's view of it, before and after).
 test: $(STAMP)
 	$(MAKE) --no-print-directory -j4 --output-sync=target $(GEMMA) browser cross-tools
 	@git status --porcelain --untracked-files=all > .git/slotserve-test-before 2>/dev/null || true
-	$(MAKE) --no-print-directory -j3 --output-sync=line suite lint types
+	$(MAKE) --no-print-directory -j3 suite lint types
 	@if [ -f .git/slotserve-test-before ]; then \
 		git status --porcelain --untracked-files=all | diff .git/slotserve-test-before - \
 		|| { echo "make test changed the checkout (above): tests must write to temporary dirs"; exit 1; }; \

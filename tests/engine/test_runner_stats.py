@@ -17,7 +17,11 @@ import slotserve as ss
 from slotserve.runner import GenerationConfig
 
 GREEDY = GenerationConfig(echo=False, temperature=0, max_new_tokens=12, ignore_eos=True)
-FORWARD_S = 0.005
+FORWARD_S = 0.02
+# How far a generation's model-execution time may exceed its forwards' own: each window
+# also holds the executor's bookkeeping around the forward (and whatever the OS takes from
+# it on a loaded machine), but never another forward, which would add at least FORWARD_S.
+SLACK_MS = FORWARD_S * 1000 / 2
 
 
 @pytest.fixture
@@ -47,9 +51,10 @@ def test_model_execution_is_the_time_inside_the_forward_passes(
     stats = runner.generate([5, 6, 7], GREEDY).stats
     assert len(slow_forward) == 12  # one prefill step, 11 decode steps
     measured_ms = sum(slow_forward) * 1000
-    # Summed in nanoseconds, so within a millisecond of what the forwards took; and no
-    # more than the inference span (sampling and the engine's bookkeeping are outside).
-    assert measured_ms - 1 <= stats.aggregate_model_execution_time_ms <= measured_ms + 1
+    # Summed in nanoseconds (truncated to whole ms: at most 1 below), never a forward more
+    # than those of this generation; and no more than the inference span (sampling and the
+    # engine's bookkeeping are outside).
+    assert measured_ms - 1 <= stats.aggregate_model_execution_time_ms <= measured_ms + SLACK_MS
     assert stats.aggregate_model_execution_time_ms >= 12 * FORWARD_S * 1000
     assert stats.aggregate_model_execution_time_ms <= (
         stats.inference_end_ms - stats.inference_start_ms
@@ -78,11 +83,11 @@ def test_each_generation_times_only_its_own_forwards(
     first = runner.generate([], GenerationConfig(echo=False, temperature=0, max_new_tokens=3))
     assert len(slow_forward) == 2  # the prediction is the first token: 2 decode steps
     spent = sum(slow_forward) * 1000
-    assert spent - 1 <= first.stats.aggregate_model_execution_time_ms <= spent + 1
+    assert spent - 1 <= first.stats.aggregate_model_execution_time_ms <= spent + SLACK_MS
     slow_forward.clear()
     second = runner.generate([50], GREEDY)
     spent = sum(slow_forward) * 1000
-    assert spent - 1 <= second.stats.aggregate_model_execution_time_ms <= spent + 1
+    assert spent - 1 <= second.stats.aggregate_model_execution_time_ms <= spent + SLACK_MS
 
 
 def test_reset_zeroes_the_generation_and_keeps_the_load() -> None:
