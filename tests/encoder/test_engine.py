@@ -118,6 +118,27 @@ def test_a_budgeted_step_cuts_a_batch_into_whole_texts_with_the_same_embeddings(
         engine.close()
 
 
+def test_a_budget_below_a_steps_fixed_cost_is_one_text_whatever_the_slope(
+    minilm: EncoderModel,
+) -> None:
+    """On a loaded machine the steps timed so far may take no longer for more tokens (the
+    fit's slope clamps to 0): a budget below the fixed cost of a step is still one text a
+    step, never the whole batch (it was: a slope of 0 read as no bound)."""
+    texts = [f"passage {i}: " + "indexing on a device " * (3 + i) for i in range(4)]
+    engine = EncoderEngine(minilm, SMALL, ledger=MemoryLedger(), start=False)
+    try:
+        for tokens, seconds in ((40, 0.02), (400, 0.01)):  # more tokens, less time
+            engine._cost.observe(tokens, seconds)
+        assert engine._cost.line()[1] == 0.0
+        handle = engine.submit(texts, priority="background")
+        while engine.step(budget_s=0.0):
+            pass
+        handle.result(timeout=0)
+        assert engine.stats().steps == len(texts)
+    finally:
+        engine.close()
+
+
 def test_a_turn_taker_cuts_background_steps_to_an_interactive_turn(
     minilm: EncoderModel,
 ) -> None:

@@ -334,15 +334,18 @@ class EncoderEngine:
 
     def _budget_tokens(self, budget_s: float | None) -> int | None:
         """The tokens a step of ``budget_s`` seconds holds by the cost fit (None: no bound;
-        0 before any step has been timed: one text)."""
+        0, one text: before any step has been timed, or a budget within the fit's fixed
+        cost of a step, whatever the fit's slope)."""
         if budget_s is None:
             return None
         if self._cost.n == 0:
             return 0
         fixed, per_token = self._cost.line()
-        if per_token <= 0.0:
+        if budget_s <= fixed:
+            return 0
+        if per_token <= 0.0:  # the steps timed so far do not grow with their tokens
             return None
-        return max(int((budget_s - fixed) / per_token), 0)
+        return int((budget_s - fixed) / per_token)
 
     def _compose(self, budget_tokens: int | None = None) -> _Step | None:
         ready = sorted((r for r in self._running.values() if r.ready), key=lambda r: r.request_id)

@@ -216,11 +216,13 @@ def ignored_fields(
 
 def ignored_header(names: list[str]) -> dict[str, str]:
     """The header that reports ``names`` (none: no header). Field names are the client's
-    JSON keys: kept to printable ASCII here, and bounded."""
+    JSON keys, any string: each is shown in visible ASCII (a space, a comma or any other
+    character becomes ``?``, so the value never starts or ends with whitespace, which HTTP
+    forbids), at most 64 characters of each of the first 32."""
     if not names:
         return {}
-    shown = [name.encode("ascii", "replace").decode() for name in names[:32]]
     text = ",".join(
-        "".join(ch if ch.isprintable() and ch != "," else "?" for ch in s)[:64] for s in shown
+        "".join(ch if "!" <= ch <= "~" and ch != "," else "?" for ch in name[:64])
+        for name in names[:32]
     )
     return {IGNORED_FIELDS_HEADER: text}
