@@ -154,12 +154,21 @@ def test_only_turns_and_prompts_that_were_hit_are_written(
     assert store_stats(engine).written == 0
     engine.submit([*prompts[0], 9, 9], params).result()  # a hit: likely to be used again
     store_of(engine).flush()
-    assert store_stats(engine).written == 1
+    # One file for the hit's conversation: the hit prompt's snapshot, offered first, then
+    # the turn that extends it. The writer may reach the first before the second comes
+    # (two writes, the second covering the first) or not (the second supersedes it in the
+    # queue): which one depends on the writer thread's timing, the files left do not.
+    hit = store_stats(engine)
+    assert hit.written in (1, 2) and hit.written - hit.covered == 1, hit
     before = store_stats(engine).written
     history = converse(engine, SYSTEM, USER_TURNS)  # five turns, each kept for the next
     store_of(engine).flush()
     after = store_stats(engine)
-    assert 1 <= after.written - before <= len(USER_TURNS)  # at most one write a turn
+    # Each turn offers its hit prompt's snapshot and then its own turn, which covers it:
+    # one write a turn where the writer is slower than the turn, two where it is faster.
+    assert 1 <= after.written - before <= 2 * len(USER_TURNS), after
+    # Whatever the timing, what stays is one file a conversation (prompts[0]'s and this).
+    assert after.written - after.covered - after.evictions == 2, after
     assert after.bytes_written > 0
     only_on_disk(engine)
     turn = [*history, 3, 4]
