@@ -5,7 +5,9 @@ vocabulary and walked at random to end-of-sequence, reads back (`chat.reply.pars
 `input_of`) as an input the regular expression matches whole, for regular expressions
 hypothesis draws over an alphabet that JSON must escape (a quote, a backslash, a newline,
 a tab). `input_of` is also checked on every prefix of a call's arguments: what it reads is
-a prefix of the whole input, never a broken escape."""
+a prefix of the whole input, never a broken escape. A Lark grammar's call (its rules
+escaped, `responses.custom.lark_arguments`) walked so reads back as an input in the
+grammar's language, for grammars `test_lark_json` draws."""
 
 from __future__ import annotations
 
@@ -20,10 +22,16 @@ from hypothesis import strategies as st
 from slotserve.sampling import GrammarCompiler, GrammarError
 from slotserve.server.chat.reply import parse_reply
 from slotserve.server.chat.tool_formats import GENERIC, call_grammar
-from slotserve.server.responses.custom import call_arguments, input_of, input_schema
+from slotserve.server.responses.custom import (
+    call_arguments,
+    input_of,
+    input_schema,
+    lark_arguments,
+)
 from slotserve.testing import TINY_VOCAB, tiny_tokenizer
 from slotserve.tokenizer import Tokenizer
 from tests.test_grammar_property import random_walk
+from tests.test_lark_json import Grammar, grammars, in_language
 
 EOS = 2  # the tiny vocabulary's end-of-sequence (as in test_grammar_property)
 WALK_TOKENS = 160
@@ -78,6 +86,33 @@ def test_a_custom_call_input_matches_its_regex(
         given_input = input_of(calls[0][1])
         assert json.loads(calls[0][1]) == {"input": given_input}
         assert re.fullmatch(regex, given_input), (regex, reply)
+        return
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(drawn=grammars(), seed=st.integers(0, 2**32 - 1))
+def test_a_custom_call_input_parses_under_its_lark_grammar(
+    compiler: GrammarCompiler, drawn: Grammar, seed: int
+) -> None:
+    form = {"type": "grammar", "syntax": "lark", "definition": drawn.lark()}
+    arguments = lark_arguments([{"type": "custom", "name": "run", "format": form}])
+    text = call_grammar(GENERIC, list(arguments.items()), mode="required", parallel=False)
+    try:
+        grammar = compiler.compile(text, "custom tool")
+    except GrammarError:
+        return  # a language without a string (its recursion never ends)
+    for attempt in range(3):
+        tokens = random_walk(compiler, grammar, seed + attempt, budget=WALK_TOKENS, strict=True)
+        if tokens is None:
+            continue
+        reply = compiler.tokenizer.decode(tokens[:-1])
+        content, calls, cut = parse_reply(GENERIC, reply)
+        if cut:  # deep nesting ran into llguidance's item limit: not a whole call
+            continue
+        assert content == "" and [name for name, _ in calls] == ["run"], reply
+        given_input = input_of(calls[0][1])
+        assert json.loads(calls[0][1]) == {"input": given_input}
+        assert in_language(drawn, given_input), (drawn.lark(), reply)
         return
 
 

@@ -7,8 +7,12 @@ bundled model (SmolLM2-135M-Instruct), greedy:
   deltas) delivers the same input, also when the token budget cuts the call short;
 - the call and its output sent back as input items (or through ``previous_response_id``)
   continue the conversation;
-- a regular expression llguidance refuses is a 400 naming ``tools.0.format.definition``;
-  a Lark format a 400 naming ``tools.0.format.syntax``;
+- a custom tool with a Lark grammar (quotes and line breaks in its language, so its input
+  is escaped inside the call) is called with an input the grammar parses, whole or
+  streamed alike;
+- a regular expression llguidance refuses, a Lark grammar it refuses and one the rewrite
+  cannot carry over (``%ignore``, ``%import``, lexeme options, flags) are a 400 naming
+  ``tools.0.format.definition``;
 - fields no API defines are reported in ``X-Slotserve-Ignored-Fields`` (Responses, Messages,
   count_tokens), OpenAI's and Anthropic's fields not implemented are a 400 naming them,
   and their hints are accepted without a report.
@@ -82,6 +86,44 @@ def test_a_custom_call_matches_its_regex_whole_or_streamed(
     assert final.tools[0].type == "custom"
 
 
+LARK = 'start: cmd ("\\n" cmd)?\ncmd: "say \\"" WORDS "\\""\nWORDS: /[a-z]+( [a-z]+){0,3}/\n'
+LARK_INPUT = re.compile(r'say "[a-z]+( [a-z]+){0,3}"(\nsay "[a-z]+( [a-z]+){0,3}")?')
+LARK_TOOLS: list[Any] = [
+    {
+        "type": "custom",
+        "name": "speak",
+        "description": "Say something",
+        "format": {"type": "grammar", "syntax": "lark", "definition": LARK},
+    }
+]
+
+
+def test_a_custom_call_parses_under_its_lark_grammar_whole_or_streamed(
+    bundled_client: openai.OpenAI, bundled_server: ServerProcess
+) -> None:
+    fields: dict[str, Any] = {
+        "model": bundled_server.model_name,
+        "input": "Say hello",
+        "tools": LARK_TOOLS,
+        "tool_choice": {"type": "custom", "name": "speak"},
+        "temperature": 0,
+        "max_output_tokens": 80,
+    }
+    whole = bundled_client.responses.create(**fields)
+    assert whole.status == "completed"
+    (call,) = whole.output
+    assert call.type == "custom_tool_call" and call.name == "speak"
+    assert LARK_INPUT.fullmatch(call.input), call.input
+    deltas, final = "", None
+    for event in bundled_client.responses.create(**fields, stream=True):
+        if event.type == "response.custom_tool_call_input.delta":
+            deltas += event.delta
+        if event.type == "response.completed":
+            final = event.response
+    assert final is not None
+    assert deltas == call.input == final.output[0].input  # type: ignore[union-attr]
+
+
 @pytest.mark.parametrize("budget", [16, 23])  # inside the arguments, inside the input
 def test_a_cut_custom_call_is_the_streamed_call(
     bundled_client: openai.OpenAI, bundled_server: ServerProcess, budget: int
@@ -132,6 +174,9 @@ def test_a_custom_call_and_its_output_continue_the_conversation(
     assert stored.output_text == sent_back.output_text
 
 
+DEFINITION = "tools.0.format.definition"
+
+
 @pytest.mark.parametrize(
     ("form", "param"),
     [
@@ -139,9 +184,15 @@ def test_a_custom_call_and_its_output_continue_the_conversation(
             {"type": "grammar", "syntax": "regex", "definition": "(unclosed"},
             "tools.0.format.definition",
         ),
-        (
-            {"type": "grammar", "syntax": "lark", "definition": 'start: "a"'},
-            "tools.0.format.syntax",
+        *(
+            ({"type": "grammar", "syntax": "lark", "definition": definition}, DEFINITION)
+            for definition in (
+                'start: "a" b',  # no rule b: llguidance refuses it
+                'start: "a"\n%ignore " "',
+                '%import common.WS\nstart: WS "a"',
+                'start[lazy]: "a"',
+                "start: /a/i",
+            )
         ),
         ({"type": "grammar", "syntax": "ebnf", "definition": "x"}, "tools.0.format.syntax"),
         ({"type": "json"}, "tools.0.format.type"),

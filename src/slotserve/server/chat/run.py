@@ -9,6 +9,7 @@ is submitted. What answers it is the caller's."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from fastapi import Request
@@ -25,6 +26,7 @@ from slotserve.server.chat.structured import (
     request_constraint,
     response_grammar,
 )
+from slotserve.server.chat.tool_formats import LarkArguments
 from slotserve.server.chat.tools import ToolPlan, plan_tools, tool_grammar
 from slotserve.server.http.errors import APIError
 from slotserve.server.http.generation import submit_all
@@ -118,8 +120,10 @@ async def start_chat(
     chat: ChatCompletionRequest,
     request: Request,
     param: str = "messages",
+    lark: Mapping[str, LarkArguments] | None = None,
 ) -> ChatRun:
-    """Submit ``chat`` (``param``: the field its messages came in, for refusals). The
+    """Submit ``chat`` (``param``: the field its messages came in, for refusals; ``lark``:
+    the tools whose arguments are Lark rules, `tools.tool_grammar`). The
     request's own refusals come in this order: ``n``, its tools, two output constraints,
     its messages (the template), its prompt's length, its grammar, its sampling fields, its
     class (``priority``), then admission."""
@@ -135,7 +139,7 @@ async def start_chat(
     grammars = state.grammars_of(engine)
     grammar: Grammar | None
     if plan is not None:
-        grammar = await tool_grammar(grammars, plan, tokenizer, request)
+        grammar = await tool_grammar(grammars, plan, tokenizer, request, lark)
     else:
         grammar = await response_grammar(grammars, chat, request)
     room = engine.config.max_context - len(tokens)

@@ -10,7 +10,8 @@ llama.cpp's "generic"): the whole reply is ``{"tool_calls": [...]}`` or
 
 `call_grammar` writes the llguidance (Lark) grammar a reply is decoded under: every call's
 arguments under its function's JSON Schema (``%json``), with the server's fixed JSON
-separators; calls from the first token, or (``lazy``) free text until the trigger appears.
+separators, or under the Lark rules given for them (`LarkArguments`); calls from the
+first token, or (``lazy``) free text until the trigger appears.
 `scan` reads calls back from a reply's text, whole or a prefix of it while it streams.
 
 Pure functions of text: no tokenizer, no engine. Special tokens are named by the caller
@@ -86,28 +87,45 @@ def template_syntax(template: str, takes_tools: bool) -> CallSyntax | None:
 Mode = Literal["auto", "required"]
 
 
+@dataclass(frozen=True)
+class LarkArguments:
+    """A call's arguments given as Lark rules rather than a JSON Schema: ``rules`` (whose
+    names begin apart from `call_grammar`'s own: none begins with a letter and a digit),
+    the one among them the arguments' whole text is (``entry``), and ``source``, the
+    client's grammar they were written from (compiled alone first, so that its errors
+    name the client's own text)."""
+
+    rules: str
+    entry: str
+    source: str
+
+
 def call_grammar(
     syntax: CallSyntax,
-    functions: Sequence[tuple[str, Mapping[str, Any]]],
+    functions: Sequence[tuple[str, Mapping[str, Any] | LarkArguments]],
     *,
     mode: Mode,
     parallel: bool,
     specials: Mapping[str, int] | None = None,
     free_tokens: Sequence[int] = (),
 ) -> str:
-    """The Lark grammar of a reply that calls ``functions`` ((name, arguments schema)
-    pairs) in ``syntax``. ``required``: calls from the first token, at least one; ``auto``:
-    free text, or (GENERIC) a JSON content reply, or the calls. ``parallel``: more than one
-    call (up to the syntax's ``max_calls``). ``specials``: special tokens' text → id, so a
-    literal that is a special token's text is written as that token. ``free_tokens``: tokens
-    the free text of ``auto`` may hold too (a thinking model's ``<think>`` tags), when the
-    trigger is a token (text cannot hold one, so the free text ends where it comes)."""
+    """The Lark grammar of a reply that calls ``functions`` ((name, arguments schema or
+    `LarkArguments`) pairs) in ``syntax``. ``required``: calls from the first token, at
+    least one; ``auto``: free text, or (GENERIC) a JSON content reply, or the calls.
+    ``parallel``: more than one call (up to the syntax's ``max_calls``). ``specials``:
+    special tokens' text → id, so a literal that is a special token's text is written as
+    that token. ``free_tokens``: tokens the free text of ``auto`` may hold too (a thinking
+    model's ``<think>`` tags), when the trigger is a token (text cannot hold one, so the
+    free text ends where it comes)."""
     specials = specials or {}
     lines = ["%llguidance {}"]
     for index, (name, schema) in enumerate(functions):
-        arguments = {**schema, "x-guidance": JSON_OPTIONS}
         middle = f'{name}", "{syntax.arguments_key}": '
-        lines.append(f"args_{index}: %json {json.dumps(arguments)}")
+        if isinstance(schema, LarkArguments):
+            lines += [f"args_{index}: {schema.entry}", schema.rules.rstrip("\n")]
+        else:
+            arguments = {**schema, "x-guidance": JSON_OPTIONS}
+            lines.append(f"args_{index}: %json {json.dumps(arguments)}")
         lines.append(f'body_{index}: {_literal(middle, specials)} args_{index} "}}"')
     lines.append("body: " + " | ".join(f"body_{i}" for i in range(len(functions))))
     many = parallel and syntax.max_calls != 1

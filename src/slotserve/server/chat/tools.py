@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ from slotserve.server.chat.tool_formats import (
     GENERIC,
     HERMES,
     CallSyntax,
+    LarkArguments,
     Mode,
     call_grammar,
     template_syntax,
@@ -147,23 +148,36 @@ def plan_tools(tokenizer: Tokenizer, body: ChatCompletionRequest) -> ToolPlan | 
 
 
 async def tool_grammar(
-    grammars: GrammarCache, plan: ToolPlan, tokenizer: Tokenizer, request: Request | None = None
+    grammars: GrammarCache,
+    plan: ToolPlan,
+    tokenizer: Tokenizer,
+    request: Request | None = None,
+    lark: Mapping[str, LarkArguments] | None = None,
 ) -> Grammar:
     """The grammar of ``plan``'s reply, compiled in ``grammars``' bounded pool as a
     ``response_format`` schema is (time and memory bounds, a queue deadline, cancelled when
-    the client disconnects). Each function's schema is compiled on its own first (and
-    cached), so a schema the grammar engine refuses is a 400 naming that tool; then the
-    reply's grammar, which holds them all."""
+    the client disconnects). ``lark``: the functions (by name) whose arguments are Lark
+    rules instead of their schema (a Responses custom tool's). Each function's schema, or
+    the Lark grammar its rules came from, is compiled on its own first (and cached), so one
+    the grammar engine refuses is a 400 naming that tool; then the reply's grammar, which
+    holds them all."""
+    lark = lark or {}
+    arguments = {f.name: lark.get(f.name) or f.arguments_schema() for f in plan.callable}
     for index, function in enumerate(plan.offered):
         if function in plan.callable:
-            lookup = functools.partial(grammars.lookup, function.arguments_schema())
+            given = arguments[function.name]
+            lookup = (
+                functools.partial(grammars.lookup_grammar, given.source, "Lark grammar")
+                if isinstance(given, LarkArguments)
+                else functools.partial(grammars.lookup, given)
+            )
             param = f"tools.{index}.function.parameters"
             await compiled(grammars, lookup, request, param, REFUSED)
     # A thinking model's tags may come before a call, in the free text (`reasoning`).
     tags = added_tokens(tokenizer, (OPEN, CLOSE)) if thinks(tokenizer) else {}
     text = call_grammar(
         plan.syntax,
-        [(f.name, f.arguments_schema()) for f in plan.callable],
+        [(f.name, arguments[f.name]) for f in plan.callable],
         mode=plan.mode,
         parallel=plan.parallel,
         specials=plan.specials(tokenizer),

@@ -34,7 +34,12 @@ from slotserve.server.chat.run import ChatRun, start_chat
 from slotserve.server.http.errors import APIError
 from slotserve.server.http.generation import collect, merged
 from slotserve.server.http.state import ServerState
-from slotserve.server.responses.custom import custom_item, custom_names, input_of
+from slotserve.server.responses.custom import (
+    custom_item,
+    custom_names,
+    input_of,
+    lark_arguments,
+)
 from slotserve.server.responses.events import (
     EventWriter,
     assistant_messages,
@@ -71,8 +76,9 @@ async def create_response(
     names = FieldNames(body, len(history), given)
     conversation = history + given.messages
     chat = chat_request(body, conversation, names)
+    lark = lark_arguments(body.tools)
     try:
-        run = await start_chat(state, engine, chat, request, "input")
+        run = await start_chat(state, engine, chat, request, "input", lark)
     except APIError as exc:  # chat's names for the fields: say the client's
         raise names.renamed(exc) from None
     turn = _Turn(state, body, conversation, run.shape)

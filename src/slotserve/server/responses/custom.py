@@ -1,7 +1,8 @@
 """The Responses API's custom tools: a tool (``{"type": "custom", "name", "description",
-"format"}``) that takes one string, its ``input``, unconstrained (``format`` absent or
-``{"type": "text"}``) or a whole match of a regular expression (``{"type": "grammar",
-"syntax": "regex", "definition": ...}``, Rust ``regex`` syntax as llguidance reads it).
+"format"}``) that takes one string, its ``input``: unconstrained (``format`` absent or
+``{"type": "text"}``), a whole match of a regular expression (``{"type": "grammar",
+"syntax": "regex", "definition": ...}``, Rust ``regex`` syntax as llguidance reads it), or
+a string of a Lark grammar's language (``"syntax": "lark"``, llguidance's Lark).
 
 The model calls a custom tool as it calls a function, in its template's call syntax, with
 the arguments ``{"input": "<the input>"}``: the chat machinery (the call grammar, the reply
@@ -12,9 +13,15 @@ and cached as every tool's arguments schema is (`tools.tool_grammar`: the gramma
 pool, the grammar cache, the time and size bounds); one llguidance refuses is a 400 naming
 ``tools.N.format.definition``.
 
-``syntax: "lark"`` is refused (400 naming ``tools.N.format.syntax``): the input is a JSON
-string inside the call, and llguidance quotes a single lexeme as JSON, not a context-free
-language, so a Lark grammar cannot constrain it there.
+A Lark grammar cannot be a ``pattern`` (llguidance JSON-quotes one lexeme, not a
+context-free language), so its rules are rewritten over the JSON-escaped text of its
+language (`lark_json.escaped_rules`) and written between the quotes of the call's
+arguments (`lark_arguments`: `tool_formats.LarkArguments`). The client's grammar is
+compiled on its own first, through the same pool, cache and bounds; what llguidance refuses
+there, and what the rewrite cannot carry over faithfully (imports, ``%ignore``, templates,
+lexeme options, priorities, ``~``, ``&``, special tokens, case-insensitive literals,
+regular expression flags, anchors, lookarounds, backreferences, Unicode classes), is a 400
+naming ``tools.N.format.definition``.
 """
 
 from __future__ import annotations
@@ -24,8 +31,9 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from slotserve.server.chat.tool_formats import json_string_prefix
+from slotserve.server.chat.tool_formats import LarkArguments, json_string_prefix
 from slotserve.server.http.errors import APIError
+from slotserve.server.responses.lark_json import UnsupportedLark, escaped_rules, literal
 
 INVALID = "invalid_request_error"
 INPUT_KEY = "input"
@@ -40,8 +48,9 @@ def _refuse(param: str, reason: str) -> APIError:
 
 def input_schema(tool: dict[str, Any], index: int) -> dict[str, Any]:
     """The JSON Schema of a custom tool's call arguments (``{"input": <string>}``, the
-    string a whole match of its regular expression when it has one); a format this server
-    cannot constrain is a 400 naming its field."""
+    string a whole match of its regular expression when it has one; a Lark grammar
+    constrains it through `lark_arguments` instead); a format this server cannot constrain
+    is a 400 naming its field."""
     text: dict[str, Any] = {"type": "string"}
     form = tool.get("format")
     param = f"tools.{index}.format"
@@ -51,19 +60,12 @@ def input_schema(tool: dict[str, Any], index: int) -> dict[str, Any]:
         kind = form.get("type")
         if kind == "grammar":
             syntax, definition = form.get("syntax"), form.get("definition")
-            if syntax == "lark":
-                raise _refuse(
-                    f"{param}.syntax",
-                    "Lark grammars are not supported for custom tools here (the input is a "
-                    "JSON string inside the model's call, which llguidance can constrain to a "
-                    'regular expression but not to a Lark grammar); use "syntax": "regex", '
-                    "or a function tool",
-                )
-            if syntax != "regex":
+            if syntax not in ("lark", "regex"):
                 raise _refuse(f"{param}.syntax", f'expected "lark" or "regex", got {syntax!r}')
             if not isinstance(definition, str):
                 raise _refuse(f"{param}.definition", "expected the grammar's text (a string)")
-            text["pattern"] = f"^(?:{definition})$"
+            if syntax == "regex":
+                text["pattern"] = f"^(?:{definition})$"
         elif kind != "text":
             raise _refuse(f"{param}.type", f'expected "text" or "grammar", got {kind!r}')
     return {
@@ -78,6 +80,30 @@ def custom_function(tool: dict[str, Any], index: int) -> dict[str, Any]:
     """A custom tool as chat's function (its name, description, arguments' schema)."""
     function: dict[str, Any] = {k: tool[k] for k in ("name", "description") if k in tool}
     return {**function, "parameters": input_schema(tool, index)}
+
+
+def lark_arguments(tools: Sequence[dict[str, Any]] | None) -> dict[str, LarkArguments]:
+    """The call arguments of the custom tools with a Lark grammar (by name): the grammar's
+    escaped rules between the quotes of ``{"input": "..."}``. A grammar the rewrite cannot
+    carry over is a 400 naming its ``tools.N.format.definition``."""
+    found = {}
+    for index, tool in enumerate(tools or ()):
+        form = tool.get("format")
+        if tool.get("type") != "custom" or not isinstance(form, dict):
+            continue
+        if form.get("type") != "grammar" or form.get("syntax") != "lark":
+            continue
+        source = str(form.get("definition"))  # a string: `input_schema` checked it
+        prefix = f"c{index}_"  # apart from the call grammar's names (`LarkArguments`)
+        try:
+            rules = escaped_rules(source, prefix)
+        except UnsupportedLark as exc:
+            raise _refuse(f"tools.{index}.format.definition", str(exc)) from None
+        head, tail = literal(_HEAD + '"'), literal('"}')
+        entry = f"{prefix}arguments"
+        rules += f"{entry}: {head} {prefix}start {tail}\n"
+        found[str(tool.get("name"))] = LarkArguments(rules, entry, source)
+    return found
 
 
 def custom_names(tools: Sequence[dict[str, Any]] | None) -> frozenset[str]:
