@@ -52,9 +52,11 @@ test: $(STAMP)
 # reads how much what it did changed it, never a level, so the files that ran before it
 # in its worker do not move its figure. OpenMP's threads sleep when they wait
 # (OMP_WAIT_POLICY=PASSIVE): two workers' spinning kernel threads on two cores would take
-# the cores from each other.
+# the cores from each other. --no-loadscope-reorder: xdist would otherwise hand out the
+# files by their number of tests, which puts the long modules anywhere and the export
+# readers early (tests/conftest.py orders them: long modules first, export readers last).
 suite: $(STAMP) $(GEMMA)
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n 2 --dist loadfile --durations=25
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 # The web page's browser test drives Debian's Chromium (playwright uses it in place;
 # never `playwright install`, which downloads a browser build this network refuses).

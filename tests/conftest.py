@@ -135,11 +135,41 @@ def exports_of(item: pytest.Item) -> list[str]:
     return [export for fixture in fixtures for export in EXPORTS.get(fixture, ())]
 
 
+# The modules that run longest (real models end to end, servers, the AArch64 cross-build),
+# longest first: they start the run, so the two workers (`make test`; pytest-xdist keeps this
+# order under --no-loadscope-reorder) end it together, with the short modules filling in,
+# rather than one worker ending it alone in a long module. Export readers keep this order
+# among themselves.
+LONG_FIRST = (
+    "tests/native/test_aarch64.py",
+    "tests/models/test_serve_models.py",
+    "tests/server/test_grammar_bounds.py",
+    "tests/reliability/test_soak_everything.py",
+    "tests/speculative/test_draft_model.py",
+    "tests/artifact/test_gguf_reader.py",
+    "tests/server/test_prefix_store_server.py",
+    "tests/artifact/test_gguf_parity.py",
+    "tests/test_bench_models.py",
+    "tests/models/test_model_set_state.py",
+    "tests/server/test_cut_tool_calls.py",
+    "tests/server/test_http.py",
+    "tests/engine/test_prefix_gemma3.py",
+    "tests/test_bench_memory.py",
+    "tests/test_bench.py",
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The modules that read an export run last, whole and in their order, so the farm
-    exports while the others run."""
+    """The long modules first (`LONG_FIRST`), then the rest; the modules that read an
+    export run last, whole and in their order, so the farm exports while the others run."""
     late = {item.module for item in items if exports_of(item)}  # type: ignore[attr-defined]
-    items.sort(key=lambda item: getattr(item, "module", None) in late)
+    rank = {path: index for index, path in enumerate(LONG_FIRST)}
+
+    def place(item: pytest.Item) -> tuple[bool, int]:
+        path = item.nodeid.split("::")[0]
+        return getattr(item, "module", None) in late, rank.get(path, len(rank))
+
+    items.sort(key=place)
 
 
 @pytest.fixture(scope="session")
