@@ -91,6 +91,15 @@ def worker_pids(compiler: GrammarCompiler) -> list[int]:
     return [w.process.pid for w in pool.workers if w is not None and w.alive]
 
 
+def wait_worker(compiler: GrammarCompiler, timeout_s: float = 30.0) -> list[int]:
+    """The pool's live workers' pids, once it has one: a job is running from when its slot
+    takes it, before the slot's worker process has started (an import and a handshake)."""
+    deadline = time.monotonic() + timeout_s
+    while not (pids := worker_pids(compiler)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return pids
+
+
 def wait_running(job: Any, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not job.future.running() and time.monotonic() < deadline:
@@ -134,8 +143,8 @@ def test_cancel_kills_the_compile_and_close_waits_for_none(
     )
     job = compiler.submit(hostile())
     wait_running(job)
-    time.sleep(0.3)
-    (pid,) = worker_pids(compiler)
+    (pid,) = wait_worker(compiler)
+    time.sleep(0.3)  # the worker has the schema and compiles
     job.cancel()
     with pytest.raises(GrammarCancelled):
         job.future.result(timeout=2)
