@@ -94,12 +94,13 @@ def test_interactive_request_passes_a_background_batch(engine: EncoderEngine) ->
     assert first.timings.released < last.timings.released
 
 
-def test_a_budgeted_step_cuts_a_batch_into_whole_texts_with_the_same_embeddings(
+def test_a_budgeted_step_cuts_a_batch_into_texts_and_layers_with_the_same_embeddings(
     minilm: EncoderModel,
 ) -> None:
-    """A step given a time budget embeds only the whole texts its fitted cost per token
-    says fit (at least one): a budget of nothing steps one text at a time, an ample one
-    the whole batch, and the embeddings are the same bits either way."""
+    """A step given a time budget embeds only the whole texts its fitted cost per token and
+    layer says fit, or the layers of one text that fit (at least one): a budget of nothing
+    steps one layer of one text at a time, an ample one the whole batch, and the embeddings
+    are the same bits either way."""
     texts = [f"passage {i}: " + "indexing on a device " * (3 + i * 5 % 30) for i in range(6)]
     expected = minilm.embed(minilm.tokenize(texts))
     engine = EncoderEngine(minilm, SMALL, ledger=MemoryLedger(), start=False)
@@ -107,23 +108,24 @@ def test_a_budgeted_step_cuts_a_batch_into_whole_texts_with_the_same_embeddings(
         handle = engine.submit(texts, priority="background")
         while engine.step(budget_s=0.0):
             engine.check_integrity()
-        assert engine.stats().steps == len(texts)
+        assert engine.stats().steps == len(texts) * minilm.info.n_layers
         assert torch.equal(handle.result(timeout=0).embeddings, expected)
         handle = engine.submit(texts, priority="background")
         while engine.step(budget_s=3600.0):
             pass
-        assert engine.stats().steps == len(texts) + 2  # max_batch_texts=4: 4 + 2
+        # max_batch_texts=4: 4 + 2 texts
+        assert engine.stats().steps == len(texts) * minilm.info.n_layers + 2
         assert torch.equal(handle.result(timeout=0).embeddings, expected)
     finally:
         engine.close()
 
 
-def test_a_budget_below_a_steps_fixed_cost_is_one_text_whatever_the_slope(
+def test_a_budget_below_a_steps_fixed_cost_is_one_layer_whatever_the_slope(
     minilm: EncoderModel,
 ) -> None:
     """On a loaded machine the steps timed so far may take no longer for more tokens (the
-    fit's slope clamps to 0): a budget below the fixed cost of a step is still one text a
-    step, never the whole batch (it was: a slope of 0 read as no bound)."""
+    fit's slope clamps to 0): a budget below the fixed cost of a step is still one layer of
+    one text a step, never the whole batch (it was: a slope of 0 read as no bound)."""
     texts = [f"passage {i}: " + "indexing on a device " * (3 + i) for i in range(4)]
     engine = EncoderEngine(minilm, SMALL, ledger=MemoryLedger(), start=False)
     try:
@@ -134,7 +136,7 @@ def test_a_budget_below_a_steps_fixed_cost_is_one_text_whatever_the_slope(
         while engine.step(budget_s=0.0):
             pass
         handle.result(timeout=0)
-        assert engine.stats().steps == len(texts)
+        assert engine.stats().steps == len(texts) * minilm.info.n_layers
     finally:
         engine.close()
 
@@ -143,7 +145,7 @@ def test_a_turn_taker_cuts_background_steps_to_an_interactive_turn(
     minilm: EncoderModel,
 ) -> None:
     """On a served set's device, the encoder's background steps last about one interactive
-    turn: after a short interactive turn, a batch goes one text a turn."""
+    turn: after a short interactive turn, a batch goes one layer of one text a turn."""
     device = DeviceScheduler()
     with device.turn("chat", "interactive"):
         pass  # an interactive step far shorter than any text's embedding
@@ -153,7 +155,7 @@ def test_a_turn_taker_cuts_background_steps_to_an_interactive_turn(
         texts = [f"note {i}: " + "retrieval " * (20 + i) for i in range(4)]
         result = engine.submit(texts, priority="background").result(timeout=120)
         assert torch.equal(result.embeddings, minilm.embed(minilm.tokenize(texts)))
-        assert device.counters.turns["embed"] == len(texts)
+        assert device.counters.turns["embed"] == len(texts) * minilm.info.n_layers
     finally:
         engine.close()
         turns.stop()

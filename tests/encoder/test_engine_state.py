@@ -1,5 +1,6 @@
 """`EncoderEngine` under random operation sequences (hypothesis state machine): submit,
-cancel, drop a handle, step, let time pass, close; the engine is stepped by the test
+cancel, drop a handle, step (whole, or with a budget of nothing: one layer of one text, the
+forward held between steps), let time pass, close; the engine is stepped by the test
 (``start=False``) on a synthetic clock, so every check is exact.
 
 The machine keeps its own model of admission (which requests run, which wait, which are
@@ -156,12 +157,13 @@ class EncoderEngineMachine(RuleBasedStateMachine):
     def pass_time(self, seconds: float) -> None:
         self.now += seconds
 
-    @rule()
-    def step(self) -> None:
+    @rule(budget=st.sampled_from([None, 0.0]))
+    def step(self, budget: float | None) -> None:
+        """A step (``budget`` 0: one layer of one text, the forward held between steps)."""
         ends = self._reap()
         ready = {t.priority for t in self.tracked if t.state == "running" and not t.cancelled}
         before = self.engine.stats().steps_by_class
-        stepped = self.engine.step()
+        stepped = self.engine.step(budget)
         assert stepped == bool(ready)
         for t, reason in ends:
             self._read_end(t, reason)

@@ -7,12 +7,17 @@ texts; admission binds all of its texts to text slots (``max_texts``, whose memo
 reason; a step embeds up to ``max_batch_texts`` texts of one class (`Scheduler.pick_class`:
 interactive first, background its minimum share), longest first, and, when its caller gives
 it a time budget (a device scheduler bounding a turn, `DeviceScheduler.turn_budget_s`), only
-the whole texts that its own fit of seconds per token (`StepCost`) says fit that budget, at
-least one: a batch then runs as several short steps, each a device turn of its own, with
-the same embeddings (`EncoderModel.embed` is batch-invariant). A request ends with one
-`EmbeddingResult` once all of its texts are embedded. A cancel (or a dropped handle) ends
-the request at the next batch boundary and releases its slots, acknowledged with the
-measured latency; its texts in a running step are discarded.
+the whole texts that its own fit of seconds per token and layer (`StepCost`) says fit that
+budget, at least one: a batch then runs as several short steps, each a device turn of its
+own, with the same embeddings (`EncoderModel.embed` is batch-invariant). Where even the
+first text does not fit the budget, the step runs only the layers of it that fit (at least
+one) and the engine holds the forward (`EncoderPass`, within the plan's `held_bytes`) for
+its next steps to run the rest: one held forward at most, continued when the scheduler
+picks its class, while another class's steps (whole texts) go between its layers. A
+request ends with one `EmbeddingResult` once all of its texts are embedded. A cancel (or a
+dropped handle) ends the request at the next batch boundary and releases its slots,
+acknowledged with the measured latency; its texts in a running step are discarded, and a
+forward it holds between layers is released at that boundary.
 
 Two ways to drive it. With ``start=True`` (the default) it runs its own step thread, as
 `Engine` does. With ``start=False`` a caller steps it (`step`): a multi-model server whose
@@ -50,7 +55,7 @@ from slotserve.engine.step_cost import StepCost
 from slotserve.errors import AdmissionRefused
 from slotserve.locks import ENGINE, OrderedLock
 from slotserve.memory import MemoryLedger
-from slotserve.model.encoder import EncoderModel
+from slotserve.model.encoder import EncoderModel, EncoderPass
 
 log = logging.getLogger("slotserve")
 
@@ -60,7 +65,8 @@ IDLE_WAIT_S = 0.05  # how often an idle step thread looks at queue deadlines
 @dataclass(frozen=True)
 class EncoderStats:
     """A reading of the engine: text slots in use, requests running and queued, refusals by
-    reason, ends by reason, steps (by class) and texts embedded."""
+    reason, ends by reason, steps (by class), texts embedded and the bytes of the forward it
+    holds between layers."""
 
     max_texts: int
     texts_in_use: int
@@ -69,6 +75,7 @@ class EncoderStats:
     steps: int
     texts_embedded: int
     cancellations: int
+    held_bytes: int  # a forward held between layers (`EncoderPass.nbytes`; 0: none)
     refusals: dict[str, int] = field(default_factory=dict)
     finished: dict[str, int] = field(default_factory=dict)
     steps_by_class: dict[str, int] = field(default_factory=dict)
@@ -76,11 +83,19 @@ class EncoderStats:
 
 @dataclass
 class _Step:
-    """A step's texts: (request, indices) pairs in batch order, and their token ids."""
+    """A step's texts: (request, indices) pairs in batch order, their token ids and class,
+    the ``layers`` its next model call runs, and, once a call has run some of them but not
+    all, the forward under way (``forward``)."""
 
     parts: list[tuple[EmbeddingRequest, list[int]]]
     texts: list[list[int]]
     priority: Priority
+    layers: int
+    forward: EncoderPass | None = None
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(text) for text in self.texts)
 
 
 class EncoderEngine:
@@ -116,6 +131,7 @@ class EncoderEngine:
         self._dropped: deque[int] = deque()
         self._texts_in_use = 0
         self._stepping = False  # a step's model call is under way (outside the lock)
+        self._held: _Step | None = None  # a forward split by layer, between its calls
         self._closing = False
         self._steps = 0
         self._texts_embedded = 0
@@ -123,7 +139,8 @@ class EncoderEngine:
         self._refusals: Counter[str] = Counter()
         self._finished: Counter[str] = Counter()
         self._steps_by_class: Counter[str] = Counter()
-        self._cost = StepCost()  # seconds of a step by its tokens, fitted to the steps run
+        # Seconds of a model call by its tokens times the layers it runs, fitted to the calls.
+        self._cost = StepCost()
         self._thread: threading.Thread | None = None
         if start:
             self._thread = threading.Thread(
@@ -178,32 +195,50 @@ class EncoderEngine:
         scheduler choosing across models; it does not advance the background share."""
         with self._lock:
             classes = {r.priority for r in self._running.values() if r.ready}
+            if self._held is not None:
+                classes.add(self._held.priority)
             return next((c for c in PRIORITIES if c in classes), None)
 
     def step(self, budget_s: float | None = None) -> bool:
         """Reap cancels and expired waits, re-admit from the queue, then run one batch step
         (the model outside the lock) and commit it; False when there was nothing to step.
         ``budget_s``: the seconds the step should take at most; it embeds the whole texts
-        that fit by the engine's fitted cost per token, at least one (None: up to
-        ``max_batch_texts``). One caller steps at a time: the engine's own thread, or the
-        caller that built it with ``start=False``."""
+        that fit by the engine's fitted cost per token and layer, at least one, or, where
+        one does not fit, runs the layers of one text that fit, at least one (None: up to
+        ``max_batch_texts`` whole texts, or the rest of a held forward). One caller steps at
+        a time: the engine's own thread, or the caller that built it with ``start=False``."""
         with self._lock:
             self._reap()
-            step = self._compose(self._budget_tokens(budget_s))
+            step = self._next_step(self._budget_units(budget_s))
             if step is None:
                 return False
+            if step is self._held:
+                self._held = None  # the call's own until it ends
             self._stepping = True
         began = time.perf_counter()
+        forward: EncoderPass | None = None
+        rows: torch.Tensor | None = None
+        error = None
         try:
-            rows: torch.Tensor | None = self.model.embed(step.texts)
-            error = None
-            self._cost.observe(sum(len(text) for text in step.texts), time.perf_counter() - began)
+            forward = step.forward or self.model.start(step.texts)
+            done = forward.layers_done
+            forward = self.model.advance(forward, step.layers)
+            if forward.layers_done == self.model.info.n_layers:
+                rows = self.model.finish(forward)
+            ran = forward.tokens * (forward.layers_done - done)
+            self._cost.observe(ran, time.perf_counter() - began)
         except Exception as exc:  # a failed step ends its requests, not the engine
             log.exception("encoder step failed; ending its requests")
-            rows, error = None, f"the step failed: {exc}"
+            forward, error = None, f"the step failed: {exc}"
         with self._lock:
             self._stepping = False
-            self._commit(step, rows, error)
+            self._steps += 1
+            self._steps_by_class[step.priority] += 1
+            if forward is not None and rows is None:
+                step.forward = forward
+                self._held = step
+            else:
+                self._commit(step, rows, error)
             self._reap()
             self._lock.notify_all()
         return True
@@ -235,6 +270,7 @@ class EncoderEngine:
         return self._closing
 
     def stats(self) -> EncoderStats:
+        """A reading of the engine (`EncoderStats`)."""
         with self._lock:
             return EncoderStats(
                 max_texts=self.config.max_texts,
@@ -244,6 +280,7 @@ class EncoderEngine:
                 steps=self._steps,
                 texts_embedded=self._texts_embedded,
                 cancellations=self._cancellations,
+                held_bytes=self._held_bytes(),
                 refusals=dict(self._refusals),
                 finished=dict(self._finished),
                 steps_by_class=dict(self._steps_by_class),
@@ -252,7 +289,10 @@ class EncoderEngine:
     def check_integrity(self) -> None:
         """Text slots in use are exactly the running requests' texts, within ``max_texts``;
         running requests are ``running``, queued ones ``queued`` with a deadline, within
-        ``queue_depth``, none both; no text is both pending and embedded; the ledger holds."""
+        ``queue_depth``, none both; no text is both pending and embedded; a step's texts are
+        out of pending only in a running step or in the held forward, whose texts are its
+        parts', part way through its layers, in the plan's ``held_bytes``; the ledger
+        holds."""
         with self._lock:
             running = self._running.values()
             assert self._texts_in_use == sum(r.n_texts for r in running), "slots ≠ texts"
@@ -263,10 +303,34 @@ class EncoderEngine:
             queued = {r.request_id for r in self._queue}
             assert len(queued) == len(self._queue), "a request queued twice"
             assert not queued & set(self._running), "a request both queued and running"
+            held = self._held
+            holding = {} if held is None else {id(r): i for r, i in held.parts}
             for r in running:
                 assert r.embedded + len(r.pending) + len(r.in_step) == r.n_texts, "texts lost"
-                assert self._stepping or not r.in_step, "a step's texts outside a step"
+                assert self._stepping or r.in_step == holding.get(id(r), []), (
+                    "a step's texts outside a step"
+                )
+            if held is not None:
+                self._check_held(held)
             self.ledger.check_integrity()
+
+    def _check_held(self, held: _Step) -> None:
+        """Under the lock: the held forward is its parts' texts, part way through, within
+        the plan."""
+        forward = held.forward
+        assert forward is not None, "a step held without its forward"
+        assert not self._stepping, "a forward held while a step runs"
+        assert 0 < forward.layers_done < self.model.info.n_layers, "held before or after"
+        assert [len(t) for t in held.texts] == forward.batch.lengths.tolist(), "held texts"
+        assert sum(len(i) for _, i in held.parts) == len(held.texts), "held parts"
+        assert all(r.state == "running" for r, _ in held.parts), "a held text's request ended"
+        assert forward.nbytes <= self.plan.held_bytes, (
+            f"the held forward's {forward.nbytes} bytes exceed the plan's {self.plan.held_bytes}"
+        )
+
+    def _held_bytes(self) -> int:
+        forward = None if self._held is None else self._held.forward
+        return 0 if forward is None else forward.nbytes
 
     # -- admission (under the lock) --------------------------------------------------
 
@@ -332,41 +396,65 @@ class EncoderEngine:
 
     # -- the step (under the lock) ---------------------------------------------------
 
-    def _budget_tokens(self, budget_s: float | None) -> int | None:
-        """The tokens a step of ``budget_s`` seconds holds by the cost fit (None: no bound;
-        0, one text: before any step has been timed, or a budget within the fit's fixed
-        cost of a step, whatever the fit's slope)."""
+    def _budget_units(self, budget_s: float | None) -> int | None:
+        """The tokens times layers a step of ``budget_s`` seconds runs by the cost fit (None:
+        no bound; 0, one layer of one text: before any step has been timed, or a budget
+        within the fit's fixed cost of a step, whatever the fit's slope)."""
         if budget_s is None:
             return None
         if self._cost.n == 0:
             return 0
-        fixed, per_token = self._cost.line()
+        fixed, per_unit = self._cost.line()
         if budget_s <= fixed:
             return 0
-        if per_token <= 0.0:  # the steps timed so far do not grow with their tokens
+        if per_unit <= 0.0:  # the steps timed so far do not grow with their work
             return None
-        return int((budget_s - fixed) / per_token)
+        return int((budget_s - fixed) / per_unit)
 
-    def _compose(self, budget_tokens: int | None = None) -> _Step | None:
+    def _layers(self, tokens: int, units: int | None, left: int) -> int:
+        """How many of the ``left`` layers of a forward of ``tokens`` tokens fit ``units``
+        (at least one)."""
+        return left if units is None else min(left, max(1, units // tokens))
+
+    def _next_step(self, units: int | None) -> _Step | None:
+        """The held forward's next layers when the scheduler picks its class (``fifo``:
+        always), else a new step of the chosen class (`_compose`)."""
         ready = sorted((r for r in self._running.values() if r.ready), key=lambda r: r.request_id)
+        held = self._held
         if self.config.policy == "isolate":
-            chosen = self._scheduler.pick_class(ready)
+            chosen = self._scheduler.pick_class([*ready, *([held] if held else [])])
+            if held is not None and chosen == held.priority:
+                return self._continue(held, units)
             ready = [r for r in ready if r.priority == chosen]
-        if not ready:
-            return None
+        elif held is not None:
+            return self._continue(held, units)
+        return self._compose(ready, units) if ready else None
+
+    def _continue(self, held: _Step, units: int | None) -> _Step:
+        assert held.forward is not None
+        left = self.model.info.n_layers - held.forward.layers_done
+        held.layers = self._layers(held.tokens, units, left)
+        return held
+
+    def _compose(self, ready: list[EmbeddingRequest], units: int | None) -> _Step:
+        """A new step of ``ready`` (one class, or every class under ``fifo``): up to
+        ``max_batch_texts`` whole texts, longest first, that fit ``units`` (at least one);
+        where the first alone does not, the layers of it that fit. While a forward is held
+        a step is never split (one held forward at most)."""
+        n_layers = self.model.info.n_layers
         room = self.config.max_batch_texts
         parts: list[tuple[EmbeddingRequest, list[int]]] = []
-        tokens_left = budget_tokens
+        units_left = units
         for request in ready:
             n, full = 0, False
             for i in request.pending[:room]:
-                length = len(request.texts[i])
-                if tokens_left is not None and length > tokens_left and (parts or n):
+                cost = len(request.texts[i]) * n_layers
+                if units_left is not None and cost > units_left and (parts or n):
                     full = True  # the budget is spent; the first text always goes
                     break
                 n += 1
-                if tokens_left is not None:
-                    tokens_left -= length
+                if units_left is not None:
+                    units_left -= cost
             if n:
                 indices = request.take(n)
                 if request.timings.first_step is None:
@@ -376,12 +464,13 @@ class EncoderEngine:
             if full or room == 0:
                 break
         texts = [request.texts[i] for request, indices in parts for i in indices]
-        return _Step(parts, texts, ready[0].priority)
+        step = _Step(parts, texts, ready[0].priority, n_layers)
+        if self._held is None:
+            step.layers = self._layers(step.tokens, units, n_layers)
+        return step
 
     def _commit(self, step: _Step, rows: torch.Tensor | None, error: str | None) -> None:
         """Hand each request its rows (a cancelled one's are discarded); end those done."""
-        self._steps += 1
-        self._steps_by_class[step.priority] += 1
         offset = 0
         for request, indices in step.parts:
             share = rows[offset : offset + len(indices)] if rows is not None else None
@@ -414,6 +503,19 @@ class EncoderEngine:
         request.sink.put(request.result(reason, error))
         request.released.set()
 
+    def _release_held(self) -> None:
+        """Release the held forward when a request of its texts was cancelled (or ended):
+        its texts go back to their requests' pending texts (a cancelled request's are never
+        stepped again). Not while a step runs: the forward is that step's until it ends."""
+        held = self._held
+        if held is None or self._stepping:
+            return
+        if all(r.state == "running" and not r.cancelled.is_set() for r, _ in held.parts):
+            return
+        for request, _ in held.parts:
+            request.abandon_step()
+        self._held = None
+
     def _leave_queue(self, request: EmbeddingRequest, reason: str) -> None:
         self._queue.remove(request)
         request.state = "done"
@@ -427,8 +529,9 @@ class EncoderEngine:
         request.released.set()
 
     def _reap(self) -> None:
-        """At a batch boundary: cancel dropped handles' requests, end cancelled running
-        ones (their texts in a running step are discarded at its commit), take cancelled,
+        """At a batch boundary: cancel dropped handles' requests, release a held forward
+        with a cancelled request's texts, end cancelled running ones (their texts in a running step
+        are discarded at its commit), take cancelled,
         closed-out and expired requests off the queue, then re-admit."""
         while self._dropped:
             dropped = self._known.get(self._dropped.popleft())
@@ -442,6 +545,7 @@ class EncoderEngine:
                 self._leave_queue(request, "closed")
             elif request.deadline is not None and now >= request.deadline:
                 self._leave_queue(request, "queue_timeout")
+        self._release_held()
         for request in list(self._running.values()):
             if request.cancelled.is_set() and not request.in_step:
                 self._end(request, "cancelled")
@@ -477,12 +581,14 @@ class EncoderEngine:
                     with self._lock:
                         if self._closing and not self._running and not self._queue:
                             return
-                        if not self._dropped and not any(r.ready for r in self._running.values()):
+                        ready = any(r.ready for r in self._running.values())
+                        if not self._dropped and not ready and self._held is None:
                             self._lock.wait(IDLE_WAIT_S)
         except BaseException:
             log.exception("encoder loop failed; ending every request")
             with self._lock:
                 self._closing = True
+                self._held = None
                 for request in list(self._running.values()):
                     request.abandon_step()
                     self._end(request, "error", "the encoder's step loop failed")

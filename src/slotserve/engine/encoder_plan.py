@@ -2,13 +2,16 @@
 
 An encoder holds no KV pool: past its weights and tokenizer (marked by its load), it needs
 the transient memory of its largest step (``max_batch_texts`` texts of ``max_seq_len``
-tokens) and the results of the texts it has admitted (``max_texts`` rows of token ids and
-embeddings). `plan_encoder` is the one place that runs an encoder step outside serving: it
-measures the largest step's anonymous peak growth (at least `EncoderModel.step_bytes`) and
-adds it to the ledger's ``activations`` arena, adds the results, computed, to the same
-arena, then checks the whole ledger against the budget, so a multi-model server that gives
-every model the one device ledger checks them together. Nothing is allocated at run time
-beyond these: a step is never larger, and admission never holds more than ``max_texts``.
+tokens), the forward it may hold between two layers while other work takes the device (one
+at most: the packed rows of at most a largest step's texts) and the results of the texts it
+has admitted (``max_texts`` rows of token ids and embeddings). `plan_encoder` is the one
+place that runs an encoder step outside serving: it measures the largest step's anonymous
+peak growth (at least `EncoderModel.step_bytes`) and adds it to the ledger's ``activations``
+arena, adds the held forward and the results, computed, to the same arena, then checks the
+whole ledger against the budget, so a multi-model server that gives every model the one
+device ledger checks them together. Nothing is allocated at run time beyond these: a step is
+never larger, the engine holds one split forward at most (its ``check_integrity`` holds it
+within `EncoderPlan.held_bytes`), and admission never holds more than ``max_texts``.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from slotserve.model.encoder import EncoderModel
 ENCODER_POLICIES = ("isolate", "fifo")
 PROBE_SOURCE = "the encoder's largest step"
 RESULTS_SOURCE = "the encoder's admitted texts"
+HELD_SOURCE = "the encoder's forward held between layers"
 
 
 @dataclass(frozen=True)
@@ -82,23 +86,27 @@ class EncoderConfig:
 @dataclass(frozen=True)
 class EncoderPlan:
     """What `plan_encoder` added to the ledger: the largest step's shape and measured
-    bytes, the admitted texts' computed bytes, and the budget they were checked against."""
+    bytes, the computed bytes of a forward held between layers (`held_bytes`: a largest
+    step's packed rows) and of the admitted texts, and the budget they were checked
+    against."""
 
     step_texts: int
     step_tokens_per_text: int
     step_bytes: int
+    held_bytes: int
     results_bytes: int
     budget: Budget | None
 
     @property
     def total(self) -> int:
-        return self.step_bytes + self.results_bytes
+        return self.step_bytes + self.held_bytes + self.results_bytes
 
     def to_dict(self) -> dict[str, object]:
         return {
             "step_texts": self.step_texts,
             "step_tokens_per_text": self.step_tokens_per_text,
             "step_bytes": self.step_bytes,
+            "held_bytes": self.held_bytes,
             "results_bytes": self.results_bytes,
             "budget": None if self.budget is None else str(self.budget),
         }
@@ -140,16 +148,19 @@ def plan_encoder(
     with torch.inference_mode():
         step = measure_largest_step(model, config.max_batch_texts)
     ledger.add("activations", step, "measured", PROBE_SOURCE)
+    held = model.held_bytes(config.max_batch_texts, model.info.max_seq_len)
+    ledger.add("activations", held, "computed", HELD_SOURCE)
     results = results_bytes(model, config)
     ledger.add("activations", results, "computed", RESULTS_SOURCE)
-    plan = EncoderPlan(config.max_batch_texts, model.info.max_seq_len, step, results, config.budget)
+    longest = model.info.max_seq_len
+    plan = EncoderPlan(config.max_batch_texts, longest, step, held, results, config.budget)
     problems = budget_problems(ledger.arenas(), ledger.peak_bytes, config.budget)
     if problems:
         raise PlanError(
             f"the encoder does not fit: {'; '.join(problems)} (its largest step of "
             f"max_batch_texts={config.max_batch_texts} texts x {model.info.max_seq_len} "
-            f"tokens needs {format_bytes(step)}, max_texts={config.max_texts} admitted texts "
-            f"{format_bytes(results)}); lower max_batch_texts or max_texts, load the "
-            "weights as q8_0, or raise memory_budget"
+            f"tokens needs {format_bytes(step)} and {format_bytes(held)} held between "
+            f"layers, max_texts={config.max_texts} admitted texts {format_bytes(results)}); "
+            "lower max_batch_texts or max_texts, load the weights as q8_0, or raise memory_budget"
         )
     return plan, ledger

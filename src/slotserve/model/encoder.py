@@ -10,6 +10,11 @@ on each text's own rows, ``[heads, length, length]``, never on a grid padded to 
 longest text (whose length changes the order of the score reductions). A text's embedding
 is therefore the same, bit for bit, whatever it is batched with: an engine may split a
 batch into several steps without changing a result (tests hold every split equal).
+
+The forward may also be split by layer (`EncoderPass`: `start`, `advance`, `finish`; `embed`
+is the three in one call): the packed rows between two layers are all a later layer reads,
+so an engine may hold them across device turns and run a text's layers a few at a time,
+with the same bits as the unsplit forward.
 """
 
 from __future__ import annotations
@@ -205,6 +210,38 @@ class TextBatch:
     def n_texts(self) -> int:
         return int(self.lengths.shape[0])
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes its tensors' storage holds."""
+        tensors = (self.tokens, self.positions, self.text_of_row, self.lengths)
+        return sum(t.untyped_storage().nbytes() for t in tensors)
+
+
+@dataclass(frozen=True)
+class EncoderPass:
+    """A forward split by layer (`EncoderModel.start`): its texts (``batch``), their packed
+    rows ``hidden[N, dim]`` after the first ``layers_done`` layers. Holding one between
+    device turns holds `nbytes`; nothing else of the forward outlives a call."""
+
+    batch: TextBatch
+    hidden: torch.Tensor
+    layers_done: int
+
+    @property
+    def tokens(self) -> int:
+        return int(self.hidden.shape[0])
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes its tensors' storage holds."""
+        return self.hidden.untyped_storage().nbytes() + self.batch.nbytes
+
+    @staticmethod
+    def bytes_for(n_texts: int, rows: int, dim: int) -> int:
+        """`nbytes` of a pass of ``n_texts`` texts and ``rows`` rows in all: fp32 hidden
+        rows, and the batch's three int64 row indices and one length a text."""
+        return 4 * rows * dim + 8 * (3 * rows + n_texts)
+
 
 class EncoderModel:
     """A loaded encoder: ``info``, ``weights``, the ``tokenizer`` (Hugging Face
@@ -237,6 +274,11 @@ class EncoderModel:
 
     def embed(self, texts: Sequence[Sequence[int]]) -> torch.Tensor:
         """``[len(texts), dim]`` embeddings of token-id lists (`tokenize`'s)."""
+        forward = self.start(texts)
+        return self.finish(self.advance(forward, self.info.n_layers))
+
+    def start(self, texts: Sequence[Sequence[int]]) -> EncoderPass:
+        """A forward of ``texts`` split by layer: their embedded rows, before any layer."""
         batch = TextBatch.of(texts)
         longest = batch.longest
         if longest > self.info.max_positions:
@@ -244,10 +286,28 @@ class EncoderModel:
                 f"a text of {longest} tokens exceeds max_positions={self.info.max_positions}"
             )
         with torch.inference_mode():
-            x = self._embed_rows(batch)
-            for layer in self.weights.layers:
+            return EncoderPass(batch, self._embed_rows(batch), 0)
+
+    def advance(self, forward: EncoderPass, n_layers: int) -> EncoderPass:
+        """``forward`` through its next ``n_layers`` layers (at most those left)."""
+        if n_layers < 1:
+            raise ValueError(f"n_layers={n_layers} must be >= 1")
+        end = min(forward.layers_done + n_layers, self.info.n_layers)
+        x, batch = forward.hidden, forward.batch
+        with torch.inference_mode():
+            for layer in self.weights.layers[forward.layers_done : end]:
                 x = self._layer(layer, x, batch)
-            return self._pool(x, batch)
+        return EncoderPass(batch, x, end)
+
+    def finish(self, forward: EncoderPass) -> torch.Tensor:
+        """The ``[n_texts, dim]`` embeddings of a pass through every layer."""
+        if forward.layers_done != self.info.n_layers:
+            raise ValueError(
+                f"the pass has run {forward.layers_done} of {self.info.n_layers} layers: "
+                "advance it through the rest before finish"
+            )
+        with torch.inference_mode():
+            return self._pool(forward.hidden, forward.batch)
 
     def _embed_rows(self, batch: TextBatch) -> torch.Tensor:
         w = self.weights
@@ -281,6 +341,11 @@ class EncoderModel:
             sums = x.new_zeros(batch.n_texts, x.shape[1]).index_add_(0, batch.text_of_row, x)
             pooled = sums / batch.lengths.unsqueeze(1).to(x.dtype)
         return F.normalize(pooled, p=2.0, dim=1) if self.info.normalize else pooled
+
+    def held_bytes(self, n_texts: int, longest: int) -> int:
+        """The most bytes a split pass of ``n_texts`` texts of at most ``longest`` tokens
+        holds between two layers (`EncoderPass.nbytes`)."""
+        return EncoderPass.bytes_for(n_texts, n_texts * longest, self.info.dim)
 
     def step_bytes(self, n_texts: int, longest: int) -> int:
         """A lower bound on a step's transient bytes (fp32): the packed rows of the widest

@@ -101,7 +101,8 @@ class PrometheusMetrics:
     """Prometheus exposition of request timings (observed as requests end) and engine
     state (read at scrape time). One registry per instance.
 
-    One model: ``engine_stats`` reads its engine, ``plan_arenas`` its plan. A served set
+    One model: ``engine_stats`` reads its engine (or an encoder engine), ``plan_arenas`` its
+    plan. A served set
     (``models``, ``primary`` its first resident model): every loaded model's engine is
     read from the set instead and its plan's arenas are the set's (`ModelSet.arenas`);
     each sample carries ``model``; ``ttft``, ``itl``, ``queue`` and ``cancel`` are the
@@ -109,7 +110,7 @@ class PrometheusMetrics:
 
     def __init__(
         self,
-        engine_stats: Callable[[], EngineStats],
+        engine_stats: Callable[[], Reading],
         connection_stats: Callable[[], ConnectionStats] | None = None,
         plan_arenas: Callable[[], Mapping[str, int]] | None = None,
         *,
@@ -372,14 +373,18 @@ def _speculation_metrics(
 
 
 def _encoder_metrics(out: _Families, at: Sequence[str], stats: EncoderStats) -> None:
-    """An embedding model's reading (`EncoderStats`): its text slots and queue, what it
-    embedded, and its ends (the families it shares with a generating model's)."""
+    """An embedding model's reading (`EncoderStats`): its text slots and queue, the forward
+    it holds between layers, what it embedded, and its ends (the families it shares with a
+    generating model's)."""
     out.gauge(at, "slotserve_queue_length", "Requests waiting for a slot", stats.queue_len)
     for name, doc, value in (
         ("slotserve_encoder_texts_in_use", "Texts admitted, not yet embedded",
          stats.texts_in_use),
         ("slotserve_encoder_max_texts", "The ceiling on admitted texts", stats.max_texts),
         ("slotserve_encoder_requests_running", "Embedding requests admitted", stats.running),
+        ("slotserve_encoder_held_bytes",
+         "Bytes of a forward held between layers (a step split by layer; within the plan)",
+         stats.held_bytes),
     ):  # fmt: skip
         out.gauge(at, name, doc, value)
     out.counter(at, "slotserve_encoder_texts_embedded", "Texts embedded", stats.texts_embedded)
