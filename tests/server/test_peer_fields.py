@@ -112,6 +112,10 @@ def text_completion(client: openai.OpenAI, server: ServerProcess, **extra: Any) 
         ({"structured_outputs": {"grammar": YES_NO}}, lambda t: t in ("yes", "no")),
         ({"json_schema": POINT}, lambda t: jsonschema.validate(json.loads(t), POINT) is None),
         ({"guided_json": POINT}, lambda t: jsonschema.validate(json.loads(t), POINT) is None),
+        (  # llama.cpp's form: a schema inside a json_object response format
+            {"response_format": {"type": "json_object", "schema": POINT}},
+            lambda t: jsonschema.validate(json.loads(t), POINT) is None,
+        ),
         (
             {"structured_outputs": {"json": json.dumps(POINT)}},
             lambda t: jsonschema.validate(json.loads(t), POINT) is None,

@@ -271,6 +271,9 @@ def _constraints(body: SamplingFields) -> list[Constraint]:
     if form is not None and form.type == "json_schema":
         assert form.json_schema is not None  # ResponseFormat checks it
         found.append(Constraint(SCHEMA_PARAM, "schema", form.json_schema.schema_ or {}))
+    elif form is not None and form.type == "json_object" and form.schema_ is not None:
+        param = "response_format.schema"  # llama.cpp's: JSON valid under this schema
+        found.append(Constraint(param, "schema", _json_schema(form.schema_, param)))
     elif form is not None and form.type == "json_object":
         found.append(Constraint("response_format", "schema"))
     if body.json_schema is not None:

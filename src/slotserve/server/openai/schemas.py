@@ -177,10 +177,15 @@ class JsonSchemaFormat(Body):
 
 
 class ResponseFormat(Body):
-    """``response_format``: plain text, any JSON object, or JSON matching a schema."""
+    """``response_format``: plain text, any JSON object, or JSON matching a schema (as
+    ``json_schema.schema``, or as llama.cpp's ``schema`` beside ``type: json_object``)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    # llama.cpp's extension; an object or its JSON text (`structured._json_schema`)
+    schema_: dict[str, Any] | str | None = Field(default=None, alias="schema")
 
     @model_validator(mode="after")
     def _schema_given(self) -> ResponseFormat:
