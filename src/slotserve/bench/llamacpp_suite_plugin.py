@@ -17,8 +17,10 @@ import importlib.util
 import os
 import sys
 import types
+from typing import TYPE_CHECKING
 
-import pytest
+if TYPE_CHECKING:  # pytest runs this plugin; slotserve itself does not need pytest
+    import pytest
 
 START_TIMEOUT = 300
 
@@ -27,13 +29,16 @@ def _refuse_download(url: str, out: str | None = None) -> str:
     raise RuntimeError(f"no downloads in slotserve's run of llama.cpp's suite: {url}")
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_load_initial_conftests() -> None:
-    """Stand in for ``wget`` before the suite's conftest imports ``utils``."""
+def _stand_in_for_wget() -> None:
+    """Stand in for ``wget`` before the suite's conftest imports ``utils``: pytest imports
+    a ``-p`` plugin before it loads any conftest, so this runs at the plugin's import."""
     if importlib.util.find_spec("wget") is None:
         stand_in = types.ModuleType("wget")
         stand_in.download = _refuse_download  # type: ignore[attr-defined]
         sys.modules["wget"] = stand_in
+
+
+_stand_in_for_wget()
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
