@@ -269,8 +269,10 @@ def models_section(r: dict[str, Any]) -> list[str]:
         "",
         f"A streamed completion of a {r['prompt_tokens']}-token prompt, {r['turn_tokens']} "
         "greedy tokens (`interactive`), alone and then while the indexing job runs (two "
-        "requests in flight, `background`, no more sent once the turn has ended); the ratio "
-        "is its ITL p50 beside the job over alone, per repeat. Indexing rates are the job's "
+        "requests in flight, `background`, no more sent once the turn has ended); its ITL is "
+        "its decode time over its tokens (the server may deliver several a step), the ratio "
+        "that beside the job over alone, per repeat, and the p90 is of the gaps between "
+        "chunks. Indexing rates are the job's "
         f"alone (through the passages or for {INDEX_S:g} s) and beside the turn; memory is the "
         "setup's processes (resident / anonymous) after the run.",
         "",
@@ -295,10 +297,10 @@ def models_section(r: dict[str, Any]) -> list[str]:
         )
     header = [
         "setup",
-        "ITL p50 alone ms",
+        "ITL alone ms",
         "beside indexing ms",
         "ratio",
-        "ITL p90 ms alone / beside",
+        "gaps' p90 ms alone / beside",
         "indexing texts/s alone",
         "beside the turn",
         "turn inside the job",

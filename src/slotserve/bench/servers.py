@@ -57,7 +57,17 @@ class Stream:
 
     @property
     def itl(self) -> list[float]:
+        """The gaps between chunks with text (a chunk may carry several tokens: a verified
+        draft's)."""
         return [b - a for a, b in zip(self.token_times, self.token_times[1:], strict=False)]
+
+    @property
+    def mean_itl(self) -> float:
+        """Seconds per token after the first chunk: the decode's time over its tokens, which
+        a server that delivers several tokens a step (speculation) cannot shrink to a
+        chunk gap of nothing."""
+        tokens = max(self.completion_tokens, len(self.token_times)) - 1
+        return (self.token_times[-1] - self.token_times[0]) / max(tokens, 1)
 
 
 def stream_completion(
