@@ -7,14 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from slotserve.bench.llamacpp_suite import (
+from slotserve.bench.llamacpp_stand_in import (
     STAND_IN_REPO,
     Refused,
     llama_server_args,
-    outcomes,
-    summary,
     translate,
 )
+from slotserve.bench.llamacpp_suite import outcomes, summary
 
 # What the suite's tinyllama2 preset starts its server with (utils.ServerProcess.start).
 TINYLLAMA2 = (

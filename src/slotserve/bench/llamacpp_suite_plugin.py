@@ -7,7 +7,7 @@
   fetch their models from the hub; here it does nothing (`llamacpp_suite` maps the one
   preset it runs to the bundled model).
 - A server's start may take up to ``$LLAMACPP_SUITE_START_TIMEOUT`` seconds (default
-  `START_TIMEOUT`) instead of the suite's 60: on a shared 2-core machine slotserve's start
+  `START_TIMEOUT`) instead of the suite's 60: on a busy machine slotserve's start
   (loading, then timing its largest step for the cancellation bound) can take longer.
 """
 
