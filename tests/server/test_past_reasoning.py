@@ -130,3 +130,61 @@ def test_responses_reasoning_items_reach_the_template(
     without = input_tokens([*asked, said, *then])
     with_thinking = input_tokens([*asked, reasoning, said, *then])
     assert with_thinking - without == len(f"<think>\n{THOUGHT}\n</think>\n\n".encode())
+
+
+# llama.cpp's `/apply-template`, as its suite's test of past thinking sends it: two turns
+# of a tool loop, each with its reasoning.
+TOOL_LOOP: list[dict[str, Any]] = [
+    {"role": "user", "content": "Fix the bug in main.py"},
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": THOUGHT,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "list_files", "arguments": '{"path": "."}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "main.py"},
+]
+LIST_FILES = {
+    "type": "function",
+    "function": {
+        "name": "list_files",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+    },
+}
+
+
+def test_apply_template_is_the_chat_routes_prompt(
+    client: openai.OpenAI, server: ServerProcess
+) -> None:
+    def apply(**fields: Any) -> str:
+        reply = httpx.post(server.url + "/apply-template", json={"messages": TOOL_LOOP, **fields})
+        assert reply.status_code == 200, reply.text
+        prompt: str = reply.json()["prompt"]
+        return prompt
+
+    prompt = apply()
+    assert f"<think>\n{THOUGHT}\n</think>" in prompt and prompt == rendered(server, TOOL_LOOP)
+    assert prompt.endswith("<|im_start|>assistant\n")
+    assert apply(add_generation_prompt=False) == prompt.removesuffix("<|im_start|>assistant\n")
+    # With tools, the prompt the chat route builds (its tool instruction included): the
+    # prompt's tokens are the chat's prompt tokens.
+    offered = apply(tools=[LIST_FILES])
+    assert offered != prompt
+    tokens = httpx.post(server.url + "/tokenize", json={"text": offered}).json()["tokens"]
+    chat = client.chat.completions.create(
+        model=server.model_name,
+        messages=TOOL_LOOP,  # type: ignore[arg-type]
+        tools=[LIST_FILES],  # type: ignore[list-item]
+        max_tokens=1,
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens == len(tokens)
+    refused = httpx.post(server.url + "/apply-template", json={"messages": []})
+    assert refused.status_code == 400 and "messages" in refused.text
+    unknown = httpx.post(server.url + "/apply-template", json={"messages": TOOL_LOOP, "model": "x"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"

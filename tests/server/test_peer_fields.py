@@ -229,7 +229,6 @@ REFUSED = {
     "response_fields": ["content"],
     "return_tokens": True,
     "return_progress": True,
-    "timings_per_token": True,
     "lora": [{"id": 0, "scale": 1.0}],
     "image_data": [{"data": "x", "id": 1}],
     "multimodal_data": ["x"],

@@ -2,8 +2,9 @@
 auto, structured, n > 1, with and without the usage chunk; chat and text completions)
 has the shape OpenAI documents and its official client's types declare, checked chunk by
 chunk in pydantic's strict mode with no field the types do not know: a role chunk first
-for each choice (``content: ""``, or ``null`` when the reply can only call tools), tool
-calls announced with index, id, type and name then argument fragments, one
+for each choice (``content: null``, as OpenAI's tool-call streams and llama.cpp's server
+begin; then every content delta holds text, as llama.cpp's clients require), tool calls
+announced with index, id, type and name then argument fragments, one
 ``finish_reason`` per choice on an empty delta, and with ``include_usage`` a ``usage: null``
 on every chunk but a last one whose ``choices`` are empty."""
 
@@ -113,11 +114,8 @@ def test_every_chat_chunk_has_openais_shape(server: ServerProcess, case: str) ->
                   if c["choices"][0]["index"] == index]  # fmt: skip
         assert all(len(c["choices"]) == 1 for c in chunks)
         first, _ = deltas[0]
-        assert first == {
-            "role": "assistant",
-            "content": None if calls_only else "",
-            "refusal": None,
-        }
+        assert first == {"role": "assistant", "content": None, "refusal": None}
+        assert all(delta.get("content") != "" for delta, _ in deltas[1:])
         assert all("role" not in delta for delta, _ in deltas[1:])
         finishes = [finish for _, finish in deltas if finish is not None]
         assert len(finishes) == 1 and deltas[-1] == ({}, finishes[0])

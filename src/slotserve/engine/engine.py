@@ -225,7 +225,9 @@ class Engine:
             if pending is not None:
                 self._start_restore(request, pending)
             self._lock.notify_all()
-        return RequestHandle(request.request_id, request.sink, self._cancel, self._drop)
+        return RequestHandle(
+            request.request_id, request.sink, self._cancel, self._drop, request.timings
+        )
 
     def _start_restore(self, request: Request, pending: PendingRestore) -> None:
         """Under the lock: hand ``request``'s stored prefix to the restore thread."""

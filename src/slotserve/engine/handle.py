@@ -17,6 +17,7 @@ from typing import Any
 
 from slotserve.engine.events import CancelAck, Event, Finished, TokenEvent
 from slotserve.engine.sink import EventSink
+from slotserve.engine.timings import RequestTimings
 from slotserve.errors import AdmissionRefused
 
 
@@ -27,8 +28,12 @@ class RequestHandle:
         sink: EventSink,
         cancel: Callable[[int, bool, float | None], CancelAck | None],
         drop: Callable[[int], None],
+        timings: RequestTimings | None = None,
     ) -> None:
         self.request_id = request_id
+        # The request's timings as the engine thread fills them in: a live reading, whole
+        # once the request has finished (then also `Finished.timings`).
+        self.timings = timings
         self._sink = sink
         self._cancel = cancel
         self.finished: Finished | None = None

@@ -17,14 +17,16 @@ from slotserve.engine.cancel_bound import CancelBound
 from slotserve.engine.views import with_parked_slots
 from slotserve.errors import AdmissionRefused
 from slotserve.server.anthropic import messages as anthropic
+from slotserve.server.chat.tools import plan_tools
 from slotserve.server.http.errors import APIError, refusal_error
 from slotserve.server.http.security import KeyedRoute, require_api_key, require_metrics_key
 from slotserve.server.http.state import ServerState
 from slotserve.server.openai.chat import generate_chat
-from slotserve.server.openai.completions import chat_tokens, generate
+from slotserve.server.openai.completions import chat_text, chat_tokens, generate
 from slotserve.server.openai.embeddings import EmbeddingRequest, embed, embed_texts
 from slotserve.server.openai.peer_fields import ignored_header
 from slotserve.server.openai.schemas import (
+    ApplyTemplateRequest,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -349,6 +351,24 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     else:
         raise APIError(400, "give text or messages", "invalid_request_error", param="text")
     return {"tokens": tokens, "count": len(tokens)}
+
+
+@guarded.post("/apply-template")
+async def apply_template(body: ApplyTemplateRequest, request: Request) -> dict[str, Any]:
+    """llama.cpp's route: the prompt text a chat request's messages and tools make, as the
+    chat route renders it (its tools as it offers them, its ``chat_template_kwargs``)."""
+    name = body.model if body.model is not None else state_of(request).model_name
+    async with served(request, name) as (_state, engine):
+        chat = body.chat(name)
+        plan = plan_tools(engine.model.tokenizer, chat)
+        prompt = chat_text(
+            engine,
+            chat.messages,
+            add_generation_prompt=body.add_generation_prompt,
+            tools=plan,
+            template_kwargs=chat.chat_template_kwargs,
+        )
+    return {"prompt": prompt}
 
 
 @guarded.post("/detokenize")

@@ -27,6 +27,7 @@ from slotserve.server.http.errors import APIError, error_body
 from slotserve.server.http.generation import Outcome, collect, merged
 from slotserve.server.http.state import ServerState
 from slotserve.server.openai import replies as fmt
+from slotserve.server.openai.llama_timings import at_end, at_token
 from slotserve.server.openai.schemas import ChatCompletionRequest
 
 
@@ -97,7 +98,10 @@ def _complete(
                 "logprobs": logprobs,
             }
         )
-    return {**head, "choices": choices, "usage": fmt.usage(finals)}
+    whole = {**head, "choices": choices, "usage": fmt.usage(finals)}
+    if body.timings_per_token and len(finals) == 1:  # `llama_timings`
+        whole["timings"] = at_end(finals[0])
+    return whole
 
 
 def _chat_delta(delta: dict[str, Any]) -> dict[str, Any]:
@@ -121,19 +125,24 @@ async def _stream(
     if include_usage:
         head = {**head, "usage": None}  # every chunk but the last, as OpenAI streams
 
-    def chunk(index: int, delta: dict[str, Any], finish: str | None, logprobs: Any) -> str:
+    def chunk(
+        index: int,
+        delta: dict[str, Any],
+        finish: str | None,
+        logprobs: Any,
+        timings: dict[str, Any] | None = None,
+    ) -> str:
         choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
-        return fmt.sse({**head, "choices": [choice]})
+        extra = {"timings": timings} if timings is not None else {}
+        return fmt.sse({**head, "choices": [choice], **extra})
 
     # The delta of a token that writes no text yet: in a plain reply, content that
     # completes no character yet; in a structured one, text not yet known to be
     # reasoning, content or a call.
     plain = run.shape.syntax is None and run.shape.reasoning is None
     held: dict[str, Any] = {"content": ""} if plain else {}
-    # The role chunk: a reply that must call a tool has no content ("content": null, as
-    # OpenAI's tool-call streams begin); one that may hold text starts it empty.
-    calls_only = run.plan is not None and run.plan.mode == "required"
-    opening = fmt.role_delta(None if calls_only else "")
+    opening = fmt.role_delta()
+    per_token = bool(body.timings_per_token)
     for index in range(len(run.handles)):
         yield chunk(index, opening, None, None)
     # aclosing: the handles are cancelled as soon as the stream stops, even on an error.
@@ -146,9 +155,10 @@ async def _stream(
                     # ends with an error event instead.
                     run.check(event)
                     finals.append(event)
+                    timings = at_end(event) if per_token else None
                     for delta in reply.push("", final=True):
-                        yield chunk(index, _chat_delta(delta), None, None)
-                    yield chunk(index, {}, _finish_reason(event, reply.called), None)
+                        yield chunk(index, _chat_delta(delta), None, None, timings)
+                    yield chunk(index, {}, _finish_reason(event, reply.called), None, timings)
                     continue
                 logprobs = (
                     fmt.chat_logprobs(tokenizer, [event])
@@ -158,11 +168,15 @@ async def _stream(
                 deltas = reply.push(run.shape.text(event))
                 if not deltas and logprobs is not None:
                     deltas = [held]  # a token whose text is held back still has its logprobs
+                timings = at_token(run.handles[index].timings, event) if per_token else None
                 for delta in deltas:
-                    yield chunk(index, _chat_delta(delta), None, logprobs)
+                    yield chunk(index, _chat_delta(delta), None, logprobs, timings)
                     logprobs = None  # a token's logprobs ride on its first chunk
         except APIError as exc:
             yield fmt.sse(error_body(exc.message, exc.kind, exc.param, exc.code))
     if include_usage:
-        yield fmt.sse({**head, "choices": [], "usage": fmt.usage(finals)})
+        last: dict[str, Any] = {"usage": fmt.usage(finals)}
+        if per_token and len(finals) == 1:
+            last["timings"] = at_end(finals[0])
+        yield fmt.sse({**head, "choices": [], **last})
     yield fmt.sse("[DONE]")

@@ -7,9 +7,9 @@ from __future__ import annotations
 import asyncio
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
-from typing import Any
+from typing import Any, TypeVar
 
 import jinja2
 from fastapi import Request
@@ -32,12 +32,16 @@ from slotserve.server.http.errors import CONTEXT_LENGTH_EXCEEDED, APIError, erro
 from slotserve.server.http.generation import collect, merged, submit_all
 from slotserve.server.http.state import ServerState
 from slotserve.server.openai import replies as fmt
+from slotserve.server.openai.llama_timings import at_end, at_token
 from slotserve.server.openai.schemas import SEED_MAX, ChatMessage, CompletionRequest, SamplingFields
 from slotserve.tokenizer import ChatTemplateMissing
 
 # What a chat template raises on purpose (its raise_exception()) to refuse a conversation:
 # the client's to fix. Anything else a template raises is the template's fault.
 TEMPLATE_REFUSAL = jinja2.TemplateError
+
+
+_Rendered = TypeVar("_Rendered")
 
 
 def chat_tokens(
@@ -57,13 +61,42 @@ def chat_tokens(
     ``template_kwargs``: the request's ``chat_template_kwargs`` (``enable_thinking``)."""
     tokenizer = engine.model.tokenizer
     rendered = template_input(tokenizer, messages, tools)  # its own 400s name the message
-    try:
-        return tokenizer.encode_chat(
+    return _templated(
+        lambda: tokenizer.encode_chat(
             rendered.messages,
             add_generation_prompt=add_generation_prompt,
             tools=rendered.tools,
             template_kwargs=template_kwargs,
         )
+    )
+
+
+def chat_text(
+    engine: Engine,
+    messages: list[ChatMessage],
+    *,
+    add_generation_prompt: bool,
+    tools: ToolPlan | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """The text the chat template writes for what `chat_tokens` encodes (llama.cpp's
+    ``/apply-template``), with the same refusals."""
+    tokenizer = engine.model.tokenizer
+    rendered = template_input(tokenizer, messages, tools)
+    return _templated(
+        lambda: tokenizer.render_chat(
+            rendered.messages,
+            add_generation_prompt=add_generation_prompt,
+            tools=rendered.tools,
+            template_kwargs=template_kwargs,
+        )
+    )
+
+
+def _templated(render: Callable[[], _Rendered]) -> _Rendered:
+    """``render()``, a rendering of the chat template, with its failures as HTTP errors."""
+    try:
+        return render()
     except ChatTemplateMissing as exc:  # the model's, not the messages': say what fixes it
         raise APIError(
             400, str(exc), "invalid_request_error", code="chat_template_missing"
@@ -260,11 +293,14 @@ def _complete(
             fmt.text_logprobs(tokenizer, outcome.events, len(prefix)) if wants_logprobs else None
         )
         choices.append(fmt.text_choice(index, prefix + final.text, final, logprobs))
-    return {
+    whole = {
         **fmt.envelope("text_completion", request_id, created, state.model_name),
         "choices": choices,
         "usage": fmt.usage(finals),
     }
+    if body.timings_per_token and len(finals) == 1:  # `llama_timings`
+        whole["timings"] = at_end(finals[0])
+    return whole
 
 
 async def _stream(
@@ -286,6 +322,7 @@ async def _stream(
     finals: list[Finished] = []
     prefix = _echo_prefix(engine, body)
     offsets = [len(prefix)] * len(handles)  # text_offset of each choice's next token
+    per_token = bool(body.timings_per_token)
     if prefix:
         for index in range(len(handles)):
             yield fmt.sse({**head, "choices": [_chunk_choice(index, prefix, None, None)]})
@@ -301,15 +338,21 @@ async def _stream(
                     finals.append(event)
                     reason = fmt.FINISH_REASONS[event.reason]
                     choice = _chunk_choice(index, "", reason, None)
+                    timings = at_end(event) if per_token else None
                 elif event.text or (wants_logprobs and event.token_id >= 0):
                     choice = _token_choice(tokenizer, index, event, offsets, wants_logprobs)
+                    timings = at_token(handles[index].timings, event) if per_token else None
                 else:
                     continue  # a token that completes no character yet
-                yield fmt.sse({**head, "choices": [choice]})
+                extra = {"timings": timings} if timings is not None else {}
+                yield fmt.sse({**head, "choices": [choice], **extra})
         except APIError as exc:
             yield fmt.sse(error_body(exc.message, exc.kind, exc.param, exc.code))
     if include_usage:
-        yield fmt.sse({**head, "choices": [], "usage": fmt.usage(finals)})
+        last: dict[str, Any] = {"usage": fmt.usage(finals)}
+        if per_token and len(finals) == 1:
+            last["timings"] = at_end(finals[0])
+        yield fmt.sse({**head, "choices": [], **last})
     yield fmt.sse("[DONE]")
 
 

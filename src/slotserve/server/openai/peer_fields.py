@@ -76,7 +76,6 @@ PEER_UNSUPPORTED: dict[str, Harmless] = {
     "response_fields": _absent,
     "return_tokens": _false,
     "return_progress": _false,
-    "timings_per_token": _false,
     "lora": _absent,
     "image_data": _absent,
     "multimodal_data": _absent,

@@ -86,10 +86,11 @@ def text_choice(
     }
 
 
-def role_delta(content: str | None) -> dict[str, Any]:
-    """A chat stream's first delta for a choice, as OpenAI sends it: the role, the content
-    begun (``""``; ``None`` for a reply that can only call tools) and no refusal."""
-    return {"role": "assistant", "content": content, "refusal": None}
+def role_delta() -> dict[str, Any]:
+    """A chat stream's first delta for a choice: the role, no content yet (``null``, as
+    OpenAI's tool-call streams and llama.cpp's server begin every stream; OpenAI's types
+    allow it, and llama.cpp's clients take a content delta for text) and no refusal."""
+    return {"role": "assistant", "content": None, "refusal": None}
 
 
 def envelope(kind: str, request_id: str, created: int, model: str) -> dict[str, Any]:

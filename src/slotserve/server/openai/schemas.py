@@ -265,6 +265,8 @@ class SamplingFields(Body):
     # repetition_penalty.
     n_predict: int | None = Field(default=None, ge=-1)
     repeat_penalty: float | None = Field(default=None, gt=0.0, le=10.0)
+    # llama.cpp's: its ``timings`` object on the reply and each chunk (`llama_timings`).
+    timings_per_token: bool | None = None
     # Grammars other servers take; at most one constraint a request (`structured`).
     grammar: str | None = None  # llama.cpp: GBNF (Lark passes through)
     json_schema: dict[str, Any] | None = None  # llama.cpp: the output's JSON schema
@@ -489,6 +491,30 @@ class TokenizeRequest(Body):
     chat_template_kwargs: dict[str, Any] | None = None
 
     _template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
+
+
+class ApplyTemplateRequest(Body):
+    """llama.cpp's ``/apply-template``: a chat request's messages and tools, rendered by the
+    chat template as its prompt text (``model``: the model's, by default the one served)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolSpec] | None = None
+    tool_choice: ToolChoice | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+
+    _template_kwargs = field_validator("chat_template_kwargs")(check_template_kwargs)
+
+    def chat(self, model: str) -> ChatCompletionRequest:
+        """The chat request these fields make (checked already; its other fields unset)."""
+        return ChatCompletionRequest.model_construct(
+            model=model,
+            messages=self.messages,
+            tools=self.tools,
+            tool_choice=self.tool_choice,
+            chat_template_kwargs=self.chat_template_kwargs,
+        )
 
 
 class DetokenizeRequest(Body):
