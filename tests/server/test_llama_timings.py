@@ -50,7 +50,7 @@ def check_timings(timings: dict[str, Any]) -> None:
     assert all(isinstance(v, int | float) and v >= 0 for v in timings.values())
 
 
-BODIES = {
+BODIES: dict[str, dict[str, Any]] = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "hello there"}]},
     "/v1/completions": {"prompt": "hello there"},
 }
