@@ -4,6 +4,7 @@ released with its measured latency, every text slot back afterwards."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -160,3 +161,40 @@ def test_a_turn_taker_cuts_background_steps_to_an_interactive_turn(
         engine.close()
         turns.stop()
     device.check_integrity()
+
+
+def test_a_step_runs_torch_on_every_core_in_a_kernel_process(minilm: EncoderModel) -> None:
+    """Where the process's torch ops run on one thread (a GGUF chat model's load gave the
+    cores to the kernels), a step's model call still runs torch on every core, and the
+    count is one again after it: an encoder step is torch's GEMMs."""
+    seen: list[int] = []
+    advance = minilm.advance
+
+    def watched(forward: object, layers: int) -> object:
+        seen.append(torch.get_num_threads())
+        return advance(forward, layers)  # type: ignore[arg-type]
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        engine = EncoderEngine(minilm, SMALL, ledger=MemoryLedger(), start=False)
+        engine.model = _Watched(minilm, watched)  # type: ignore[assignment]
+        handle = engine.submit(["a note", "another note"])
+        while engine.step():
+            pass
+        assert handle.result().reason == "stop"
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    cores = len(os.sched_getaffinity(0))
+    assert seen and all(count == cores for count in seen)
+
+
+class _Watched:
+    """``model`` with its ``advance`` replaced."""
+
+    def __init__(self, model: EncoderModel, advance: object) -> None:
+        self._model, self.advance = model, advance
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._model, name)

@@ -77,3 +77,62 @@ def test_kernel_work_off_the_engine_thread_leaves_no_team(tmp_path: os.PathLike[
     assert after_own == before  # on_own_thread's team ended with its thread
     assert after_logits == before  # teacher_forced_logits left none
     assert after_main == before + 1  # the probe itself: a forward here leaves a worker
+
+
+# An encoder's torch-heavy step in a process whose torch ops run on one thread: torch is on
+# every core for the call and on one after, and the team the call started on its (long-
+# lived) thread ends with the call.
+TORCH_PROBE = r"""
+import os, threading, time
+import torch
+from slotserve.native import dedicate_cores_to_kernels, torch_on_cores
+
+dedicate_cores_to_kernels()
+a, w = torch.randn(171, 384), torch.randn(1536, 384)
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+def settled(before):
+    deadline = time.monotonic() + 10
+    while threads() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return threads()
+
+def step():
+    torch.nn.functional.linear(a, w)
+    return torch.get_num_threads(), threads()
+
+seen = []
+def engine_thread():
+    before = threads()
+    inside, during = torch_on_cores(step)
+    seen.extend([before, during, settled(before), inside, torch.get_num_threads()])
+    torch.set_num_threads(2)  # without torch_on_cores's end: the team stays
+    torch.nn.functional.linear(a, w)
+    torch.set_num_threads(1)
+    time.sleep(0.2)
+    seen.append(threads())
+
+thread = threading.Thread(target=engine_thread)
+thread.start()
+thread.join()
+print(*seen)
+"""
+
+
+@pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2, reason="a team needs 2 cores to have a worker"
+)
+def test_torch_on_cores_uses_every_core_and_leaves_no_team() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", TORCH_PROBE],
+        capture_output=True, text=True, timeout=300,
+        preexec_fn=lambda: os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[:2]),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    before, during, after, inside, outside, kept = map(int, done.stdout.split()[-6:])
+    assert (inside, outside) == (2, 1)
+    assert during == before + 1  # the call's team: one worker beside the thread
+    assert after == before  # ended with the call
+    assert kept == before + 1  # the probe itself: a team started without it stays

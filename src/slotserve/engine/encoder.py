@@ -56,6 +56,7 @@ from slotserve.errors import AdmissionRefused
 from slotserve.locks import ENGINE, OrderedLock
 from slotserve.memory import MemoryLedger
 from slotserve.model.encoder import EncoderModel, EncoderPass
+from slotserve.native import torch_on_cores
 
 log = logging.getLogger("slotserve")
 
@@ -220,12 +221,7 @@ class EncoderEngine:
         rows: torch.Tensor | None = None
         error = None
         try:
-            forward = step.forward or self.model.start(step.texts)
-            done = forward.layers_done
-            forward = self.model.advance(forward, step.layers)
-            if forward.layers_done == self.model.info.n_layers:
-                rows = self.model.finish(forward)
-            ran = forward.tokens * (forward.layers_done - done)
+            forward, rows, ran = torch_on_cores(lambda: self._compute(step))
             self._cost.observe(ran, time.perf_counter() - began)
         except Exception as exc:  # a failed step ends its requests, not the engine
             log.exception("encoder step failed; ending its requests")
@@ -242,6 +238,18 @@ class EncoderEngine:
             self._reap()
             self._lock.notify_all()
         return True
+
+    def _compute(self, step: _Step) -> tuple[EncoderPass, torch.Tensor | None, int]:
+        """The model call of ``step``: its forward after ``step.layers`` more layers, the
+        embedding rows once it has run them all (else None), and the tokens times layers
+        it ran (the cost fit's unit)."""
+        forward = step.forward or self.model.start(step.texts)
+        done = forward.layers_done
+        forward = self.model.advance(forward, step.layers)
+        rows = (
+            self.model.finish(forward) if forward.layers_done == self.model.info.n_layers else None
+        )
+        return forward, rows, forward.tokens * (forward.layers_done - done)
 
     def close(self, timeout: float = 60.0) -> None:
         """Stop admitting; refuse queued requests (``closed``) and cancel running ones at

@@ -25,6 +25,7 @@ from slotserve.native.threads import (
     dedicate_cores_to_kernels,
     on_own_thread,
     process_cores,
+    torch_on_cores,
 )
 
 KernelChoice = Literal["auto", "off"]
@@ -104,4 +105,5 @@ __all__ = [
     "on_own_thread",
     "process_cores",
     "require_block_kernel",
+    "torch_on_cores",
 ]

@@ -22,6 +22,13 @@ threads slowed every later decode step. Kernel work outside an engine runs in
 `on_own_thread` (`Model.logits` does, and so the load's first step), on a thread whose team
 ends with it.
 
+Torch's own heavy ops (an encoder's fp32 GEMMs) still want every core. They run in
+`torch_on_cores`, on the engine thread that steps them, with torch on all cores for the
+call only (the device scheduler runs one engine's step at a time, so they never share the
+cores with a decode step's kernels), and the team they start there is ended after each
+call (`release_team`): a step of a few milliseconds cannot afford a thread of its own,
+whose torch set-up costs more than the step.
+
 Spinning assumes the cores are the process's own. When another process takes one, the
 engine's `slotserve.native.contention.ThreadGovernor` drops the kernels to one thread until
 it is free again.
@@ -29,6 +36,8 @@ it is free again.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import logging
 import os
 import threading
@@ -39,6 +48,7 @@ import torch
 
 _log = logging.getLogger("slotserve")
 T = TypeVar("T")
+OMP_PAUSE_SOFT = 1  # OpenMP's omp_pause_soft
 
 
 def process_cores() -> int:
@@ -81,3 +91,44 @@ def on_own_thread(function: Callable[[], T]) -> T:
     if failure:
         raise failure[0]
     return result[0]
+
+
+def torch_on_cores(function: Callable[[], T], threads: int | None = None) -> T:
+    """``function()`` with torch's own ops on ``threads`` threads (None: the process's
+    cores), on the calling thread; then torch's count is set back and the OpenMP team the
+    call started on this thread is ended (`release_team`), as a thread of its own would
+    end it. For torch-heavy work in a process whose torch ops otherwise run on one thread
+    (`dedicate_cores_to_kernels`): an encoder's step. Call it from one long-lived thread
+    (an engine's), never from a thread per call: torch's per-thread set-up costs more than
+    a small step. One caller at a time: torch's count is process-wide."""
+    wanted = threads or process_cores()
+    before = torch.get_num_threads()
+    if wanted != before:
+        torch.set_num_threads(wanted)
+    try:
+        return function()
+    finally:
+        if wanted != before:
+            torch.set_num_threads(before)
+        release_team()
+
+
+@functools.cache
+def _openmp() -> ctypes.CDLL | None:
+    """The process's OpenMP runtime, the one torch loaded (and the kernels bind to), where
+    it has OpenMP 5's ``omp_pause_resource_all``; else None."""
+    try:
+        runtime = ctypes.CDLL("libgomp.so.1")
+    except OSError:
+        return None
+    return runtime if hasattr(runtime, "omp_pause_resource_all") else None
+
+
+def release_team() -> None:
+    """End the OpenMP team the calling thread started (its worker threads), as the thread's
+    own end would, so that it does not outlive the work that needed it (OpenMP 5's
+    ``omp_pause_resource_all(omp_pause_soft)``; libgomp frees the calling thread's pool).
+    A no-op where the runtime has no such call."""
+    runtime = _openmp()
+    if runtime is not None:
+        runtime.omp_pause_resource_all(OMP_PAUSE_SOFT)
