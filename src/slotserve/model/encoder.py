@@ -328,9 +328,11 @@ class EncoderModel:
         outs = []
         for rows in torch.split(qkv, batch.lengths.tolist()):
             n = rows.shape[0]
-            heads = rows.view(n, 3, info.n_heads, info.head_dim).permute(1, 2, 0, 3)
+            # [3, 1, heads, n, head_dim]: a batch of one text, four dimensions as torch's
+            # fused CPU attention takes them (three fall back to unfused products).
+            heads = rows.view(1, n, 3, info.n_heads, info.head_dim).permute(2, 0, 3, 1, 4)
             out = F.scaled_dot_product_attention(heads[0], heads[1], heads[2])
-            outs.append(out.transpose(0, 1).reshape(n, info.dim))
+            outs.append(out[0].transpose(0, 1).reshape(n, info.dim))
         return torch.cat(outs)
 
     def _pool(self, x: torch.Tensor, batch: TextBatch) -> torch.Tensor:
