@@ -198,3 +198,21 @@ class _Watched:
 
     def __getattr__(self, name: str) -> object:
         return getattr(self._model, name)
+
+
+def test_an_embedding_is_the_same_whatever_the_callers_torch_threads(
+    minilm: EncoderModel,
+) -> None:
+    """The model computes on the process's cores whatever torch thread count its caller
+    runs at (a GGUF chat model's load sets one), so the engine's steps, a split forward and
+    `embed` agree bit for bit from any thread."""
+    ids = minilm.tokenize(["a note about the weather", "x"])
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        at_one = minilm.embed(ids)
+        torch.set_num_threads(len(os.sched_getaffinity(0)))
+        at_all = minilm.embed(ids)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(at_one, at_all)

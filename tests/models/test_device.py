@@ -15,7 +15,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import slotserve as ss
-from slotserve.engine.device import DeviceScheduler, DeviceSeat
+from slotserve.engine.device import IDLE_AFTER_S, DeviceScheduler, DeviceSeat
 from slotserve.engine.events import PRIORITIES, Priority
 
 
@@ -216,6 +216,13 @@ def test_a_background_turn_is_budgeted_one_interactive_turn() -> None:
     assert device.turn_budget_s("background") == pytest.approx(0.02, abs=1e-3)
     assert device.turn_budget_s("normal") == pytest.approx(0.02, abs=1e-3)
     assert device.turn_budget_s("interactive") is None
+    # No step above background for a while (no turn of a user's under way): a background
+    # turn may last up to idle_turn_s, no longer.
+    clock.spend(IDLE_AFTER_S)
+    assert device.turn_budget_s("background") == pytest.approx(device.idle_turn_s)
+    with device.turn("chat", "interactive"):
+        clock.spend(0.02)
+    assert device.turn_budget_s("background") == pytest.approx(0.02, abs=1e-3)
 
 
 def test_an_engines_start_probes_take_a_background_turn(tiny: ss.Model) -> None:

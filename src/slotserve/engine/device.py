@@ -20,7 +20,10 @@ within one model:
 - a turn below ``interactive`` should last about as long as an interactive step
   (`turn_budget_s`): an engine whose steps can be cut (the encoder's batches) cuts them to
   that, so the time an interactive step waits behind one is bounded, and the share counts
-  time in turns of comparable length.
+  time in turns of comparable length. Where no step above its class waits and none has run
+  for `IDLE_AFTER_S` (no turn of a user's is under way), it may last up to
+  ``idle_turn_s``: cut to one decode step, a background batch ran at half its speed, and
+  ``idle_turn_s`` is the longest the first step of a newly arriving request waits behind it.
 
 Pure policy over member names, classes and the turns' measured lengths: it never touches an
 engine, tensors or the KV pool. Owns: the turn, its waiters, the background deficit and
@@ -40,10 +43,16 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from slotserve.engine.events import PRIORITIES, Priority
+from slotserve.native import release_team
 
 DEFAULT_DEVICE_BACKGROUND_SHARE = 0.1
 # How often a `TurnTaker` with nothing to step looks again.
 IDLE_POLL_S = 0.002
+# The longest a turn below interactive may last while no step above it is under way
+# (`DeviceScheduler.turn_budget_s`), and how long after the last step above background
+# that holds (a turn of a user's is under way until then).
+DEFAULT_IDLE_TURN_S = 0.05
+IDLE_AFTER_S = 0.25
 # How fast the typical interactive turn's length (`DeviceScheduler.turn_budget_s`) follows
 # newer turns (the weight an older turn keeps per turn).
 TURN_DECAY = 0.9
@@ -85,6 +94,7 @@ class DeviceScheduler:
         self,
         background_min_share: float = DEFAULT_DEVICE_BACKGROUND_SHARE,
         clock: Callable[[], float] = time.monotonic,
+        idle_turn_s: float = DEFAULT_IDLE_TURN_S,
     ) -> None:
         if not 0.0 <= background_min_share < 1.0:
             raise ValueError(
@@ -93,6 +103,7 @@ class DeviceScheduler:
             )
         self.background_min_share = background_min_share
         self.clock = clock
+        self.idle_turn_s = idle_turn_s
         self.counters = DeviceCounters()
         self._cond = threading.Condition()
         self._holder: _Waiter | None = None
@@ -108,6 +119,7 @@ class DeviceScheduler:
         self._hold_until = float("-inf")  # the device is kept for the classes above background
         self._longest_turn_s = 0.0
         self._interactive_turn_s: float | None = None
+        self._above_ended = float("-inf")  # when the last turn above background ended
 
     @contextmanager
     def turn(self, member: str, priority: Priority) -> Iterator[None]:
@@ -145,6 +157,7 @@ class DeviceScheduler:
             self._account(holder.priority, max(now - self._began, 0.0))
             if holder.priority != "background":
                 self._hold_until = now + (now - self._began)
+                self._above_ended = now
             self._holder = None
             self._grant_next()
             if self._granted is None and self._waiting:
@@ -152,12 +165,19 @@ class DeviceScheduler:
 
     def turn_budget_s(self, priority: Priority) -> float | None:
         """How long a turn of class ``priority`` should take at most: for a class below
-        ``interactive``, about one interactive turn (the recent interactive turns' length);
-        None for ``interactive`` itself or before any interactive turn has run."""
+        ``interactive``, about one interactive turn (the recent interactive turns' length)
+        while a step above it waits or one above background ran within `IDLE_AFTER_S`,
+        else up to ``idle_turn_s``; None for ``interactive`` itself or before any
+        interactive turn has run."""
         with self._cond:
-            if priority == "interactive":
+            turn = self._interactive_turn_s
+            if priority == "interactive" or turn is None:
                 return None
-            return self._interactive_turn_s
+            rank = PRIORITIES.index(priority)
+            waits = any(PRIORITIES.index(w.priority) < rank for w in self._waiting)
+            if waits or self.clock() - self._above_ended < IDLE_AFTER_S:
+                return turn
+            return max(turn, self.idle_turn_s)
 
     def _account(self, priority: Priority, seconds: float) -> None:
         """Under the lock, as a turn ends: its length into the counters, the typical
@@ -313,14 +333,23 @@ class TurnTaker:
         self._thread.start()
 
     def _run(self) -> None:
+        stepped = False
         while not self._stop.is_set():
             priority = self.engine.next_class()
             if priority is None:
                 if self.engine.closed:
                     self.engine.step()  # reap what the close cancelled
                     return
+                if stepped:
+                    # Idle: end the OpenMP team its steps started on this thread. Another
+                    # model's team beside it would put more threads than cores under
+                    # libgomp, whose waits then stop spinning, and every parallel region
+                    # of that model's steps would wait for a sleeping thread to wake.
+                    release_team()
+                    stepped = False
                 self._stop.wait(IDLE_POLL_S)
                 continue
+            stepped = True
             try:
                 with self.seat.turn(priority):
                     self.engine.step(self.seat.scheduler.turn_budget_s(priority))

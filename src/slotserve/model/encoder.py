@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from slotserve.memory import MemoryLedger
 from slotserve.model.gguf_linear import BlockLinear
 from slotserve.model.layers import DenseLinear, Linear
+from slotserve.native.threads import torch_on_cores
 
 EncoderPooling = Literal["mean", "cls"]
 ENCODER_POOLINGS: tuple[EncoderPooling, ...] = get_args(EncoderPooling)
@@ -272,13 +273,30 @@ class EncoderModel:
         prepared = [text.lower() for text in texts] if self.info.lowercase else list(texts)
         return [encoding.ids for encoding in self.tokenizer.encode_batch(prepared)]
 
+    # Every computing method runs torch on the process's cores (`torch_on_cores`), whatever
+    # the caller's torch thread count: a product's rounding can follow its thread count,
+    # and a text's embedding must be the same from every caller (the engine's steps, a
+    # split forward, `embed`).
+
     def embed(self, texts: Sequence[Sequence[int]]) -> torch.Tensor:
         """``[len(texts), dim]`` embeddings of token-id lists (`tokenize`'s)."""
-        forward = self.start(texts)
-        return self.finish(self.advance(forward, self.info.n_layers))
+        return torch_on_cores(
+            lambda: self.finish(self.advance(self.start(texts), self.info.n_layers))
+        )
 
     def start(self, texts: Sequence[Sequence[int]]) -> EncoderPass:
         """A forward of ``texts`` split by layer: their embedded rows, before any layer."""
+        return torch_on_cores(lambda: self._start(texts))
+
+    def advance(self, forward: EncoderPass, n_layers: int) -> EncoderPass:
+        """``forward`` through its next ``n_layers`` layers (at most those left)."""
+        return torch_on_cores(lambda: self._advance(forward, n_layers))
+
+    def finish(self, forward: EncoderPass) -> torch.Tensor:
+        """The ``[n_texts, dim]`` embeddings of a pass through every layer."""
+        return torch_on_cores(lambda: self._finish(forward))
+
+    def _start(self, texts: Sequence[Sequence[int]]) -> EncoderPass:
         batch = TextBatch.of(texts)
         longest = batch.longest
         if longest > self.info.max_positions:
@@ -288,8 +306,7 @@ class EncoderModel:
         with torch.inference_mode():
             return EncoderPass(batch, self._embed_rows(batch), 0)
 
-    def advance(self, forward: EncoderPass, n_layers: int) -> EncoderPass:
-        """``forward`` through its next ``n_layers`` layers (at most those left)."""
+    def _advance(self, forward: EncoderPass, n_layers: int) -> EncoderPass:
         if n_layers < 1:
             raise ValueError(f"n_layers={n_layers} must be >= 1")
         end = min(forward.layers_done + n_layers, self.info.n_layers)
@@ -299,8 +316,7 @@ class EncoderModel:
                 x = self._layer(layer, x, batch)
         return EncoderPass(batch, x, end)
 
-    def finish(self, forward: EncoderPass) -> torch.Tensor:
-        """The ``[n_texts, dim]`` embeddings of a pass through every layer."""
+    def _finish(self, forward: EncoderPass) -> torch.Tensor:
         if forward.layers_done != self.info.n_layers:
             raise ValueError(
                 f"the pass has run {forward.layers_done} of {self.info.n_layers} layers: "

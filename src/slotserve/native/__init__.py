@@ -25,6 +25,7 @@ from slotserve.native.threads import (
     dedicate_cores_to_kernels,
     on_own_thread,
     process_cores,
+    release_team,
     torch_on_cores,
 )
 
@@ -104,6 +105,7 @@ __all__ = [
     "dedicate_cores_to_kernels",
     "on_own_thread",
     "process_cores",
+    "release_team",
     "require_block_kernel",
     "torch_on_cores",
 ]

@@ -100,17 +100,25 @@ def torch_on_cores(function: Callable[[], T], threads: int | None = None) -> T:
     end it. For torch-heavy work in a process whose torch ops otherwise run on one thread
     (`dedicate_cores_to_kernels`): an encoder's step. Call it from one long-lived thread
     (an engine's), never from a thread per call: torch's per-thread set-up costs more than
-    a small step. One caller at a time: torch's count is process-wide."""
+    a small step. One caller at a time: torch's count is process-wide. A call inside
+    another runs ``function()`` as it is."""
+    if getattr(_on_cores, "inside", False):  # nested: the outermost call sets and ends
+        return function()
     wanted = threads or process_cores()
     before = torch.get_num_threads()
     if wanted != before:
         torch.set_num_threads(wanted)
+    _on_cores.inside = True
     try:
         return function()
     finally:
+        _on_cores.inside = False
         if wanted != before:
             torch.set_num_threads(before)
         release_team()
+
+
+_on_cores = threading.local()  # whether this thread is inside a `torch_on_cores` call
 
 
 @functools.cache
