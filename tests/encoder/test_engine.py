@@ -146,8 +146,10 @@ def test_a_turn_taker_cuts_background_steps_to_an_interactive_turn(
     minilm: EncoderModel,
 ) -> None:
     """On a served set's device, the encoder's background steps last about one interactive
-    turn: after a short interactive turn, a batch goes one layer of one text a turn."""
-    device = DeviceScheduler()
+    turn: after a short interactive turn, a batch goes one layer of one text a turn. (No
+    longer idle turns: with the interactive turn over, a loaded machine may pass
+    `IDLE_AFTER_S` before the batch ends; `tests/models/test_device.py` checks those.)"""
+    device = DeviceScheduler(idle_turn_s=0.0)
     with device.turn("chat", "interactive"):
         pass  # an interactive step far shorter than any text's embedding
     engine = EncoderEngine(minilm, SMALL, ledger=MemoryLedger(), start=False)
