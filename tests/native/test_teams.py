@@ -14,7 +14,24 @@ import sys
 
 import pytest
 
-PROBE = r"""
+# Both probes count their process's threads, and wait for a thread's team to end (it ends
+# as the thread does, just after join() returns).
+COUNTING = r"""
+import os, time
+
+def threads():
+    return len(os.listdir("/proc/self/task"))
+
+def settled(before):
+    deadline = time.monotonic() + 10
+    while threads() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return threads()
+"""
+
+PROBE = (
+    COUNTING
+    + r"""
 import os, sys, time
 import torch
 import slotserve as ss
@@ -24,15 +41,6 @@ from slotserve.testing import write_tiny_gguf
 from slotserve.engine.probe import teacher_forced_logits
 from pathlib import Path
 
-def threads():
-    return len(os.listdir("/proc/self/task"))
-
-def settled(before):
-    # A thread's team ends as the thread does, just after join() returns: wait for it.
-    deadline = time.monotonic() + 10
-    while threads() > before and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return threads()
 
 def stable():
     # The count once the threads the load's first step started have ended (they end just
@@ -61,6 +69,7 @@ kv.begin_step(batch)
 model.forward(torch.arange(40), batch, kv)
 print(before, after_own, after_logits, threads())
 """
+)
 
 
 @pytest.mark.skipif(
@@ -82,7 +91,9 @@ def test_kernel_work_off_the_engine_thread_leaves_no_team(tmp_path: os.PathLike[
 # An encoder's torch-heavy step in a process whose torch ops run on one thread: torch is on
 # every core for the call and on one after, and the team the call started on its (long-
 # lived) thread ends with the call.
-TORCH_PROBE = r"""
+TORCH_PROBE = (
+    COUNTING
+    + r"""
 import os, threading, time
 import torch
 from slotserve.native import dedicate_cores_to_kernels, torch_on_cores
@@ -90,14 +101,6 @@ from slotserve.native import dedicate_cores_to_kernels, torch_on_cores
 dedicate_cores_to_kernels()
 a, w = torch.randn(171, 384), torch.randn(1536, 384)
 
-def threads():
-    return len(os.listdir("/proc/self/task"))
-
-def settled(before):
-    deadline = time.monotonic() + 10
-    while threads() > before and time.monotonic() < deadline:
-        time.sleep(0.01)
-    return threads()
 
 def step():
     torch.nn.functional.linear(a, w)
@@ -119,6 +122,7 @@ thread.start()
 thread.join()
 print(*seen)
 """
+)
 
 
 @pytest.mark.skipif(

@@ -22,8 +22,9 @@ within one model:
   that, so the time an interactive step waits behind one is bounded, and the share counts
   time in turns of comparable length. Where no step above its class waits and none has run
   for `IDLE_AFTER_S` (no turn of a user's is under way), it may last up to
-  ``idle_turn_s``: cut to one decode step, a background batch ran at half its speed, and
-  ``idle_turn_s`` is the longest the first step of a newly arriving request waits behind it.
+  ``idle_turn_s``, so that background work nobody waits for is not cut into steps too small
+  to run its products well; ``idle_turn_s`` is the longest the first step of a newly
+  arriving request waits behind it.
 
 Pure policy over member names, classes and the turns' measured lengths: it never touches an
 engine, tensors or the KV pool. Owns: the turn, its waiters, the background deficit and

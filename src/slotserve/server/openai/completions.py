@@ -34,7 +34,7 @@ from slotserve.server.http.state import ServerState
 from slotserve.server.openai import replies as fmt
 from slotserve.server.openai.llama_timings import at_end, at_token
 from slotserve.server.openai.schemas import SEED_MAX, ChatMessage, CompletionRequest, SamplingFields
-from slotserve.tokenizer import ChatTemplateMissing
+from slotserve.tokenizer import ChatTemplateMissing, Tokenizer
 
 # What a chat template raises on purpose (its raise_exception()) to refuse a conversation:
 # the client's to fix. Anything else a template raises is the template's fault.
@@ -60,14 +60,8 @@ def chat_tokens(
     calls and tool results in ``messages`` are rendered either way (`tools.template_input`).
     ``template_kwargs``: the request's ``chat_template_kwargs`` (``enable_thinking``)."""
     tokenizer = engine.model.tokenizer
-    rendered = template_input(tokenizer, messages, tools)  # its own 400s name the message
     return _templated(
-        lambda: tokenizer.encode_chat(
-            rendered.messages,
-            add_generation_prompt=add_generation_prompt,
-            tools=rendered.tools,
-            template_kwargs=template_kwargs,
-        )
+        tokenizer.encode_chat, tokenizer, messages, add_generation_prompt, tools, template_kwargs
     )
 
 
@@ -82,21 +76,29 @@ def chat_text(
     """The text the chat template writes for what `chat_tokens` encodes (llama.cpp's
     ``/apply-template``), with the same refusals."""
     tokenizer = engine.model.tokenizer
-    rendered = template_input(tokenizer, messages, tools)
     return _templated(
-        lambda: tokenizer.render_chat(
+        tokenizer.render_chat, tokenizer, messages, add_generation_prompt, tools, template_kwargs
+    )
+
+
+def _templated(
+    render: Callable[..., _Rendered],
+    tokenizer: Tokenizer,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool,
+    tools: ToolPlan | None,
+    template_kwargs: dict[str, Any] | None,
+) -> _Rendered:
+    """``messages`` (and ``tools``) as the template takes them, through ``render`` (the
+    tokenizer's `encode_chat` or `render_chat`), with its failures as HTTP errors."""
+    rendered = template_input(tokenizer, messages, tools)  # its own 400s name the message
+    try:
+        return render(
             rendered.messages,
             add_generation_prompt=add_generation_prompt,
             tools=rendered.tools,
             template_kwargs=template_kwargs,
         )
-    )
-
-
-def _templated(render: Callable[[], _Rendered]) -> _Rendered:
-    """``render()``, a rendering of the chat template, with its failures as HTTP errors."""
-    try:
-        return render()
     except ChatTemplateMissing as exc:  # the model's, not the messages': say what fixes it
         raise APIError(
             400, str(exc), "invalid_request_error", code="chat_template_missing"
