@@ -15,7 +15,7 @@ from slotserve.engine.encoder import EncoderEngine
 from slotserve.engine.encoder_plan import EncoderConfig
 from slotserve.errors import AdmissionRefused, PlanError
 from slotserve.memory import MemoryLedger
-from slotserve.model.encoder import EncoderModel, EncoderPass
+from slotserve.model.encoder import EncoderModel, EncoderPass, EncoderScratch
 from tests.encoder.conftest import tiny_encoder
 
 SMALL = EncoderConfig(max_texts=16, max_batch_texts=4)
@@ -175,9 +175,11 @@ def test_a_step_runs_torch_on_every_core_in_a_kernel_process(
     seen: list[int] = []
     advance = minilm._advance
 
-    def watched(forward: EncoderPass, n_layers: int) -> EncoderPass:
+    def watched(
+        forward: EncoderPass, n_layers: int, scratch: EncoderScratch | None
+    ) -> EncoderPass:
         seen.append(torch.get_num_threads())
-        return advance(forward, n_layers)
+        return advance(forward, n_layers, scratch)
 
     monkeypatch.setattr(minilm, "_advance", watched)
     before = torch.get_num_threads()

@@ -55,7 +55,7 @@ from slotserve.engine.step_cost import StepCost
 from slotserve.errors import AdmissionRefused
 from slotserve.locks import ENGINE, OrderedLock
 from slotserve.memory import MemoryLedger
-from slotserve.model.encoder import EncoderModel, EncoderPass
+from slotserve.model.encoder import EncoderModel, EncoderPass, EncoderScratch
 from slotserve.native import torch_on_cores
 
 log = logging.getLogger("slotserve")
@@ -133,6 +133,7 @@ class EncoderEngine:
         self._texts_in_use = 0
         self._stepping = False  # a step's model call is under way (outside the lock)
         self._held: _Step | None = None  # a forward split by layer, between its calls
+        self._scratch = EncoderScratch()  # its steps' widest products, kept while busy
         self._closing = False
         self._steps = 0
         self._texts_embedded = 0
@@ -212,6 +213,7 @@ class EncoderEngine:
             self._reap()
             step = self._next_step(self._budget_units(budget_s))
             if step is None:
+                self._scratch.clear()  # an idle engine holds no step's buffers
                 return False
             if step is self._held:
                 self._held = None  # the call's own until it ends
@@ -245,7 +247,7 @@ class EncoderEngine:
         it ran (the cost fit's unit)."""
         forward = step.forward or self.model.start(step.texts)
         done = forward.layers_done
-        forward = self.model.advance(forward, step.layers)
+        forward = self.model.advance(forward, step.layers, self._scratch)
         rows = (
             self.model.finish(forward) if forward.layers_done == self.model.info.n_layers else None
         )
@@ -299,8 +301,8 @@ class EncoderEngine:
         running requests are ``running``, queued ones ``queued`` with a deadline, within
         ``queue_depth``, none both; no text is both pending and embedded; a step's texts are
         out of pending only in a running step or in the held forward, whose texts are its
-        parts', part way through its layers, in the plan's ``held_bytes``; the ledger
-        holds."""
+        parts', part way through its layers, in the plan's ``held_bytes``; the steps'
+        scratch is within the plan's step; the ledger holds."""
         with self._lock:
             running = self._running.values()
             assert self._texts_in_use == sum(r.n_texts for r in running), "slots ≠ texts"
@@ -320,6 +322,10 @@ class EncoderEngine:
                 )
             if held is not None:
                 self._check_held(held)
+            assert self._scratch.nbytes <= self.plan.step_bytes, (
+                f"the scratch's {self._scratch.nbytes} bytes exceed the plan's step "
+                f"({self.plan.step_bytes})"
+            )
             self.ledger.check_integrity()
 
     def _check_held(self, held: _Step) -> None:

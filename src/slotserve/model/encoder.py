@@ -155,28 +155,84 @@ def with_encoder_weights(weights: EncoderWeights, fmt: EncoderWeightFormat) -> E
     return replace(weights, layers=layers)
 
 
-def project(linear: Linear, x: torch.Tensor) -> torch.Tensor:
-    """``linear(x)`` for packed rows ``x[N, in]``, on blocks of exactly `ROW_BLOCK` rows
-    (the last one zero-padded) so that a row's result depends on the row alone.
+def aligned_rows(n: int) -> int:
+    """The rows ``n`` packed rows take through `project`: whole `ROW_BLOCK` blocks, at
+    least two."""
+    return max(2, -(-n // ROW_BLOCK)) * ROW_BLOCK
+
+
+def pad_rows(x: torch.Tensor) -> torch.Tensor:
+    """Packed rows ``x[N, width]`` zero-padded to `aligned_rows` ``(N)``."""
+    n = x.shape[0]
+    return torch.cat([x, x.new_zeros(aligned_rows(n) - n, x.shape[1])])
+
+
+def project(
+    linear: Linear,
+    x: torch.Tensor,
+    residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``linear(x) + residual`` for padded rows ``x[N, in]`` (`pad_rows`), on blocks of
+    exactly `ROW_BLOCK` rows, so that a row's result depends on the row alone; written into
+    ``out`` (at least ``N`` rows) where given.
 
     A matrix product's kernel, blocking and threading follow its row count, so one product
     over a step's rows gives a text different roundings in steps of different sizes. Dense
     weights run as one batched product of at least two blocks (each block one product of
-    the same shape; a batch of one would run as a plain, differently threaded product);
-    other weights (the Q8_0 block kernel) block by block."""
+    the same shape; a batch of one would run as a plain, differently threaded product),
+    accumulated onto the bias plus the residual; other weights (the Q8_0 block kernel)
+    block by block, the residual added after."""
     n = x.shape[0]
-    blocks = max(2, -(-n // ROW_BLOCK))
-    if blocks * ROW_BLOCK != n:
-        x = torch.cat([x, x.new_zeros(blocks * ROW_BLOCK - n, x.shape[1])])
+    if n != aligned_rows(n):
+        raise ValueError(f"{n} rows: project takes rows padded to aligned_rows ({aligned_rows(n)})")
+    blocks = n // ROW_BLOCK
+    if out is not None:
+        out = out[:n]
     if isinstance(linear, DenseLinear):
         weight = linear.weight.t().expand(blocks, *linear.weight.t().shape)
         stacked = x.view(blocks, ROW_BLOCK, x.shape[1])
-        if linear.bias is None:
-            out = torch.bmm(stacked, weight)
+        base = linear.bias
+        if residual is not None:
+            base = residual if base is None else residual + base
+            base = base.view(blocks, ROW_BLOCK, -1)
+        into = None if out is None else out.view(blocks, ROW_BLOCK, -1)
+        if base is None:
+            y = torch.bmm(stacked, weight, out=into)
         else:
-            out = torch.baddbmm(linear.bias, stacked, weight)
-        return out.reshape(blocks * ROW_BLOCK, -1)[:n]
-    return torch.cat([linear(block) for block in torch.split(x, ROW_BLOCK)])[:n]
+            y = torch.baddbmm(base, stacked, weight, out=into)
+        return y.view(n, -1)
+    parts = [linear(block) for block in torch.split(x, ROW_BLOCK)]
+    y = torch.cat(parts) if out is None else torch.cat(parts, out=out)
+    return y if residual is None else y.add_(residual)
+
+
+class EncoderScratch:
+    """The buffers a layer writes its two widest products into (the fused Q/K/V rows and
+    the MLP's up rows): the layers of a forward reuse them, and an engine keeps one across
+    its steps, so that neither is allocated, nor its pages first touched, once a layer.
+    One forward at a time writes into a scratch."""
+
+    def __init__(self) -> None:
+        self._qkv: torch.Tensor | None = None
+        self._up: torch.Tensor | None = None
+
+    def buffers(self, rows: int, info: EncoderInfo) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[rows, 3·dim]`` and ``[rows, ffn_dim]`` fp32 buffers, grown if they hold
+        fewer rows."""
+        if self._qkv is None or self._up is None or self._qkv.shape[0] < rows:
+            self.clear()
+            self._qkv = torch.empty(rows, 3 * info.dim)
+            self._up = torch.empty(rows, info.ffn_dim)
+        return self._qkv, self._up
+
+    def clear(self) -> None:
+        """Let the buffers go (an idle engine holds none)."""
+        self._qkv = self._up = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self._qkv, self._up) if t is not None)
 
 
 @dataclass(frozen=True)
@@ -288,9 +344,12 @@ class EncoderModel:
         """A forward of ``texts`` split by layer: their embedded rows, before any layer."""
         return torch_on_cores(lambda: self._start(texts))
 
-    def advance(self, forward: EncoderPass, n_layers: int) -> EncoderPass:
-        """``forward`` through its next ``n_layers`` layers (at most those left)."""
-        return torch_on_cores(lambda: self._advance(forward, n_layers))
+    def advance(
+        self, forward: EncoderPass, n_layers: int, scratch: EncoderScratch | None = None
+    ) -> EncoderPass:
+        """``forward`` through its next ``n_layers`` layers (at most those left), its
+        widest products in ``scratch`` (default: buffers of this call's own)."""
+        return torch_on_cores(lambda: self._advance(forward, n_layers, scratch))
 
     def finish(self, forward: EncoderPass) -> torch.Tensor:
         """The ``[n_texts, dim]`` embeddings of a pass through every layer."""
@@ -306,15 +365,22 @@ class EncoderModel:
         with torch.inference_mode():
             return EncoderPass(batch, self._embed_rows(batch), 0)
 
-    def _advance(self, forward: EncoderPass, n_layers: int) -> EncoderPass:
+    def _advance(
+        self, forward: EncoderPass, n_layers: int, scratch: EncoderScratch | None
+    ) -> EncoderPass:
         if n_layers < 1:
             raise ValueError(f"n_layers={n_layers} must be >= 1")
         end = min(forward.layers_done + n_layers, self.info.n_layers)
-        x, batch = forward.hidden, forward.batch
+        batch, rows = forward.batch, forward.tokens
         with torch.inference_mode():
+            # Padded once for every layer of the call; the padding rows go through the
+            # row-wise operations and no text's attention reads them.
+            x = pad_rows(forward.hidden)
+            buffers = (scratch or EncoderScratch()).buffers(x.shape[0], self.info)
             for layer in self.weights.layers[forward.layers_done : end]:
-                x = self._layer(layer, x, batch)
-        return EncoderPass(batch, x, end)
+                x = self._layer(layer, x, batch, *buffers)
+            hidden = x[:rows].clone()  # a held forward holds its own rows, not the padding
+        return EncoderPass(batch, hidden, end)
 
     def _finish(self, forward: EncoderPass) -> torch.Tensor:
         if forward.layers_done != self.info.n_layers:
@@ -330,25 +396,37 @@ class EncoderModel:
         x = w.words[batch.tokens] + w.positions[batch.positions] + w.token_type
         return w.embed_norm(x, self.info.norm_eps)
 
-    def _layer(self, layer: EncoderLayer, x: torch.Tensor, batch: TextBatch) -> torch.Tensor:
+    def _layer(
+        self,
+        layer: EncoderLayer,
+        x: torch.Tensor,
+        batch: TextBatch,
+        qkv_rows: torch.Tensor,
+        up_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """One layer over padded rows ``x``; its Q/K/V and up products written into the
+        scratch's ``qkv_rows`` and ``up_rows``."""
         eps = self.info.norm_eps
-        attended = self._attend(project(layer.qkv, x), batch)
-        x = layer.attn_norm(project(layer.o, attended) + x, eps)
-        return layer.mlp_norm(project(layer.down, F.gelu(project(layer.up, x))) + x, eps)
+        attended = self._attend(project(layer.qkv, x, out=qkv_rows), batch)
+        x = layer.attn_norm(project(layer.o, attended, residual=x), eps)
+        up = torch.ops.aten.gelu_(project(layer.up, x, out=up_rows))
+        return layer.mlp_norm(project(layer.down, up, residual=x), eps)
 
     def _attend(self, qkv: torch.Tensor, batch: TextBatch) -> torch.Tensor:
-        """Packed ``qkv[N, 3·dim]`` → packed attention output ``[N, dim]``: each text's
-        queries attend to all of its own keys (bidirectional), one text at a time, so that
-        no text's scores depend on the others' lengths."""
+        """Padded ``qkv[P, 3·dim]`` → padded attention output ``[P, dim]`` (zero padding
+        rows): each text's queries attend to all of its own keys (bidirectional), one text
+        at a time, so that no text's scores depend on the others' lengths."""
         info = self.info
         outs = []
-        for rows in torch.split(qkv, batch.lengths.tolist()):
+        rows_in_texts = int(batch.lengths.sum())
+        for rows in torch.split(qkv[:rows_in_texts], batch.lengths.tolist()):
             n = rows.shape[0]
             # [3, 1, heads, n, head_dim]: a batch of one text, four dimensions as torch's
             # fused CPU attention takes them (three fall back to unfused products).
             heads = rows.view(1, n, 3, info.n_heads, info.head_dim).permute(2, 0, 3, 1, 4)
             out = F.scaled_dot_product_attention(heads[0], heads[1], heads[2])
             outs.append(out[0].transpose(0, 1).reshape(n, info.dim))
+        outs.append(qkv.new_zeros(qkv.shape[0] - rows_in_texts, info.dim))
         return torch.cat(outs)
 
     def _pool(self, x: torch.Tensor, batch: TextBatch) -> torch.Tensor:
@@ -366,11 +444,12 @@ class EncoderModel:
         return EncoderPass.bytes_for(n_texts, n_texts * longest, self.info.dim)
 
     def step_bytes(self, n_texts: int, longest: int) -> int:
-        """A lower bound on a step's transient bytes (fp32): the packed rows of the widest
-        projection, the per-text Q/K/V views and attention outputs, and one text's
-        attention scores."""
+        """A lower bound on a step's transient bytes (fp32): the padded rows
+        (`aligned_rows`) of the scratch's Q/K/V and up products and of two ``dim``-wide
+        products, the per-text Q/K/V views and attention outputs, and one text's attention
+        scores."""
         info = self.info
-        rows = n_texts * longest
+        rows = aligned_rows(n_texts * longest)
         packed = rows * (3 * info.dim + info.ffn_dim + 2 * info.dim)
         grid = 2 * rows * 3 * info.dim
         scores = info.n_heads * longest * longest
