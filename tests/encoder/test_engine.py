@@ -5,6 +5,8 @@ released with its measured latency, every text slot back afterwards."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -143,23 +145,70 @@ def test_a_budget_below_a_steps_fixed_cost_is_one_layer_whatever_the_slope(
         engine.close()
 
 
-def test_a_turn_taker_cuts_background_steps_to_an_interactive_turn(
-    minilm: EncoderModel,
+def test_a_step_that_may_yield_runs_its_texts_layers_until_asked_to_stop(
+    minilm: EncoderModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On a served set's device, the encoder's background steps last about one interactive
-    turn: after a short interactive turn, a batch goes one layer of one text a turn. (No
-    longer idle turns: with the interactive turn over, a loaded machine may pass
-    `IDLE_AFTER_S` before the batch ends; `tests/models/test_device.py` checks those.)"""
+    """With ``yield_when``, a budget bounds one layer: a budget below any text's layer
+    still takes one whole text a step, through every layer while nothing waits, and one
+    layer a step while something always waits; the embeddings are the unsplit forward's."""
+    texts = [f"note {i}: " + "retrieval " * (20 + i) for i in range(4)]
+    expected = minilm.embed(minilm.tokenize(texts))
+    layers = minilm.info.n_layers
+    for waits, steps in ((False, len(texts)), (True, len(texts) * layers)):
+        engine = EncoderEngine(minilm, SMALL, ledger=MemoryLedger(), start=False)
+        try:
+            # a budget below any text's layer
+            monkeypatch.setattr(engine, "_budget_units", lambda budget_s: 0)
+            handle = engine.submit(texts, priority="background")
+            while engine.step(
+                budget_s=0.0, yield_when=(lambda: True) if waits else (lambda: False)
+            ):
+                engine.check_integrity()
+            assert torch.equal(handle.result(timeout=0).embeddings, expected)
+            assert engine.stats().steps == steps
+        finally:
+            engine.close()
+
+
+def test_a_turn_taker_stops_a_background_step_at_the_layer_a_user_waits_at(
+    minilm: EncoderModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a served set's device, the encoder's background turns run whole texts while no
+    turn above them waits; once an interactive turn waits, the turn under way stops after
+    its current layer (the forward held), the interactive turn goes, and the text's
+    remaining layers take a turn of their own."""
     device = DeviceScheduler(idle_turn_s=0.0)
     with device.turn("chat", "interactive"):
         pass  # an interactive step far shorter than any text's embedding
+    arrived = threading.Event()
+    chat_turns: list[int] = []
+    advance = minilm._advance
+
+    def chat() -> None:
+        with device.turn("chat", "interactive"):
+            chat_turns.append(len(calls))
+
+    calls: list[int] = []
+
+    def watched(forward: EncoderPass, n_layers: int, scratch: EncoderScratch | None) -> EncoderPass:
+        calls.append(forward.layers_done)
+        if len(calls) == 2:  # the first text's second layer: a user's turn arrives
+            threading.Thread(target=chat).start()
+            while ("chat", "interactive") not in device.waiting:
+                time.sleep(0.001)
+            arrived.set()
+        return advance(forward, n_layers, scratch)
+
     engine = EncoderEngine(minilm, SMALL, ledger=MemoryLedger(), start=False)
+    monkeypatch.setattr(minilm, "_advance", watched)  # after the plan's probe steps
     turns = TurnTaker(engine, DeviceSeat(device, "embed"))
     try:
-        texts = [f"note {i}: " + "retrieval " * (20 + i) for i in range(4)]
+        texts = [f"note {i}: " + "retrieval " * (20 + i) for i in range(3)]
         result = engine.submit(texts, priority="background").result(timeout=120)
+        assert arrived.is_set()
         assert torch.equal(result.embeddings, minilm.embed(minilm.tokenize(texts)))
-        assert device.counters.turns["embed"] == len(texts) * minilm.info.n_layers
+        assert chat_turns == [2]  # right after the layer under way when it arrived
+        assert device.counters.turns["embed"] == len(texts) + 1
     finally:
         engine.close()
         turns.stop()
@@ -175,9 +224,7 @@ def test_a_step_runs_torch_on_every_core_in_a_kernel_process(
     seen: list[int] = []
     advance = minilm._advance
 
-    def watched(
-        forward: EncoderPass, n_layers: int, scratch: EncoderScratch | None
-    ) -> EncoderPass:
+    def watched(forward: EncoderPass, n_layers: int, scratch: EncoderScratch | None) -> EncoderPass:
         seen.append(torch.get_num_threads())
         return advance(forward, n_layers, scratch)
 

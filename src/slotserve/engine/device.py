@@ -34,6 +34,7 @@ or which requests it holds.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -174,11 +175,26 @@ class DeviceScheduler:
             turn = self._interactive_turn_s
             if priority == "interactive" or turn is None:
                 return None
-            rank = PRIORITIES.index(priority)
-            waits = any(PRIORITIES.index(w.priority) < rank for w in self._waiting)
-            if waits or self.clock() - self._above_ended < IDLE_AFTER_S:
-                return turn
-            return max(turn, self.idle_turn_s)
+            return turn if self._above_active(priority) else max(turn, self.idle_turn_s)
+
+    def above_active(self, priority: Priority) -> bool:
+        """Whether work above class ``priority`` waits for the device or ran within
+        `IDLE_AFTER_S` (never for ``interactive``): a turn of ``priority`` is then cut to
+        one interactive turn, and its model lets go of its threads after it."""
+        with self._cond:
+            return priority != "interactive" and self._above_active(priority)
+
+    def above_waits(self, priority: Priority) -> bool:
+        """Whether a step of a class above ``priority`` waits for the device now."""
+        with self._cond:
+            return self._above_waits(priority)
+
+    def _above_active(self, priority: Priority) -> bool:
+        return self._above_waits(priority) or self.clock() - self._above_ended < IDLE_AFTER_S
+
+    def _above_waits(self, priority: Priority) -> bool:
+        rank = PRIORITIES.index(priority)
+        return any(PRIORITIES.index(w.priority) < rank for w in self._waiting)
 
     def _account(self, priority: Priority, seconds: float) -> None:
         """Under the lock, as a turn ends: its length into the counters, the typical
@@ -310,11 +326,15 @@ class DeviceSeat:
 class Steppable(Protocol):
     """An engine a caller steps (an encoder engine built with ``start=False``): the class
     of its next step (None: nothing to step), one step of at most ``budget_s`` seconds
-    where its steps can be cut (None: a whole step), and whether it is closed."""
+    where its steps can be cut (None: a whole step; with ``yield_when``, ``budget_s``
+    bounds each part of the step between two points where it stops once
+    ``yield_when()`` is true), and whether it is closed."""
 
     def next_class(self) -> Priority | None: ...
 
-    def step(self, budget_s: float | None = None) -> bool: ...
+    def step(
+        self, budget_s: float | None = None, yield_when: Callable[[], bool] | None = None
+    ) -> bool: ...
 
     @property
     def closed(self) -> bool: ...
@@ -323,7 +343,8 @@ class Steppable(Protocol):
 class TurnTaker:
     """Steps a `Steppable` engine on the device: a thread that, whenever the engine has
     work, takes a turn of that work's class at ``seat`` and runs one step within the turn's
-    budget (`DeviceScheduler.turn_budget_s`). Ends when the engine is closed (or `stop`)."""
+    budget (`DeviceScheduler.turn_budget_s`), which stops at its next cut once a class above
+    it waits (`DeviceScheduler.above_waits`). Ends when the engine is closed (or `stop`)."""
 
     def __init__(self, engine: Steppable, seat: DeviceSeat) -> None:
         self.engine, self.seat = engine, seat
@@ -352,10 +373,19 @@ class TurnTaker:
                 continue
             stepped = True
             try:
+                scheduler = self.seat.scheduler
                 with self.seat.turn(priority):
-                    self.engine.step(self.seat.scheduler.turn_budget_s(priority))
+                    self.engine.step(
+                        scheduler.turn_budget_s(priority),
+                        functools.partial(scheduler.above_waits, priority),
+                    )
             except Exception:  # the engine ends a failed step's requests; keep serving
                 log.exception("step of %s failed", self.seat.member)
+            if self.seat.scheduler.above_active(priority):
+                # Work above this turn's class has the device next: end this thread's
+                # team now, for the reason above, rather than when this engine idles.
+                release_team()
+                stepped = False
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
