@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from slotserve.engine.device import DeviceScheduler, DeviceSeat, TurnTaker
+from slotserve.engine.device import IDLE_AFTER_S, DeviceScheduler, DeviceSeat, TurnTaker
 from slotserve.engine.encoder import EncoderEngine
 from slotserve.engine.encoder_plan import EncoderConfig
 from slotserve.errors import AdmissionRefused, PlanError
@@ -173,30 +173,27 @@ def test_a_step_that_may_yield_runs_its_texts_layers_until_asked_to_stop(
 def test_a_turn_taker_stops_a_background_step_at_the_layer_a_user_waits_at(
     minilm: EncoderModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On a served set's device, the encoder's background turns run whole texts while no
-    turn above them waits; once an interactive turn waits, the turn under way stops after
-    its current layer (the forward held), the interactive turn goes, and the text's
-    remaining layers take a turn of their own."""
+    """On a served set's device, with no user's turn under way, an encoder's background
+    turn runs its texts through every layer; once an interactive turn waits, the turn
+    stops after the layer under way (the forward held) and the interactive turn goes."""
     device = DeviceScheduler(idle_turn_s=0.0)
     with device.turn("chat", "interactive"):
         pass  # an interactive step far shorter than any text's embedding
-    arrived = threading.Event()
-    chat_turns: list[int] = []
+    time.sleep(IDLE_AFTER_S * 1.5)  # no user's turn under way any more
     advance = minilm._advance
+    layers: list[tuple[int, int]] = []  # (the embed turn, the layer) of every layer call
+    chat_after: list[int] = []  # the layer calls before the user's turn
 
     def chat() -> None:
         with device.turn("chat", "interactive"):
-            chat_turns.append(len(calls))
-
-    calls: list[int] = []
+            chat_after.append(len(layers))
 
     def watched(forward: EncoderPass, n_layers: int, scratch: EncoderScratch | None) -> EncoderPass:
-        calls.append(forward.layers_done)
-        if len(calls) == 2:  # the first text's second layer: a user's turn arrives
+        layers.append((device.counters.turns["embed"], forward.layers_done))
+        if len(layers) == 2:  # the first text's second layer: a user's turn arrives
             threading.Thread(target=chat).start()
             while ("chat", "interactive") not in device.waiting:
                 time.sleep(0.001)
-            arrived.set()
         return advance(forward, n_layers, scratch)
 
     engine = EncoderEngine(minilm, SMALL, ledger=MemoryLedger(), start=False)
@@ -205,10 +202,11 @@ def test_a_turn_taker_stops_a_background_step_at_the_layer_a_user_waits_at(
     try:
         texts = [f"note {i}: " + "retrieval " * (20 + i) for i in range(3)]
         result = engine.submit(texts, priority="background").result(timeout=120)
-        assert arrived.is_set()
+        monkeypatch.undo()
         assert torch.equal(result.embeddings, minilm.embed(minilm.tokenize(texts)))
-        assert chat_turns == [2]  # right after the layer under way when it arrived
-        assert device.counters.turns["embed"] == len(texts) + 1
+        assert layers[:2] == [(1, 0), (1, 1)]  # one turn, two layers: nobody waited
+        assert chat_after == [2]  # right after the layer under way when it arrived
+        assert layers[2] == (2, 2)  # the text's next layer: the next embed turn
     finally:
         engine.close()
         turns.stop()

@@ -180,21 +180,15 @@ class DeviceScheduler:
     def above_active(self, priority: Priority) -> bool:
         """Whether work above class ``priority`` waits for the device or ran within
         `IDLE_AFTER_S` (never for ``interactive``): a turn of ``priority`` is then cut to
-        one interactive turn, and its model lets go of its threads after it."""
+        one interactive turn, a step of it that can stop between its parts stops at the
+        next, and its model lets go of its threads after it."""
         with self._cond:
             return priority != "interactive" and self._above_active(priority)
 
-    def above_waits(self, priority: Priority) -> bool:
-        """Whether a step of a class above ``priority`` waits for the device now."""
-        with self._cond:
-            return self._above_waits(priority)
-
     def _above_active(self, priority: Priority) -> bool:
-        return self._above_waits(priority) or self.clock() - self._above_ended < IDLE_AFTER_S
-
-    def _above_waits(self, priority: Priority) -> bool:
         rank = PRIORITIES.index(priority)
-        return any(PRIORITIES.index(w.priority) < rank for w in self._waiting)
+        waits = any(PRIORITIES.index(w.priority) < rank for w in self._waiting)
+        return waits or self.clock() - self._above_ended < IDLE_AFTER_S
 
     def _account(self, priority: Priority, seconds: float) -> None:
         """Under the lock, as a turn ends: its length into the counters, the typical
@@ -343,8 +337,9 @@ class Steppable(Protocol):
 class TurnTaker:
     """Steps a `Steppable` engine on the device: a thread that, whenever the engine has
     work, takes a turn of that work's class at ``seat`` and runs one step within the turn's
-    budget (`DeviceScheduler.turn_budget_s`), which stops at its next cut once a class above
-    it waits (`DeviceScheduler.above_waits`). Ends when the engine is closed (or `stop`)."""
+    budget (`DeviceScheduler.turn_budget_s`), which stops at its next cut while a class above
+    it waits or has just run (`DeviceScheduler.above_active`). Ends when the engine is
+    closed (or `stop`)."""
 
     def __init__(self, engine: Steppable, seat: DeviceSeat) -> None:
         self.engine, self.seat = engine, seat
@@ -377,7 +372,7 @@ class TurnTaker:
                 with self.seat.turn(priority):
                     self.engine.step(
                         scheduler.turn_budget_s(priority),
-                        functools.partial(scheduler.above_waits, priority),
+                        functools.partial(scheduler.above_active, priority),
                     )
             except Exception:  # the engine ends a failed step's requests; keep serving
                 log.exception("step of %s failed", self.seat.member)
