@@ -367,20 +367,22 @@ class TurnTaker:
                 self._stop.wait(IDLE_POLL_S)
                 continue
             stepped = True
+            scheduler = self.seat.scheduler
             try:
-                scheduler = self.seat.scheduler
                 with self.seat.turn(priority):
                     self.engine.step(
                         scheduler.turn_budget_s(priority),
                         functools.partial(scheduler.above_active, priority),
                     )
+                    if scheduler.above_active(priority):
+                        # Work above this turn's class has the device next: end this
+                        # thread's team now, within the turn (its threads must be gone
+                        # before the next turn's first parallel region), for the reason
+                        # above, rather than when this engine idles.
+                        release_team()
+                        stepped = False
             except Exception:  # the engine ends a failed step's requests; keep serving
                 log.exception("step of %s failed", self.seat.member)
-            if self.seat.scheduler.above_active(priority):
-                # Work above this turn's class has the device next: end this thread's
-                # team now, for the reason above, rather than when this engine idles.
-                release_team()
-                stepped = False
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
