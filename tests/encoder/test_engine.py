@@ -170,6 +170,32 @@ def test_a_step_that_may_yield_runs_its_texts_layers_until_asked_to_stop(
             engine.close()
 
 
+def test_a_held_forward_outgrown_by_a_shorter_budget_gives_its_texts_back(
+    minilm: EncoderModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step of several texts composed under a long budget and stopped after a layer is
+    not continued once the budget is shorter than its layer: its texts go back and are
+    embedded by steps that fit (one text each here), with the same embeddings."""
+    texts = [f"note {i}: " + "retrieval " * (20 + i) for i in range(3)]
+    expected = minilm.embed(minilm.tokenize(texts))
+    engine = EncoderEngine(minilm, SMALL, ledger=MemoryLedger(), start=False)
+    try:
+        handle = engine.submit(texts, priority="background")
+        monkeypatch.setattr(engine, "_budget_units", lambda budget_s: 10**9)
+        assert engine.step(budget_s=1.0, yield_when=lambda: True)
+        assert engine._held is not None and len(engine._held.texts) == len(texts)
+        monkeypatch.setattr(engine, "_budget_units", lambda budget_s: 0)
+        held_sizes = []
+        while engine.step(budget_s=0.0, yield_when=lambda: True):
+            engine.check_integrity()
+            held_sizes.append(0 if engine._held is None else len(engine._held.texts))
+        assert torch.equal(handle.result(timeout=0).embeddings, expected)
+        assert set(held_sizes) <= {0, 1}
+        assert engine.stats().steps == 1 + len(texts) * minilm.info.n_layers
+    finally:
+        engine.close()
+
+
 def test_a_turn_taker_stops_a_background_step_at_the_layer_a_user_waits_at(
     minilm: EncoderModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -19,7 +19,10 @@ gets steps whose budget bounds each layer rather than the whole step: such a ste
 texts whose one layer fits the budget through all their layers, and stops between two
 layers (holding the forward) as soon as ``yield_when()`` is true, so that a waiting request
 of another class or model waits at most one layer while large steps keep the products
-efficient. A request ends with one `EmbeddingResult` once all of its texts are embedded.
+efficient. A held forward of several texts whose one layer no longer fits the (shorter)
+budget of a later step gives its texts back, to be embedded again by steps that fit: a
+large step composed while nothing above was active is not continued layer by layer beside
+a user's turn. A request ends with one `EmbeddingResult` once all of its texts are embedded.
 A cancel (or a dropped handle) ends the request at the next batch boundary and releases its
 slots, acknowledged with the measured latency; its texts in a running step are discarded,
 and a forward it holds between layers is released at that boundary.
@@ -103,6 +106,10 @@ class _Step:
     @property
     def tokens(self) -> int:
         return sum(len(text) for text in self.texts)
+
+    def outgrows(self, units: int) -> bool:
+        """Whether one layer of it, of several texts, costs more than ``units``."""
+        return len(self.texts) > 1 and self.tokens > units
 
 
 class EncoderEngine:
@@ -479,8 +486,16 @@ class EncoderEngine:
         return step
 
     def _choose(self, units: int | None, by_layer: bool) -> _Step | None:
-        ready = sorted((r for r in self._running.values() if r.ready), key=lambda r: r.request_id)
         held = self._held
+        if by_layer and held is not None and units is not None and held.outgrows(units):
+            # Composed under a longer budget (nothing above was active) and stopped when a
+            # turn above arrived: a layer of it would hold the device past the budget now,
+            # so its texts go back to be embedded again in steps that fit (the same bits:
+            # the forward is deterministic).
+            for request, _ in held.parts:
+                request.abandon_step()
+            self._held = held = None
+        ready = sorted((r for r in self._running.values() if r.ready), key=lambda r: r.request_id)
         if self.config.policy == "isolate":
             chosen = self._scheduler.pick_class([*ready, *([held] if held else [])])
             if held is not None and chosen == held.priority:
