@@ -207,6 +207,43 @@ def test_an_interactive_loop_keeps_the_device_between_its_steps() -> None:
     device.check_integrity()
 
 
+class SteppingClock:
+    """A device clock that moves ``step`` seconds at every reading (set ``now`` to place
+    it): a hold that lapses between two readings of one `acquire`."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now - self.step
+
+
+def test_a_hold_that_lapses_while_a_background_waiter_looks_never_strands_it() -> None:
+    """The device kept for interactive after its turn (a hold as long as that turn): a
+    background waiter that found the hold still on, and whose next reading finds it over,
+    takes the device then, without a release to wake it (once the user's turn has ended
+    there is none: its model's requests would wait for ever)."""
+    clock = SteppingClock(0.0)
+    device = DeviceScheduler(clock=clock)
+    with device.turn("chat", "interactive"):
+        clock.now = 0.01
+    # Released at 0.01 after 0.01 s: the hold lapses at 0.02. The waiter's first reading
+    # (its grant) sees 0.015, inside the hold; the next sees 0.021, after it.
+    clock.now, clock.step = 0.015, 0.006
+    took = threading.Event()
+
+    def background() -> None:
+        with device.turn("embed", "background"):
+            took.set()
+
+    thread = threading.Thread(target=background, daemon=True)
+    thread.start()
+    assert took.wait(10), "the background waiter was stranded after the hold lapsed"
+    thread.join(10)
+    device.check_integrity()
+
+
 def test_a_background_turn_is_budgeted_one_interactive_turn() -> None:
     clock = TurnClock()
     device = DeviceScheduler(clock=clock)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import faulthandler
 import logging
+import signal
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -375,6 +377,9 @@ def chat_template_text(path: Path | None) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # `kill -USR1 PID` prints every thread's stack to the server's stderr: what a server
+    # that stopped answering is waiting on, without stopping it.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     specs = model_specs(args, served_name)
     if specs is None:  # one model: today's server, flag for flag
         return _serve(args)

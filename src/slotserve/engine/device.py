@@ -141,7 +141,7 @@ class DeviceScheduler:
             self._waiting.append(me)
             self._grant_next()
             while self._granted is not me:
-                self._cond.wait(self._hold_left())
+                self._cond.wait(self._wait_s())
                 self._grant_next()  # a hold may have lapsed
             self._granted = None
             self._holder = me
@@ -207,6 +207,16 @@ class DeviceScheduler:
         (None: no hold, wait to be woken)."""
         left = self._hold_until - self.clock()
         return left if left > 0 else None
+
+    def _wait_s(self) -> float | None:
+        """Under the lock, for a waiter `_grant_next` did not grant: None (until a release
+        or a grant wakes it) while a turn is held or granted; else the device was kept
+        free for the classes above background, and the seconds until that hold lapses, 0
+        where it has lapsed since `_grant_next` read the clock (a waiter that slept until
+        woken then would wait for a release that may never come)."""
+        if self._holder is not None or self._granted is not None:
+            return None
+        return max(self._hold_until - self.clock(), 0.0)
 
     @property
     def waiting(self) -> list[tuple[str, Priority]]:
