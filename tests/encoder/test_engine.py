@@ -5,12 +5,14 @@ released with its measured latency, every text slot back afterwards."""
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-from slotserve.engine.device import DeviceScheduler, DeviceSeat, TurnTaker
+from slotserve.engine.device import IDLE_AFTER_S, DeviceScheduler, DeviceSeat, TurnTaker
 from slotserve.engine.encoder import EncoderEngine
 from slotserve.engine.encoder_plan import EncoderConfig
 from slotserve.errors import AdmissionRefused, PlanError
@@ -143,23 +145,94 @@ def test_a_budget_below_a_steps_fixed_cost_is_one_layer_whatever_the_slope(
         engine.close()
 
 
-def test_a_turn_taker_cuts_background_steps_to_an_interactive_turn(
-    minilm: EncoderModel,
+def test_a_step_that_may_yield_runs_its_texts_layers_until_asked_to_stop(
+    minilm: EncoderModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On a served set's device, the encoder's background steps last about one interactive
-    turn: after a short interactive turn, a batch goes one layer of one text a turn. (No
-    longer idle turns: with the interactive turn over, a loaded machine may pass
-    `IDLE_AFTER_S` before the batch ends; `tests/models/test_device.py` checks those.)"""
+    """With ``yield_when``, a budget bounds one layer: a budget below any text's layer
+    still takes one whole text a step, through every layer while nothing waits, and one
+    layer a step while something always waits; the embeddings are the unsplit forward's."""
+    texts = [f"note {i}: " + "retrieval " * (20 + i) for i in range(4)]
+    expected = minilm.embed(minilm.tokenize(texts))
+    layers = minilm.info.n_layers
+    for waits, steps in ((False, len(texts)), (True, len(texts) * layers)):
+        engine = EncoderEngine(minilm, SMALL, ledger=MemoryLedger(), start=False)
+        try:
+            # a budget below any text's layer
+            monkeypatch.setattr(engine, "_budget_units", lambda budget_s: 0)
+            handle = engine.submit(texts, priority="background")
+            while engine.step(
+                budget_s=0.0, yield_when=(lambda: True) if waits else (lambda: False)
+            ):
+                engine.check_integrity()
+            assert torch.equal(handle.result(timeout=0).embeddings, expected)
+            assert engine.stats().steps == steps
+        finally:
+            engine.close()
+
+
+def test_a_held_forward_outgrown_by_a_shorter_budget_gives_its_texts_back(
+    minilm: EncoderModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step of several texts composed under a long budget and stopped after a layer is
+    not continued once the budget is shorter than its layer: its texts go back and are
+    embedded by steps that fit (one text each here), with the same embeddings."""
+    texts = [f"note {i}: " + "retrieval " * (20 + i) for i in range(3)]
+    expected = minilm.embed(minilm.tokenize(texts))
+    engine = EncoderEngine(minilm, SMALL, ledger=MemoryLedger(), start=False)
+    try:
+        handle = engine.submit(texts, priority="background")
+        monkeypatch.setattr(engine, "_budget_units", lambda budget_s: 10**9)
+        assert engine.step(budget_s=1.0, yield_when=lambda: True)
+        assert engine._held is not None and len(engine._held.texts) == len(texts)
+        monkeypatch.setattr(engine, "_budget_units", lambda budget_s: 0)
+        held_sizes = []
+        while engine.step(budget_s=0.0, yield_when=lambda: True):
+            engine.check_integrity()
+            held_sizes.append(0 if engine._held is None else len(engine._held.texts))
+        assert torch.equal(handle.result(timeout=0).embeddings, expected)
+        assert set(held_sizes) <= {0, 1}
+        assert engine.stats().steps == 1 + len(texts) * minilm.info.n_layers
+    finally:
+        engine.close()
+
+
+def test_a_turn_taker_stops_a_background_step_at_the_layer_a_user_waits_at(
+    minilm: EncoderModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a served set's device, with no user's turn under way, an encoder's background
+    turn runs its texts through every layer; once an interactive turn waits, the turn
+    stops after the layer under way (the forward held) and the interactive turn goes."""
     device = DeviceScheduler(idle_turn_s=0.0)
     with device.turn("chat", "interactive"):
         pass  # an interactive step far shorter than any text's embedding
+    time.sleep(IDLE_AFTER_S * 1.5)  # no user's turn under way any more
+    advance = minilm._advance
+    layers: list[tuple[int, int]] = []  # (the embed turn, the layer) of every layer call
+    chat_after: list[int] = []  # the layer calls before the user's turn
+
+    def chat() -> None:
+        with device.turn("chat", "interactive"):
+            chat_after.append(len(layers))
+
+    def watched(forward: EncoderPass, n_layers: int, scratch: EncoderScratch | None) -> EncoderPass:
+        layers.append((device.counters.turns["embed"], forward.layers_done))
+        if len(layers) == 2:  # the first text's second layer: a user's turn arrives
+            threading.Thread(target=chat).start()
+            while ("chat", "interactive") not in device.waiting:
+                time.sleep(0.001)
+        return advance(forward, n_layers, scratch)
+
     engine = EncoderEngine(minilm, SMALL, ledger=MemoryLedger(), start=False)
+    monkeypatch.setattr(minilm, "_advance", watched)  # after the plan's probe steps
     turns = TurnTaker(engine, DeviceSeat(device, "embed"))
     try:
-        texts = [f"note {i}: " + "retrieval " * (20 + i) for i in range(4)]
+        texts = [f"note {i}: " + "retrieval " * (20 + i) for i in range(3)]
         result = engine.submit(texts, priority="background").result(timeout=120)
+        monkeypatch.undo()
         assert torch.equal(result.embeddings, minilm.embed(minilm.tokenize(texts)))
-        assert device.counters.turns["embed"] == len(texts) * minilm.info.n_layers
+        assert layers[:2] == [(1, 0), (1, 1)]  # one turn, two layers: nobody waited
+        assert chat_after == [2]  # right after the layer under way when it arrived
+        assert layers[2] == (2, 2)  # the text's next layer: the next embed turn
     finally:
         engine.close()
         turns.stop()

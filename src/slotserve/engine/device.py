@@ -34,6 +34,7 @@ or which requests it holds.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -174,11 +175,20 @@ class DeviceScheduler:
             turn = self._interactive_turn_s
             if priority == "interactive" or turn is None:
                 return None
-            rank = PRIORITIES.index(priority)
-            waits = any(PRIORITIES.index(w.priority) < rank for w in self._waiting)
-            if waits or self.clock() - self._above_ended < IDLE_AFTER_S:
-                return turn
-            return max(turn, self.idle_turn_s)
+            return turn if self._above_active(priority) else max(turn, self.idle_turn_s)
+
+    def above_active(self, priority: Priority) -> bool:
+        """Whether work above class ``priority`` waits for the device or ran within
+        `IDLE_AFTER_S` (never for ``interactive``): a turn of ``priority`` is then cut to
+        one interactive turn, a step of it that can stop between its parts stops at the
+        next, and its model lets go of its threads after it."""
+        with self._cond:
+            return priority != "interactive" and self._above_active(priority)
+
+    def _above_active(self, priority: Priority) -> bool:
+        rank = PRIORITIES.index(priority)
+        waits = any(PRIORITIES.index(w.priority) < rank for w in self._waiting)
+        return waits or self.clock() - self._above_ended < IDLE_AFTER_S
 
     def _account(self, priority: Priority, seconds: float) -> None:
         """Under the lock, as a turn ends: its length into the counters, the typical
@@ -320,11 +330,15 @@ class DeviceSeat:
 class Steppable(Protocol):
     """An engine a caller steps (an encoder engine built with ``start=False``): the class
     of its next step (None: nothing to step), one step of at most ``budget_s`` seconds
-    where its steps can be cut (None: a whole step), and whether it is closed."""
+    where its steps can be cut (None: a whole step; with ``yield_when``, ``budget_s``
+    bounds each part of the step between two points where it stops once
+    ``yield_when()`` is true), and whether it is closed."""
 
     def next_class(self) -> Priority | None: ...
 
-    def step(self, budget_s: float | None = None) -> bool: ...
+    def step(
+        self, budget_s: float | None = None, yield_when: Callable[[], bool] | None = None
+    ) -> bool: ...
 
     @property
     def closed(self) -> bool: ...
@@ -333,7 +347,9 @@ class Steppable(Protocol):
 class TurnTaker:
     """Steps a `Steppable` engine on the device: a thread that, whenever the engine has
     work, takes a turn of that work's class at ``seat`` and runs one step within the turn's
-    budget (`DeviceScheduler.turn_budget_s`). Ends when the engine is closed (or `stop`)."""
+    budget (`DeviceScheduler.turn_budget_s`), which stops at its next cut while a class above
+    it waits or has just run (`DeviceScheduler.above_active`). Ends when the engine is
+    closed (or `stop`)."""
 
     def __init__(self, engine: Steppable, seat: DeviceSeat) -> None:
         self.engine, self.seat = engine, seat
@@ -361,9 +377,20 @@ class TurnTaker:
                 self._stop.wait(IDLE_POLL_S)
                 continue
             stepped = True
+            scheduler = self.seat.scheduler
             try:
                 with self.seat.turn(priority):
-                    self.engine.step(self.seat.scheduler.turn_budget_s(priority))
+                    self.engine.step(
+                        scheduler.turn_budget_s(priority),
+                        functools.partial(scheduler.above_active, priority),
+                    )
+                    if scheduler.above_active(priority):
+                        # Work above this turn's class has the device next: end this
+                        # thread's team now, within the turn (its threads must be gone
+                        # before the next turn's first parallel region), for the reason
+                        # above, rather than when this engine idles.
+                        release_team()
+                        stepped = False
             except Exception:  # the engine ends a failed step's requests; keep serving
                 log.exception("step of %s failed", self.seat.member)
 

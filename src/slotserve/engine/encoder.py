@@ -14,10 +14,18 @@ first text does not fit the budget, the step runs only the layers of it that fit
 one) and the engine holds the forward (`EncoderPass`, within the plan's `held_bytes`) for
 its next steps to run the rest: one held forward at most, continued when the scheduler
 picks its class, while another class's steps (whole texts) go between its layers. A
-request ends with one `EmbeddingResult` once all of its texts are embedded. A cancel (or a
-dropped handle) ends the request at the next batch boundary and releases its slots,
-acknowledged with the measured latency; its texts in a running step are discarded, and a
-forward it holds between layers is released at that boundary.
+caller that can say when other work waits (``yield_when``, a device scheduler's turn-taker)
+gets steps whose budget bounds each layer rather than the whole step: such a step runs the
+texts whose one layer fits the budget through all their layers, and stops between two
+layers (holding the forward) as soon as ``yield_when()`` is true, so that a waiting request
+of another class or model waits at most one layer while large steps keep the products
+efficient. A held forward of several texts whose one layer no longer fits the (shorter)
+budget of a later step gives its texts back, to be embedded again by steps that fit: a
+large step composed while nothing above was active is not continued layer by layer beside
+a user's turn. A request ends with one `EmbeddingResult` once all of its texts are embedded.
+A cancel (or a dropped handle) ends the request at the next batch boundary and releases its
+slots, acknowledged with the measured latency; its texts in a running step are discarded,
+and a forward it holds between layers is released at that boundary.
 
 Two ways to drive it. With ``start=True`` (the default) it runs its own step thread, as
 `Engine` does. With ``start=False`` a caller steps it (`step`): a multi-model server whose
@@ -56,7 +64,7 @@ from slotserve.errors import AdmissionRefused
 from slotserve.locks import ENGINE, OrderedLock
 from slotserve.memory import MemoryLedger
 from slotserve.model.encoder import EncoderModel, EncoderPass, EncoderScratch
-from slotserve.native import torch_on_cores
+from slotserve.native import release_team, torch_on_cores
 
 log = logging.getLogger("slotserve")
 
@@ -93,10 +101,15 @@ class _Step:
     priority: Priority
     layers: int
     forward: EncoderPass | None = None
+    may_yield: bool = False  # whether it may stop between layers, to be held
 
     @property
     def tokens(self) -> int:
         return sum(len(text) for text in self.texts)
+
+    def outgrows(self, units: int) -> bool:
+        """Whether one layer of it, of several texts, costs more than ``units``."""
+        return len(self.texts) > 1 and self.tokens > units
 
 
 class EncoderEngine:
@@ -131,9 +144,10 @@ class EncoderEngine:
         self._queue: list[EmbeddingRequest] = []
         self._dropped: deque[int] = deque()
         self._texts_in_use = 0
-        self._stepping = False  # a step's model call is under way (outside the lock)
+        self._stepping: _Step | None = None  # the step whose model call is under way
         self._held: _Step | None = None  # a forward split by layer, between its calls
         self._scratch = EncoderScratch()  # its steps' widest products, kept while busy
+        self._team = False  # whether its steps' OpenMP team may be alive (`_idle`)
         self._closing = False
         self._steps = 0
         self._texts_embedded = 0
@@ -201,35 +215,46 @@ class EncoderEngine:
                 classes.add(self._held.priority)
             return next((c for c in PRIORITIES if c in classes), None)
 
-    def step(self, budget_s: float | None = None) -> bool:
+    def step(
+        self, budget_s: float | None = None, yield_when: Callable[[], bool] | None = None
+    ) -> bool:
         """Reap cancels and expired waits, re-admit from the queue, then run one batch step
         (the model outside the lock) and commit it; False when there was nothing to step.
         ``budget_s``: the seconds the step should take at most; it embeds the whole texts
         that fit by the engine's fitted cost per token and layer, at least one, or, where
         one does not fit, runs the layers of one text that fit, at least one (None: up to
-        ``max_batch_texts`` whole texts, or the rest of a held forward). One caller steps at
-        a time: the engine's own thread, or the caller that built it with ``start=False``."""
+        ``max_batch_texts`` whole texts, or the rest of a held forward). With ``yield_when``
+        and a budget, the budget bounds one layer of the step, and the step stops between
+        two layers once ``yield_when()`` is true (the module doc). One caller steps at a
+        time: the engine's own thread, or the caller that built it with ``start=False``."""
+        by_layer = yield_when is not None and budget_s is not None
         with self._lock:
             self._reap()
-            step = self._next_step(self._budget_units(budget_s))
+            step = self._next_step(self._budget_units(budget_s), by_layer)
             if step is None:
-                self._scratch.clear()  # an idle engine holds no step's buffers
+                self._idle()
                 return False
             if step is self._held:
                 self._held = None  # the call's own until it ends
-            self._stepping = True
+            self._stepping = step
         began = time.perf_counter()
         forward: EncoderPass | None = None
         rows: torch.Tensor | None = None
         error = None
         try:
-            forward, rows, ran = torch_on_cores(lambda: self._compute(step))
+            # The step's OpenMP team is kept for the next step, and ended once idle
+            # (`_idle`) or by a device scheduler's turn-taker when another model needs
+            # the cores.
+            self._team = True
+            forward, rows, ran = torch_on_cores(
+                lambda: self._compute(step, yield_when), release=False
+            )
             self._cost.observe(ran, time.perf_counter() - began)
         except Exception as exc:  # a failed step ends its requests, not the engine
             log.exception("encoder step failed; ending its requests")
             forward, error = None, f"the step failed: {exc}"
         with self._lock:
-            self._stepping = False
+            self._stepping = None
             self._steps += 1
             self._steps_by_class[step.priority] += 1
             if forward is not None and rows is None:
@@ -241,13 +266,30 @@ class EncoderEngine:
             self._lock.notify_all()
         return True
 
-    def _compute(self, step: _Step) -> tuple[EncoderPass, torch.Tensor | None, int]:
-        """The model call of ``step``: its forward after ``step.layers`` more layers, the
-        embedding rows once it has run them all (else None), and the tokens times layers
-        it ran (the cost fit's unit)."""
+    def _idle(self) -> None:
+        """Under the lock, on the stepping thread, with nothing to step: let go of the
+        steps' scratch and end their OpenMP team (`release_team`)."""
+        self._scratch.clear()
+        if self._team:
+            release_team()
+            self._team = False
+
+    def _compute(
+        self, step: _Step, yield_when: Callable[[], bool] | None
+    ) -> tuple[EncoderPass, torch.Tensor | None, int]:
+        """The model call of ``step``: its forward after ``step.layers`` more layers (fewer
+        where it may yield and ``yield_when()`` turned true after one), the embedding rows
+        once it has run them all (else None), and the tokens times layers it ran (the cost
+        fit's unit)."""
         forward = step.forward or self.model.start(step.texts)
         done = forward.layers_done
-        forward = self.model.advance(forward, step.layers, self._scratch)
+        if yield_when is None or not step.may_yield:
+            forward = self.model.advance(forward, step.layers, self._scratch)
+        else:
+            end = done + step.layers
+            forward = self.model.advance(forward, 1, self._scratch)
+            while forward.layers_done < end and not yield_when():
+                forward = self.model.advance(forward, 1, self._scratch)
         rows = (
             self.model.finish(forward) if forward.layers_done == self.model.info.n_layers else None
         )
@@ -317,7 +359,7 @@ class EncoderEngine:
             holding = {} if held is None else {id(r): i for r, i in held.parts}
             for r in running:
                 assert r.embedded + len(r.pending) + len(r.in_step) == r.n_texts, "texts lost"
-                assert self._stepping or r.in_step == holding.get(id(r), []), (
+                assert self._stepping is not None or r.in_step == holding.get(id(r), []), (
                     "a step's texts outside a step"
                 )
             if held is not None:
@@ -333,7 +375,7 @@ class EncoderEngine:
         the plan."""
         forward = held.forward
         assert forward is not None, "a step held without its forward"
-        assert not self._stepping, "a forward held while a step runs"
+        assert self._stepping is not held, "the held forward is also the running step's"
         assert 0 < forward.layers_done < self.model.info.n_layers, "held before or after"
         assert [len(t) for t in held.texts] == forward.batch.lengths.tolist(), "held texts"
         assert sum(len(i) for _, i in held.parts) == len(held.texts), "held parts"
@@ -430,11 +472,30 @@ class EncoderEngine:
         (at least one)."""
         return left if units is None else min(left, max(1, units // tokens))
 
-    def _next_step(self, units: int | None) -> _Step | None:
+    def _next_step(self, units: int | None, by_layer: bool) -> _Step | None:
         """The held forward's next layers when the scheduler picks its class (``fifo``:
-        always), else a new step of the chosen class (`_compose`)."""
-        ready = sorted((r for r in self._running.values() if r.ready), key=lambda r: r.request_id)
+        always), else a new step of the chosen class (`_compose`). ``by_layer``: ``units``
+        bound one layer of the step, which runs every layer left unless it yields."""
+        step = self._choose(units, by_layer)
+        if step is not None and by_layer:
+            step.may_yield = self._held is None or step is self._held
+            if step.may_yield:  # else a step beside a held forward: whole, as composed
+                step.layers = self.model.info.n_layers - (
+                    0 if step.forward is None else step.forward.layers_done
+                )
+        return step
+
+    def _choose(self, units: int | None, by_layer: bool) -> _Step | None:
         held = self._held
+        if by_layer and held is not None and units is not None and held.outgrows(units):
+            # Composed under a longer budget (nothing above was active) and stopped when a
+            # turn above arrived: a layer of it would hold the device past the budget now,
+            # so its texts go back to be embedded again in steps that fit (the same bits:
+            # the forward is deterministic).
+            for request, _ in held.parts:
+                request.abandon_step()
+            self._held = held = None
+        ready = sorted((r for r in self._running.values() if r.ready), key=lambda r: r.request_id)
         if self.config.policy == "isolate":
             chosen = self._scheduler.pick_class([*ready, *([held] if held else [])])
             if held is not None and chosen == held.priority:
@@ -442,7 +503,9 @@ class EncoderEngine:
             ready = [r for r in ready if r.priority == chosen]
         elif held is not None:
             return self._continue(held, units)
-        return self._compose(ready, units) if ready else None
+        if not ready:
+            return None
+        return self._compose(ready, units, 1 if by_layer and held is None else None)
 
     def _continue(self, held: _Step, units: int | None) -> _Step:
         assert held.forward is not None
@@ -450,19 +513,23 @@ class EncoderEngine:
         held.layers = self._layers(held.tokens, units, left)
         return held
 
-    def _compose(self, ready: list[EmbeddingRequest], units: int | None) -> _Step:
+    def _compose(
+        self, ready: list[EmbeddingRequest], units: int | None, fit_layers: int | None
+    ) -> _Step:
         """A new step of ``ready`` (one class, or every class under ``fifo``): up to
-        ``max_batch_texts`` whole texts, longest first, that fit ``units`` (at least one);
-        where the first alone does not, the layers of it that fit. While a forward is held
-        a step is never split (one held forward at most)."""
+        ``max_batch_texts`` whole texts, longest first, whose ``fit_layers`` layers (None:
+        all) fit ``units`` (at least one text); where the first alone does not, the layers
+        of it that fit. While a forward is held a step is never split (one held forward at
+        most)."""
         n_layers = self.model.info.n_layers
+        fit = fit_layers or n_layers
         room = self.config.max_batch_texts
         parts: list[tuple[EmbeddingRequest, list[int]]] = []
         units_left = units
         for request in ready:
             n, full = 0, False
             for i in request.pending[:room]:
-                cost = len(request.texts[i]) * n_layers
+                cost = len(request.texts[i]) * fit
                 if units_left is not None and cost > units_left and (parts or n):
                     full = True  # the budget is spent; the first text always goes
                     break
@@ -522,7 +589,7 @@ class EncoderEngine:
         its texts go back to their requests' pending texts (a cancelled request's are never
         stepped again). Not while a step runs: the forward is that step's until it ends."""
         held = self._held
-        if held is None or self._stepping:
+        if held is None or self._stepping is not None:
             return
         if all(r.state == "running" and not r.cancelled.is_set() for r, _ in held.parts):
             return

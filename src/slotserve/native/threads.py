@@ -25,9 +25,10 @@ ends with it.
 Torch's own heavy ops (an encoder's fp32 GEMMs) still want every core. They run in
 `torch_on_cores`, on the engine thread that steps them, with torch on all cores for the
 call only (the device scheduler runs one engine's step at a time, so they never share the
-cores with a decode step's kernels), and the team they start there is ended after each
-call (`release_team`): a step of a few milliseconds cannot afford a thread of its own,
-whose torch set-up costs more than the step.
+cores with a decode step's kernels), and the team they start there is ended after the
+call (`release_team`), or, by an engine that steps again soon, once it goes idle or
+another model's steps need the cores: a step of a few milliseconds cannot afford a thread
+of its own, whose torch set-up costs more than the step.
 
 Spinning assumes the cores are the process's own. When another process takes one, the
 engine's `slotserve.native.contention.ThreadGovernor` drops the kernels to one thread until
@@ -93,15 +94,20 @@ def on_own_thread(function: Callable[[], T]) -> T:
     return result[0]
 
 
-def torch_on_cores(function: Callable[[], T], threads: int | None = None) -> T:
+def torch_on_cores(
+    function: Callable[[], T], threads: int | None = None, release: bool = True
+) -> T:
     """``function()`` with torch's own ops on ``threads`` threads (None: the process's
-    cores), on the calling thread; then torch's count is set back and the OpenMP team the
-    call started on this thread is ended (`release_team`), as a thread of its own would
-    end it. For torch-heavy work in a process whose torch ops otherwise run on one thread
-    (`dedicate_cores_to_kernels`): an encoder's step. Call it from one long-lived thread
-    (an engine's), never from a thread per call: torch's per-thread set-up costs more than
-    a small step. One caller at a time: torch's count is process-wide. A call inside
-    another runs ``function()`` as it is."""
+    cores), on the calling thread; then torch's count is set back and, with ``release``,
+    the OpenMP team the call started on this thread is ended (`release_team`), as a thread
+    of its own would end it. For torch-heavy work in a process whose torch ops otherwise
+    run on one thread (`dedicate_cores_to_kernels`): an encoder's step. Call it from one
+    long-lived thread (an engine's), never from a thread per call: torch's per-thread
+    set-up costs more than a small step. A caller that steps again soon passes
+    ``release=False`` and ends the team itself when it goes idle, or when another model's
+    steps need the cores (restarting the team on every small step would cost a share of
+    each). One caller at a time: torch's count is process-wide. A call inside another runs
+    ``function()`` as it is."""
     if getattr(_on_cores, "inside", False):  # nested: the outermost call sets and ends
         return function()
     wanted = threads or process_cores()
@@ -115,7 +121,8 @@ def torch_on_cores(function: Callable[[], T], threads: int | None = None) -> T:
         _on_cores.inside = False
         if wanted != before:
             torch.set_num_threads(before)
-        release_team()
+        if release:
+            release_team()
 
 
 _on_cores = threading.local()  # whether this thread is inside a `torch_on_cores` call
