@@ -5,6 +5,7 @@ inside a function, where an optional feature imports it) from a required one."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import sys
 import tomllib
@@ -60,10 +61,17 @@ def _third_party_imports() -> dict[str, dict[str, bool]]:
     return found
 
 
+@functools.cache
+def _installed() -> dict[str, list[str]]:
+    """Each installed top-level module's distributions (read once: it scans every
+    installed distribution's file list)."""
+    return packages_distributions()
+
+
 def _distributions(module: str) -> set[str]:
     if module in BUILT_APART:
         return {_normal(BUILT_APART[module])}
-    return {_normal(d) for d in packages_distributions().get(module, [])}
+    return {_normal(d) for d in _installed().get(module, [])}
 
 
 def test_every_import_is_declared() -> None:

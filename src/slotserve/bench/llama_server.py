@@ -165,18 +165,29 @@ def make_q4_k_m(console: Console | None = None) -> Path:
     """``llama-quantize --allow-requantize`` of the bundled model to Q4_K_M, once."""
     from slotserve.artifact import bundled_gguf_path
 
+    return _requantised(bundled_gguf_path(), smollm2_q4_k_m_path(), "Q4_K_M", console)
+
+
+def make_f32_gguf(source: Path, console: Console | None = None) -> Path:
+    """``source`` (a GGUF file) with every tensor dequantised to F32 by ``llama-quantize``,
+    once, in the cache: llama-server's file for a model slotserve holds in fp32 weights
+    (``--weights fp32``), the same values (a block's dequantisation is exact in f32)."""
+    target = cache_dir() / "models" / f"{source.stem}.F32.gguf"
+    return _requantised(source, target, "F32", console)
+
+
+def _requantised(source: Path, target: Path, kind: str, console: Console | None) -> Path:
+    """``target``, made from ``source`` by ``llama-quantize --allow-requantize`` to
+    ``kind`` unless it exists (written aside, then moved in place)."""
     console = console or Console(stderr=True)
-    target = smollm2_q4_k_m_path()
     if target.is_file():
-        console.print(f"the Q4_K_M SmolLM2 is already made: {target}")
+        console.print(f"{target.name} is already made: {target}")
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_name(f".{target.name}.{os.getpid()}")
     quantize = binary_dir() / "llama-quantize"
-    with console.status("requantising the bundled SmolLM2 to Q4_K_M (llama-quantize)"):
-        _run(
-            [str(quantize), "--allow-requantize", str(bundled_gguf_path()), str(partial), "Q4_K_M"]
-        )
+    with console.status(f"requantising {source.name} to {kind} (llama-quantize)"):
+        _run([str(quantize), "--allow-requantize", str(source), str(partial), kind])
     partial.replace(target)
     console.print(f"made {target}")
     return target

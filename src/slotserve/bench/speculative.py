@@ -29,13 +29,18 @@ through its completions API, greedy, after slotserve's rounds (slotserve runs in
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from slotserve.bench.stats import summary
 from slotserve.engine import Engine, EngineConfig, Finished
 from slotserve.engine.probe import teacher_forced_logits
 from slotserve.model import Model
+from slotserve.model.layers import DenseLinear
 from slotserve.sampling import SamplingParams
 
 PARAGRAPH = (
@@ -105,45 +110,100 @@ def run_speculative(model: Model, repeats: int = 1, draft: Model | None = None) 
         "repeats": repeats,
         "rows": rows,
         "draft_model": None if draft is None else _described(draft),
-        "llama_server": _llama_server_rows(model, single, repeats),
+        "llama_server": _llama_server_rows(model, single, repeats, draft),
     }
 
 
 def _llama_server_rows(
-    model: Model, workloads: dict[str, list[list[int]]], repeats: int
+    model: Model, workloads: dict[str, list[list[int]]], repeats: int, draft: Model | None
 ) -> dict[str, Any]:
-    """Delivered tok/s of llama-server on ``model``'s GGUF, per ``--spec-type`` and workload
-    (or why it did not run)."""
-    import openai
-
+    """Delivered tok/s of llama-server on ``model``'s GGUF (`_llama_file`), per
+    ``--spec-type`` and workload, and with ``draft``'s file as ``--model-draft`` (or why
+    it did not run)."""
     from slotserve.bench.llama_server import LLAMA_CPP_PYTHON_VERSION, find_llama_server
-    from slotserve.bench.processes import ServerProcess, free_port
     from slotserve.native import process_cores
 
     binary = find_llama_server()
     if binary is None:
         return {"skipped": "llama-server is not built; `make bench-deps` builds it"}
-    if not model.source.endswith(".gguf"):
-        return {"skipped": f"llama-server needs a .gguf file; {model.source} is not one"}
+    target = _llama_file(model)
+    if target is None:
+        return {"skipped": f"llama-server needs a GGUF file of the weights slotserve runs; "
+                f"{_described(model)} has none"}  # fmt: skip
     threads = process_cores()
-    rows: dict[str, dict[str, Any]] = {}
-    for spec in LLAMA_SPEC_TYPES:
-        port = free_port()
-        command = [str(binary), "-m", model.source, "--host", "127.0.0.1", "--port", str(port)]
-        command += ["-np", "1", "-c", "1024", "-t", str(threads), "-tb", str(threads)]
-        command += ["--no-webui", "--spec-type", spec]
-        server = ServerProcess(command, port)
-        try:
-            client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-            name = server.model_name
-            rows[spec] = {}
-            for workload, prompts in workloads.items():
-                _served_rate(client, name, prompts[0])  # warm-up
-                rates = [_served_rate(client, name, p) for _ in range(repeats) for p in prompts]
-                rows[spec][workload] = summary(rates)
-        finally:
-            server.stop()
-    return {"llama_cpp_python": LLAMA_CPP_PYTHON_VERSION, "threads": threads, "rows": rows}
+    command = [str(binary), "-m", str(target), "-np", "1", "-c", "1024"]
+    command += ["-t", str(threads), "-tb", str(threads), "--no-webui"]
+    rows = {
+        spec: _llama_rates([*command, "--spec-type", spec], workloads, repeats)
+        for spec in LLAMA_SPEC_TYPES
+    }
+    result: dict[str, Any] = {
+        "llama_cpp_python": LLAMA_CPP_PYTHON_VERSION,
+        "threads": threads,
+        "file": target.name,
+        "rows": rows,
+    }
+    if draft is not None:
+        draft_file = _llama_file(draft)
+        if draft_file is None:
+            result["draft"] = {
+                "skipped": f"no GGUF file of the draft's weights ({_described(draft)})"
+            }
+        else:
+            # llama-server's own draft setting: its default draft length, greedy drafts.
+            spec = ["--spec-type", "draft-simple", "--model-draft", str(draft_file)]
+            spec += ["-td", str(threads), "-tbd", str(threads)]
+            result["draft"] = {
+                "file": draft_file.name,
+                "rows": _llama_rates([*command, *spec], workloads, repeats),
+            }
+    return result
+
+
+def _llama_file(model: Model) -> Path | None:
+    """The GGUF file llama-server runs for ``model``: its own file where slotserve runs the
+    file's blocks, the file dequantised to F32 where slotserve holds dense fp32 weights
+    (the same values); None otherwise (not a GGUF file, or weights requantised to int8)."""
+    from slotserve.bench.llama_server import make_f32_gguf
+
+    if not model.source.endswith(".gguf"):
+        return None
+    if model.halves.kind == "block":
+        return Path(model.source)
+    weights = model.weights
+    if weights is None:
+        return None
+    matrices = [
+        m for layer in weights.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    ]
+    if all(isinstance(m, DenseLinear) and m.weight.dtype == torch.float32 for m in matrices):
+        return make_f32_gguf(Path(model.source))
+    return None
+
+
+def _llama_rates(
+    command: list[str], workloads: dict[str, list[list[int]]], repeats: int
+) -> dict[str, dict[str, float]]:
+    """Start llama-server with ``command`` (less its address), then each workload's
+    delivered tok/s (after a warm-up of its first prompt) over ``repeats`` of its prompts."""
+    import openai
+
+    from slotserve.bench.processes import ServerProcess, free_port
+
+    port = free_port()
+    server = ServerProcess([*command, "--host", "127.0.0.1", "--port", str(port)], port)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        name = server.model_name
+        rates = {}
+        for workload, prompts in workloads.items():
+            _served_rate(client, name, prompts[0])  # warm-up
+            rates[workload] = summary(
+                [_served_rate(client, name, p) for _ in range(repeats) for p in prompts]
+            )
+        return rates
+    finally:
+        server.stop()
 
 
 def _served_rate(client: Any, model_name: str, prompt: list[int]) -> float:
@@ -290,8 +350,9 @@ def speculative_section(result: dict[str, Any]) -> list[str]:
     }
     lines += [
         f"llama-server (llama-cpp-python {llama['llama_cpp_python']}'s llama.cpp, "
-        f"{llama['threads']} threads) on the same file and prompts, one stream, by "
-        "`--spec-type`; delivered tok/s, and slotserve with speculation over it:",
+        f"{llama['threads']} threads) on {llama.get('file', 'the same file')} (the weights "
+        "slotserve runs) and the same prompts, one stream, by `--spec-type`; delivered "
+        "tok/s, and slotserve with speculation over it:",
         "",
         "| --spec-type | " + " | ".join(f"{w} tok/s | slotserve / it" for w in ours) + " |",
         "|---|" + "---|---|" * len(ours),
@@ -303,4 +364,35 @@ def speculative_section(result: dict[str, Any]) -> list[str]:
             ratio = row["tok_s_on"]["median"] / theirs if theirs > 0 else 0.0
             cells += [rate(workloads[workload]), f"{ratio:.2f}x"]
         lines.append(f"| {spec} | " + " | ".join(cells) + " |")
+    return [*lines, "", *_llama_draft_lines(result, rate)]
+
+
+def _llama_draft_lines(
+    result: dict[str, Any], rate: Callable[[dict[str, float]], str]
+) -> list[str]:
+    """The table of llama-server's ``--model-draft`` beside slotserve's draft-model rows
+    (nothing without a draft model)."""
+    draft = result["llama_server"].get("draft")
+    if draft is None:
+        return []
+    if "skipped" in draft:
+        return [f"llama-server with a draft model: not run ({draft['skipped']}).", ""]
+    suffix = ", draft model"
+    ours = {
+        row["workload"].removesuffix(suffix): row
+        for row in result["rows"]
+        if row["streams"] == 1 and row["workload"].endswith(suffix)
+    }
+    lines = [
+        f"llama-server with `--model-draft {draft['file']}` (`--spec-type draft-simple`, its "
+        "default draft length) beside slotserve drafting with the same model, one stream:",
+        "",
+        "| workload | slotserve, draft model, tok/s | llama-server `--model-draft` tok/s | "
+        "slotserve / it |",
+        "|---|---|---|---|",
+    ]
+    for workload, row in ours.items():
+        theirs = draft["rows"][workload]
+        ratio = row["tok_s_on"]["median"] / theirs["median"] if theirs["median"] > 0 else 0.0
+        lines.append(f"| {workload} | {rate(row['tok_s_on'])} | {rate(theirs)} | {ratio:.2f}x |")
     return [*lines, ""]
