@@ -1,6 +1,7 @@
 """`EncoderEngine` under random operation sequences (hypothesis state machine): submit,
 cancel, drop a handle, step (whole, or with a budget of nothing: one layer of one text, the
-forward held between steps), let time pass, close; the engine is stepped by the test
+forward held between steps; or told to stop between layers, as a device's turn-taker does),
+let time pass, close; the engine is stepped by the test
 (``start=False``) on a synthetic clock, so every check is exact.
 
 The machine keeps its own model of admission (which requests run, which wait, which are
@@ -13,6 +14,7 @@ embeddings equal, bit for bit, the model's on its texts alone.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import pytest
@@ -56,6 +58,9 @@ class EncoderEngineMachine(RuleBasedStateMachine):
         self.now = 0.0
         self.model = tiny_encoder()
         self.engine = EncoderEngine(self.model, CONFIG, clock=lambda: self.now, start=False)
+        # What a budget buys, fixed rather than fitted to this machine's step times: 0 s one
+        # layer of one text, 60 s every text of a batch.
+        self.engine._budget_units = lambda s: None if s is None else int(s * 10**6)  # type: ignore[method-assign]
         self.tracked: list[Tracked] = []
         self.background_while_interactive = False  # the last step did that
 
@@ -157,13 +162,20 @@ class EncoderEngineMachine(RuleBasedStateMachine):
     def pass_time(self, seconds: float) -> None:
         self.now += seconds
 
-    @rule(budget=st.sampled_from([None, 0.0]))
-    def step(self, budget: float | None) -> None:
-        """A step (``budget`` 0: one layer of one text, the forward held between steps)."""
+    @rule(budget=st.sampled_from([None, 0.0, 60.0]), yield_after=st.sampled_from([None, 1, 2]))
+    def step(self, budget: float | None, yield_after: int | None) -> None:
+        """A step (``budget`` 0: one layer of one text, the forward held between steps;
+        60 s: every ready text, up to a batch). With ``yield_after`` the step is told to
+        stop once it has asked that many times (between layers, as a device's turn-taker
+        asks whether a turn above waits), and a budget then bounds one layer: a large step
+        stopped after a layer and then outgrown by a budget of nothing gives its texts
+        back."""
         ends = self._reap()
         ready = {t.priority for t in self.tracked if t.state == "running" and not t.cancelled}
         before = self.engine.stats().steps_by_class
-        stepped = self.engine.step(budget)
+        asked = itertools.count(1)
+        yield_when = None if yield_after is None else (lambda: next(asked) >= yield_after)
+        stepped = self.engine.step(budget, yield_when)
         assert stepped == bool(ready)
         for t, reason in ends:
             self._read_end(t, reason)
@@ -189,6 +201,14 @@ class EncoderEngineMachine(RuleBasedStateMachine):
                 self._check_result(t, result)
                 t.state = "done"
         self._readmit()
+
+    @rule()
+    def a_user_turn_arrives_mid_step(self) -> None:
+        """A step with time to spare (nobody else on the device) stopped after its first
+        layer because a user's turn arrived, then the next step under a budget of nothing
+        (the turns are short now): a held forward of several texts gives them back."""
+        self.step(60.0, 1)
+        self.step(0.0, 1)
 
     # -- invariants ------------------------------------------------------------------
 
