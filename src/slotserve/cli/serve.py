@@ -7,6 +7,7 @@ once (exit status 2).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import faulthandler
 import logging
@@ -376,10 +377,17 @@ def chat_template_text(path: Path | None) -> str | None:
     return text
 
 
+def _stacks_on_sigusr1() -> None:
+    """`kill -USR1 PID` prints every thread's stack to the server's stderr: what a server
+    that stopped answering waits on, without stopping it. Not where stderr has no file
+    descriptor (a caller that captures it) or the platform has no SIGUSR1."""
+    # AttributeError: no SIGUSR1; ValueError (io.UnsupportedOperation): stderr has no fileno.
+    with contextlib.suppress(AttributeError, ValueError):
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
+
+
 def run(args: argparse.Namespace) -> int:
-    # `kill -USR1 PID` prints every thread's stack to the server's stderr: what a server
-    # that stopped answering is waiting on, without stopping it.
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    _stacks_on_sigusr1()
     specs = model_specs(args, served_name)
     if specs is None:  # one model: today's server, flag for flag
         return _serve(args)
