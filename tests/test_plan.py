@@ -10,11 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import slotserve as ss
 from slotserve.artifact import model_path
 from slotserve.kv import KVConfig, KVPool
 from slotserve.memory import MemoryLedger, MemoryMap, parse_bytes
+from slotserve.memory.ledger import How
 from slotserve.plan import CapacityPlan
 
 INFO = ss.ModelInfo(
@@ -134,6 +137,7 @@ ARENAS = (
     "grammar_workers",
     "grammars",
     "responses",
+    "start",
     "draft_weights",
     "draft_kv",
     "draft_activations",
@@ -187,6 +191,53 @@ def test_the_ledger_sums_its_entries_and_checks_a_budget() -> None:
         held.check(MemoryMap.of(runtime=1000))
     with pytest.raises(ValueError, match="must be >= 0"):
         held.add("kv", -1, "computed", "a bug")
+
+
+def test_what_is_measured_into_a_reserve_fills_it_before_it_adds() -> None:
+    """A reserved arena holds its reserve until what is measured into it outgrows it; a
+    budget sized around the reserve still holds a measurement within it."""
+    held = ledger(runtime=100)
+    held.add("start", 40, "reserved", "the server's start, once sized")
+    assert held.arenas() == {"runtime": 100, "start": 40} and held.total == 140
+    held.check(140)
+    held.add("start", 25, "measured", "the largest step")
+    held.add("start", 15, "measured", "the server's start")
+    assert held.total == 140  # 40 measured, within the reserve
+    held.check(140)
+    held.add("start", 1, "measured", "one byte more")
+    assert held.bytes("start") == 41 and held.total == 141
+    with pytest.raises(ss.PlanError):
+        held.check(140)
+    held.check_integrity()
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(("runtime", "start", "kv")),
+            st.integers(0, 1000),
+            st.sampled_from(("measured", "computed", "reserved")),
+        ),
+        max_size=20,
+    )
+)
+def test_an_arena_is_its_entries_sum_or_its_reserve_after_every_addition(
+    additions: list[tuple[str, int, How]],
+) -> None:
+    held = MemoryLedger()
+    for name, nbytes, how in additions:
+        held.add(name, nbytes, how, "the test")
+        held.check_integrity()
+        own = [(b, h) for n, b, h in additions[: len(held.entries)] if n == name]
+        expected = max(
+            sum(b for b, h in own if h != "reserved"), sum(b for b, h in own if h == "reserved")
+        )
+        assert held.bytes(name) == expected
+        assert held.total == sum(held.arenas().values())
+        held.check(held.total)
+        if held.total:
+            with pytest.raises(ss.PlanError):
+                held.check(held.total - 1)
 
 
 def test_plan_cli_json(capsys: pytest.CaptureFixture[str]) -> None:

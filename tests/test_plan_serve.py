@@ -1,17 +1,22 @@
 """``slotserve plan`` counts what ``slotserve serve`` checks with the same flags: the grammars
 arena (``--grammar-cache-bytes``, serve's default too) and every computed arena, compared
-with the plan a real server holds (its dashboard feed)."""
+with the plan a real server holds (its dashboard feed); and a preset's least budget, where
+``plan`` says it fits, is where a real ``serve`` starts."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from slotserve.bench.processes import free_port, slotserve_command
 from slotserve.bench.worst_case import dashboard_snapshot
 from slotserve.cli import main
-from slotserve.cli.serve import DEFAULT_GRAMMAR_CACHE_BYTES
+from slotserve.cli.serve import DEFAULT_GRAMMAR_CACHE_BYTES, START_RESERVE
+from slotserve.engine.presets import PRESET_NAMES
 from slotserve.memory import parse_bytes
 from tests.server.conftest import ServerProcess
 
@@ -53,3 +58,39 @@ def test_plan_refuses_the_grammar_flags_serve_refuses(
     argv = ["plan", "--model", str(tiny_dirs["llama"]), *FLAGS, "--grammar-cache-bytes", "1MiB"]
     assert main(argv) == 2
     assert "--grammar-cache-bytes" in capsys.readouterr().err
+
+
+def _least_budget(preset: str) -> int:
+    """``slotserve plan --preset PRESET --json``'s least budget, from a process of its own
+    (as a user runs it: in the test worker it would measure the worker)."""
+    argv = ["plan", "--model", "bundled", "--preset", preset, "--memory-budget", "4GiB"]
+    done = subprocess.run(
+        [sys.executable, "-m", "slotserve.cli", *argv, "--json"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    least: int = json.loads(done.stdout)["preset"]["least_budget_bytes"]
+    return least
+
+
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+def test_serve_starts_exactly_at_the_least_budget_plan_says_a_preset_fits(preset: str) -> None:
+    """At the least budget ``plan`` gives a preset, a real ``serve`` starts and holds its
+    plan; one MiB below it, serve refuses before it serves (exit 2, the plan's reason). Both
+    commands run with serve's defaults: its grammars, its stored responses, its start."""
+    least = _least_budget(preset)
+    flags = ("--preset", preset, "--memory-budget")
+    below = subprocess.run(
+        slotserve_command("bundled", free_port(), *flags, str(least - 2**20)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert below.returncode == 2, below.stderr[-2000:]
+    assert "does not fit" in below.stderr, below.stderr[-2000:]
+    server = ServerProcess("bundled", *flags, str(least))
+    try:
+        plan = dashboard_snapshot(server.url)["plan"]
+    finally:
+        assert server.stop() == 0, server.output()
+    assert plan["fits"] and plan["memory_budget"] == least, plan
+    assert plan["arenas"]["start"] == START_RESERVE  # what the start kept fitted its reserve

@@ -23,6 +23,7 @@ from slotserve.engine.cancel_bound import (
 from slotserve.engine.probe import measure_cancel_bound
 from slotserve.executor import executor_for
 from slotserve.kv import KVStore, StepBatch
+from slotserve.memory import MemoryLedger
 from tests.engine.test_accounting import STEP_COST_PER_TOKEN, FakeClock, SyntheticExecutor
 
 PARAMS = ss.SamplingParams(temperature=0, max_new_tokens=3, ignore_eos=True)
@@ -212,19 +213,28 @@ def _fake_readings(
     monkeypatch.setattr(ledger_module, "read_process", read)
 
 
-def test_what_the_start_step_keeps_joins_the_process_runtime_arena(
+def test_what_the_start_step_keeps_joins_the_process_start_arena(
     tiny: ss.Model, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The step `measure_cancel_bound` runs leaves one-time state: within a process budget
-    it joins the ledger's runtime arena (a model budget leaves it out), and a budget it no
-    longer fits refuses with `PlanError`."""
+    it joins the ledger's start arena (a model budget leaves it out), within the reserve a
+    command set aside for it, and a budget it no longer fits refuses with `PlanError`."""
     for scope, grown in (("process", 3 * 2**20), ("model", 0)):
         config = ss.EngineConfig(max_seqs=2, max_context=96, budget_scope=scope)
         with ss.Engine(tiny, config) as engine, monkeypatch.context() as patch:
             _fake_readings(patch, 3 * 2**20)
-            before = engine.plan.runtime_bytes
+            before = engine.ledger.total  # the model's ledger: earlier engines' arenas too
             engine.measure_cancel_bound()
-            assert engine.plan.runtime_bytes - before == grown, scope
+            assert engine.ledger.total - before == grown, scope
+    reserved = MemoryLedger()
+    reserved.add("start", 4 * 2**20, "reserved", "the test: serve's reserve")
+    config = ss.EngineConfig(max_seqs=2, max_context=96, budget_scope="process")
+    with ss.Engine(tiny, config, ledger=reserved) as engine, monkeypatch.context() as patch:
+        _fake_readings(patch, 3 * 2**20)
+        before = engine.ledger.total
+        engine.measure_cancel_bound()
+        assert engine.ledger.total == before  # measured within the reserve
+        assert engine.ledger.has("start", "the largest step")
     tight = ss.EngineConfig(max_seqs=2, max_context=96, budget_scope="process")
     with ss.Engine(tiny, tight) as engine:
         budget = engine.plan.required_bytes + 2**20  # fits now, not with 300 MiB more
@@ -237,17 +247,17 @@ def test_what_the_start_step_keeps_joins_the_process_runtime_arena(
             engine.measure_cancel_bound()
 
 
-def test_the_kv_the_start_step_writes_counts_in_the_pool_not_the_runtime(
+def test_the_kv_the_start_step_writes_counts_in_the_pool_not_the_start_arena(
     tiny: ss.Model, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The start step writes KV pages of the engine's own pool (the plan's kv arena): only
-    what it keeps beyond them joins the runtime arena. They were counted in both."""
+    what it keeps beyond them joins the start arena. They were counted in both."""
     # 4 x 256 cells: storage large enough to become resident as it is written
     config = ss.EngineConfig(max_seqs=4, max_context=256, budget_scope="process")
     with ss.Engine(tiny, config) as engine:
         start = engine.pool.resident_bytes
         _fake_readings(monkeypatch, 3 * 2**20, lambda: engine.pool.resident_bytes - start)
-        before = engine.plan.runtime_bytes
+        before = engine.ledger.bytes("start")  # the model's ledger: earlier engines' too
         engine.measure_cancel_bound()
         assert engine.pool.resident_bytes > start  # the step wrote pool pages
-        assert engine.plan.runtime_bytes - before == 3 * 2**20
+        assert engine.ledger.bytes("start") - before == 3 * 2**20

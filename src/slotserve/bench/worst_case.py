@@ -57,7 +57,7 @@ PHASES = ("ready", "serving", "grammars", "worst case")
 # of the plan that span holds (``pool``: the KV pool alone, ``copies``: the kv arena less
 # the pool, the prefix cache's copies).
 ARENA_ROWS = (
-    ("at ready", ("runtime", "tokenizer", "weights", "methods", "responses")),
+    ("at ready", ("runtime", "tokenizer", "weights", "methods", "responses", "start")),
     ("serving, its peak above ready", ("pool", "copies", "activations")),
     ("grammars, growth", ("grammar_index", "grammars")),
     ("worst case with the grammars, its peak above its start", ()),

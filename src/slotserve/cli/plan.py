@@ -20,6 +20,7 @@ from rich.table import Table
 from slotserve.cli.flags import (
     add_engine_args,
     add_prefix_store_args,
+    explicit_settings,
     model_specs,
     resolve_engine_config,
     with_prefix_store,
@@ -28,12 +29,20 @@ from slotserve.cli.serve import (
     add_grammar_args,
     add_server_arenas,
     grammar_config,
+    import_server,
     model_set,
     prepare_grammars,
     served_name,
     with_server_prefix_cache,
 )
+from slotserve.engine.presets import least_budget
 from slotserve.memory import format_bytes
+
+# plan measures its own process, and serve measures its own: run to run, the arenas both
+# measure (the runtime, the tokenizer, the grammar compiler's) read apart by a few hundred
+# KiB. plan reserves this much more for the start than serve does, so that a budget plan
+# says fits, serve starts at.
+PLAN_MARGIN = 512 << 10
 
 
 def register(commands: Any) -> None:
@@ -56,6 +65,7 @@ def register(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import_server()  # the process serve will be: its runtime arena holds the server's code
     specs = model_specs(args, served_name)
     if specs is not None:
         return _plan_models(args, specs)
@@ -124,6 +134,8 @@ def _plan_one(args: argparse.Namespace) -> int:
     compiler.close()
     ledger = command_ledger(model, args.budget_scope)
     add_server_arenas(ledger, args.budget_scope, grammars.cache_bytes, grammar_cost)
+    if args.budget_scope == "process":
+        ledger.add("start", PLAN_MARGIN, "reserved", "plan's readings are not serve's")
     config, choice = resolve_engine_config(args, model, ledger)
     config = with_server_prefix_cache(config, args, model)  # as `slotserve serve` runs it
     config = with_prefix_store(config, args)
@@ -150,6 +162,10 @@ def _plan_one(args: argparse.Namespace) -> int:
             "row": {"shape": choice.row.shape, "admission": choice.row.admission},
             "decisions": [_jsonable(dataclasses.asdict(d)) for d in choice.decisions],
         }
+        if config.memory_map is None:  # the least total budget it starts at
+            settings = explicit_settings(args)
+            least = least_budget(choice.row.name, model, ledger=ledger, **settings)
+            report["preset"]["least_budget_bytes"] = least
     if args.measure:
         pool_bytes = KVPool(model.info, plan.kv).nbytes
         measured = measure_arenas(model, config, ledger=ledger)
@@ -166,6 +182,9 @@ def _plan_one(args: argparse.Namespace) -> int:
     if choice is not None:
         # Plain print, not rich: the lines are the explanation, one per decision.
         print("\n".join(choice.lines()))
+        least = report["preset"].get("least_budget_bytes")
+        if least is not None:
+            print(f"  [{choice.row.name}] fits any --memory-budget from {format_bytes(least)}")
     _print_table(report)
     return 0 if plan.fits else 1
 

@@ -224,22 +224,38 @@ def grammar_config(args: argparse.Namespace) -> Any:
     )
 
 
+def import_server() -> None:
+    """Import the server's code, as ``serve`` does before its model loads: the ``runtime``
+    arena that the load measures (the process before a model) then holds it. ``plan`` calls
+    this first, so that it plans the process ``serve`` will be."""
+    import slotserve.server  # noqa: F401
+
+
 def add_server_arenas(
     ledger: MemoryLedger, budget_scope: str, cache_bytes: int, cost: GrammarCost | None = None
 ) -> None:
     """Add the server's arenas to ``ledger``: the grammars (``cache_bytes``:
     --grammar-cache-bytes, computed); and where the budget is the whole process's
     (``budget_scope`` ``"process"``: they are the process's, not the model's own) what
-    compiling costs (``cost``, as `prepare_grammars` measured it: `add_grammar_cost`) and
-    the Responses API's stored responses (their byte budget, computed)."""
+    compiling costs (``cost``, as `prepare_grammars` measured it: `add_grammar_cost`), the
+    Responses API's stored responses (their byte budget, computed) and the start's reserve
+    (`START_RESERVE`)."""
     from slotserve.server.responses.store import DEFAULT_STORED_BYTES
 
     if budget_scope == "process":
         if cost is not None:
             add_grammar_cost(ledger, cost)
         ledger.add("responses", DEFAULT_STORED_BYTES, "computed", "stored responses")
+        ledger.add("start", START_RESERVE, "reserved", "the server's start, once sized")
     if cache_bytes:
         ledger.add("grammars", cache_bytes, "computed", "--grammar-cache-bytes")
+
+
+# What a server's start leaves after its engine is sized, set aside before sizing so that a
+# preset sized to the budget still fits once it is measured: the largest step's one-time
+# state (`Engine.measure_cancel_bound`) and the HTTP stack's start (`CancellingServer`).
+# Both are measured into it; where they outgrow it the plan is checked again and refuses.
+START_RESERVE = 2 << 20
 
 
 def add_grammar_cost(ledger: MemoryLedger, cost: GrammarCost) -> None:
@@ -543,6 +559,7 @@ def model_set(args: argparse.Namespace, specs: list[ModelSpec], grammars: Any) -
         budget=budget,
         shared_bytes=lambda: ledger.total,
         shared_arenas=ledger.arenas,
+        ledger=ledger,
     )
 
 

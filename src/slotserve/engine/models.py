@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from slotserve.errors import AdmissionRefused, PlanError
-from slotserve.memory import format_bytes, trim_heap
+from slotserve.memory import MemoryLedger, format_bytes, trim_heap
 
 log = logging.getLogger("slotserve")
 
@@ -115,7 +115,9 @@ class _Entry:
 class ModelSet:
     """The served models (module docstring). ``load(spec)`` builds a model's `Loaded`;
     ``budget``: the device's bytes (None: no budget, nothing is ever refused for room);
-    ``shared_bytes()``: the process's arenas outside every model."""
+    ``shared_bytes()``: the process's arenas outside every model (``shared_arenas()`` by
+    name), from ``ledger`` where the caller keeps them in one (the server's start adds to
+    it)."""
 
     def __init__(
         self,
@@ -125,6 +127,7 @@ class ModelSet:
         budget: int | None,
         shared_bytes: Callable[[], int],
         shared_arenas: Callable[[], dict[str, int]] | None = None,
+        ledger: MemoryLedger | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         names = [s.name for s in specs]
@@ -135,6 +138,7 @@ class ModelSet:
             raise ValueError(f"model names must be unique; {twice} given twice")
         self._load, self.budget, self._shared, self.clock = load, budget, shared_bytes, clock
         self._shared_arenas = shared_arenas or (lambda: {"shared": shared_bytes()})
+        self.ledger = ledger  # the device's, where the shared arenas come from (if given)
         self._entries = {s.name: _Entry(s) for s in specs}
         self._cond = threading.Condition()
         self._reserved = 0  # the plan of the load under way (one at a time)

@@ -311,6 +311,33 @@ def choose_preset(
     return PresetChoice(row, sizer.config, tuple(decisions))
 
 
+def least_budget(
+    name: str, model: Model, *, ledger: MemoryLedger | None = None, **overrides: Any
+) -> int:
+    """The smallest budget, in bytes, at which preset ``name`` fits ``model`` (sized as
+    `choose_preset` sizes it against ``ledger``, with ``overrides``): one byte less and
+    `choose_preset` raises `PlanError`. Every larger budget fits too (the sizer fills a
+    budget, so what fits one fits any larger)."""
+
+    def fits(budget: int) -> bool:
+        try:
+            choose_preset(name, model, budget, ledger=ledger, **overrides)
+        except PlanError:
+            return False
+        return True
+
+    low = ledger.total if ledger is not None else 0  # no budget under the arenas fits
+    high = max(2 * low, 1 << 20)
+    while not fits(high):
+        low, high = high, 2 * high
+        if high > 1 << 50:
+            raise PlanError(f"preset {name} fits no budget (tried up to {format_bytes(high)})")
+    while high - low > 1:  # low does not fit, high does
+        mid = (low + high) // 2
+        low, high = (low, mid) if fits(mid) else (mid, high)
+    return high
+
+
 def _decision(row: PresetRow, key: str, value: Any, fixed: Mapping[str, Any]) -> Decision:
     if key in fixed:
         why = "set explicitly, overriding the row" if key in row.overrides else "set explicitly"

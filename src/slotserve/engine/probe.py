@@ -193,7 +193,8 @@ def time_largest_step(
     cannot hold that step's sessions at ``max_context``). It allocates nothing beyond the
     plan: the pool is the engine's and the step is the plan's largest. What the step leaves
     beyond the KV pages it wrote is one-time state: with ``budget_scope="process"`` it joins
-    ``ledger``'s runtime arena (the caller checks the plan again)."""
+    ``ledger``'s start arena, within the reserve a command set aside for it before sizing
+    the engine (the caller checks the plan again)."""
     trim_heap()  # what earlier work freed must not offset what the step keeps
     meter = ledger.meter("the largest step")
     kv_before = pool.resident_bytes
@@ -207,7 +208,7 @@ def time_largest_step(
         trim_heap()  # the step's freed activations leave before the server is ready
     if config.budget_scope == "process":
         # The KV pages the step wrote are the pool's arena, not start state.
-        meter.mark("runtime", extra=-(pool.resident_bytes - kv_before))
+        meter.mark("start", extra=-(pool.resident_bytes - kv_before))
     return tokens, seconds
 
 

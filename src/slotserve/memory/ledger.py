@@ -3,12 +3,17 @@ budget.
 
 Every part that holds memory adds its arena once, where it comes to hold it, saying how the
 bytes are known (``measured``: the anonymous growth a `Meter` read across the work;
-``computed``: from sizes alone) and who added it (``source``). Nothing is ever replaced or
-removed: a later addition to the same arena is another entry, and the arena is their sum.
+``computed``: from sizes alone; ``reserved``: set aside for a measurement that comes later)
+and who added it (``source``). Nothing is ever replaced or removed: a later addition to the
+same arena is another entry, and the arena is their sum, or its reserve where that is larger
+(what is measured into a reserve fills it before it adds to the arena).
 Who adds what (docs/ARCHITECTURE.md, "The memory ledger"):
 
-- ``runtime``: the process before the first model (`slotserve.load`), the first step's and
-  the largest step's one-time state (`slotserve.engine.probe`), the server's start;
+- ``runtime``: the process before the first model (`slotserve.load`), the first step's
+  one-time state (`slotserve.engine.probe`);
+- ``start``: what a server's start leaves once its engine is sized (the largest step's
+  one-time state, the HTTP stack's start), reserved by the command before it sizes the
+  engine (`START_RESERVE`) and measured into that reserve;
 - ``tokenizer``, ``weights``: the load, measured (or, where the budget covers the model
   alone, computed from the weights' sizes by the engine);
 - ``methods``: a bundle's program, its planned arenas or what its largest step kept;
@@ -29,7 +34,7 @@ an arena the ledger holds is refused naming it, never passed.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
@@ -38,8 +43,8 @@ from slotserve.errors import PlanError
 from slotserve.memory.process import Reading, anonymous_peak_since, read_process, reset_peak
 from slotserve.memory.units import format_bytes, parse_bytes
 
-How = Literal["measured", "computed"]
-HOWS: tuple[How, ...] = ("measured", "computed")
+How = Literal["measured", "computed", "reserved"]
+HOWS: tuple[How, ...] = ("measured", "computed", "reserved")
 
 
 @dataclass(frozen=True)
@@ -196,11 +201,9 @@ class MemoryLedger:
             return tuple(self._peaks)
 
     def arenas(self) -> dict[str, int]:
-        """Bytes by arena, in the order arenas first appeared."""
-        totals: dict[str, int] = {}
-        for arena in self.entries:
-            totals[arena.name] = totals.get(arena.name, 0) + arena.bytes
-        return totals
+        """Bytes by arena, in the order arenas first appeared: the sum of an arena's
+        entries, or its reserve where that is larger."""
+        return arena_totals(self.entries)
 
     def bytes(self, name: str) -> int:
         return self.arenas().get(name, 0)
@@ -211,7 +214,7 @@ class MemoryLedger:
 
     @property
     def total(self) -> int:
-        return sum(a.bytes for a in self.entries)
+        return sum(self.arenas().values())
 
     @property
     def peak_bytes(self) -> int:
@@ -230,7 +233,13 @@ class MemoryLedger:
         entries = self.entries
         for arena in (*entries, *self.peaks):
             Arena(arena.name, arena.bytes, arena.how, arena.source)  # re-validates
-        assert sum(self.arenas().values()) == sum(a.bytes for a in entries)
+        totals = self.arenas()
+        for name, total in totals.items():
+            own = [a for a in entries if a.name == name]
+            held = sum(a.bytes for a in own if a.how != "reserved")
+            reserve = sum(a.bytes for a in own if a.how == "reserved")
+            assert total == max(held, reserve) >= held, (name, total, held, reserve)
+        assert self.total == sum(totals.values())
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -238,6 +247,20 @@ class MemoryLedger:
             "entries": [a.to_dict() for a in self.entries],
             "peaks": [p.to_dict() for p in self.peaks],
         }
+
+
+def arena_totals(entries: Sequence[Arena]) -> dict[str, int]:
+    """Bytes by arena name, in order of first appearance: each arena's measured and
+    computed entries summed, or its reserved entries' sum where that is larger."""
+    held: dict[str, int] = {}
+    reserved: dict[str, int] = {}
+    for arena in entries:
+        held.setdefault(arena.name, 0)
+        if arena.how == "reserved":
+            reserved[arena.name] = reserved.get(arena.name, 0) + arena.bytes
+        else:
+            held[arena.name] += arena.bytes
+    return {name: max(nbytes, reserved.get(name, 0)) for name, nbytes in held.items()}
 
 
 class Meter:

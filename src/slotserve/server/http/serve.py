@@ -20,6 +20,7 @@ import uvicorn
 
 from slotserve.engine import Engine
 from slotserve.engine.models import ModelSet
+from slotserve.errors import PlanError
 from slotserve.memory import Meter, trim_heap
 from slotserve.sampling.grammar import GrammarCompiler
 from slotserve.server.chat.defaults import SamplingDefaults
@@ -70,7 +71,9 @@ def serve(
     request by its ``model`` field."""
     limits = limits or HTTPLimits()
     connections = ConnectionTracker(limits)
-    meter = engine.ledger.meter("the server's start")
+    # A set's start is the device's: its shared arenas hold the start's reserve.
+    ledger = models.ledger if models is not None and models.ledger is not None else engine.ledger
+    meter = ledger.meter("the server's start")
     app = create_app(
         engine,
         model_name,
@@ -101,31 +104,43 @@ def serve(
     log.info("sampling defaults: %s", app.state.server.sampling.describe())
     if cors_origins:
         log.info("CORS: allowing %s", ", ".join(cors_origins))
-    CancellingServer(config, app.state.server, engine, meter).run()
+    CancellingServer(config, app.state.server, engine, meter, models).run()
     return 0
 
 
 class CancellingServer(uvicorn.Server):
     """uvicorn's server whose shutdown closes the engine first, instead of waiting for
     running requests to finish on their own; its start adds what it left (the app, the
-    HTTP stack: the anonymous growth ``meter`` reads) to the ledger's runtime arena, where
-    the budget is the whole process's (serve added the stored responses' budget before)."""
+    HTTP stack: the anonymous growth ``meter`` reads) to the ledger's start arena, where
+    the budget is the whole process's (serve reserved that arena before sizing)."""
 
     def __init__(
-        self, config: uvicorn.Config, state: ServerState, engine: Engine, meter: Meter
+        self,
+        config: uvicorn.Config,
+        state: ServerState,
+        engine: Engine,
+        meter: Meter,
+        models: ModelSet | None = None,
     ) -> None:
         super().__init__(config)
         self.state = state
         self.engine = engine
         self.meter = meter
+        self.models = models
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         trim_heap()
-        if self.engine.config.budget_scope == "process":
-            kept = self.meter.mark("runtime").bytes
+        if self.models is not None and self.models.ledger is not None:
+            kept = self.meter.mark("start").bytes
+            problems = self.models.problems()
+            if problems:  # the device's budget no longer holds the residents
+                raise PlanError(problems[0])
+            log.info("the server's start kept %.1f MiB (start arena)", kept / 2**20)
+        elif self.engine.config.budget_scope == "process":
+            kept = self.meter.mark("start").bytes
             self.engine.plan.check()  # PlanError: the budget no longer holds it
-            log.info("the server's start kept %.1f MiB (runtime arena)", kept / 2**20)
+            log.info("the server's start kept %.1f MiB (start arena)", kept / 2**20)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         # A signal handler: it only sets flags; the event loop acts on them within a tick.
