@@ -506,7 +506,8 @@ class _Sizer:
             f"preset {self.row.name} does not fit {self.limit} at max_seqs="
             f"{self.config.max_seqs} even with the smallest context: weights "
             f"({format_bytes(self.weight_bytes)}) and activations alone need "
-            f"{format_bytes(plan.worst_case_bytes - plan.kv_bytes)}. Raise the budget, load "
+            f"{format_bytes(plan.worst_case_bytes - plan.kv_bytes)} ({_arenas(plan)}). Raise "
+            "the budget, load "
             "smaller weights (--weights gguf keeps a GGUF file's quantised blocks) or lower "
             "max_batch_tokens."
         )
