@@ -44,6 +44,7 @@ from slotserve.memory import format_bytes
 # in one process than in the other). plan reserves this much more for the start than serve
 # does, so that a budget plan says fits, serve starts at.
 PLAN_MARGIN = 3 << 19
+PLAN_MARGIN_SOURCE = "plan's readings are not serve's"
 
 
 def register(commands: Any) -> None:
@@ -78,6 +79,8 @@ def _plan_models(args: argparse.Namespace, specs: list[Any]) -> int:
     model loaded and planned, the on-demand ones then unloaded): the shared arenas, each
     model's bytes and arenas, what the budget must hold, and whether it does."""
     models = model_set(args, specs, grammar_config(args))
+    assert models.ledger is not None  # `model_set` keeps the device's arenas in one
+    models.ledger.add("start", PLAN_MARGIN, "reserved", PLAN_MARGIN_SOURCE)
     try:
         models.start(check=False)
         cards, problems = models.cards(), models.problems()
@@ -136,7 +139,7 @@ def _plan_one(args: argparse.Namespace) -> int:
     ledger = command_ledger(model, args.budget_scope)
     add_server_arenas(ledger, args.budget_scope, grammars.cache_bytes, grammar_cost)
     if args.budget_scope == "process":
-        ledger.add("start", PLAN_MARGIN, "reserved", "plan's readings are not serve's")
+        ledger.add("start", PLAN_MARGIN, "reserved", PLAN_MARGIN_SOURCE)
     config, choice = resolve_engine_config(args, model, ledger)
     config = with_server_prefix_cache(config, args, model)  # as `slotserve serve` runs it
     config = with_prefix_store(config, args)

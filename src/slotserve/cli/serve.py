@@ -231,6 +231,13 @@ def import_server() -> None:
     import slotserve.server  # noqa: F401
 
 
+# What a server's start leaves after its engine is sized, set aside before sizing so that a
+# preset sized to the budget still fits once it is measured: the largest step's one-time
+# state (`Engine.measure_cancel_bound`) and the HTTP stack's start (`CancellingServer`).
+# Both are measured into it; where they outgrow it the plan is checked again and refuses.
+START_RESERVE = 2 << 20
+
+
 def add_server_arenas(
     ledger: MemoryLedger, budget_scope: str, cache_bytes: int, cost: GrammarCost | None = None
 ) -> None:
@@ -249,13 +256,6 @@ def add_server_arenas(
         ledger.add("start", START_RESERVE, "reserved", "the server's start, once sized")
     if cache_bytes:
         ledger.add("grammars", cache_bytes, "computed", "--grammar-cache-bytes")
-
-
-# What a server's start leaves after its engine is sized, set aside before sizing so that a
-# preset sized to the budget still fits once it is measured: the largest step's one-time
-# state (`Engine.measure_cancel_bound`) and the HTTP stack's start (`CancellingServer`).
-# Both are measured into it; where they outgrow it the plan is checked again and refuses.
-START_RESERVE = 2 << 20
 
 
 def add_grammar_cost(ledger: MemoryLedger, cost: GrammarCost) -> None:
@@ -557,8 +557,6 @@ def model_set(args: argparse.Namespace, specs: list[ModelSpec], grammars: Any) -
         specs,
         lambda spec: load_member(args, spec, grammars, template, device, pressure),
         budget=budget,
-        shared_bytes=lambda: ledger.total,
-        shared_arenas=ledger.arenas,
         ledger=ledger,
     )
 

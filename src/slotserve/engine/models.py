@@ -115,9 +115,8 @@ class _Entry:
 class ModelSet:
     """The served models (module docstring). ``load(spec)`` builds a model's `Loaded`;
     ``budget``: the device's bytes (None: no budget, nothing is ever refused for room);
-    ``shared_bytes()``: the process's arenas outside every model (``shared_arenas()`` by
-    name), from ``ledger`` where the caller keeps them in one (the server's start adds to
-    it)."""
+    ``ledger``: the device's, the process's arenas outside every model (the server's start
+    adds to it); or, without one, ``shared_bytes()`` (and ``shared_arenas()`` by name)."""
 
     def __init__(
         self,
@@ -125,9 +124,9 @@ class ModelSet:
         load: Callable[[ModelSpec], Loaded],
         *,
         budget: int | None,
-        shared_bytes: Callable[[], int],
-        shared_arenas: Callable[[], dict[str, int]] | None = None,
         ledger: MemoryLedger | None = None,
+        shared_bytes: Callable[[], int] = lambda: 0,
+        shared_arenas: Callable[[], dict[str, int]] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         names = [s.name for s in specs]
@@ -136,9 +135,11 @@ class ModelSet:
         if len(set(names)) != len(names):
             twice = sorted({n for n in names if names.count(n) > 1})
             raise ValueError(f"model names must be unique; {twice} given twice")
+        if ledger is not None:
+            shared_bytes, shared_arenas = (lambda: ledger.total), ledger.arenas
         self._load, self.budget, self._shared, self.clock = load, budget, shared_bytes, clock
         self._shared_arenas = shared_arenas or (lambda: {"shared": shared_bytes()})
-        self.ledger = ledger  # the device's, where the shared arenas come from (if given)
+        self.ledger = ledger
         self._entries = {s.name: _Entry(s) for s in specs}
         self._cond = threading.Condition()
         self._reserved = 0  # the plan of the load under way (one at a time)
@@ -161,9 +162,8 @@ class ModelSet:
                     self._commit(entry, loaded)
                 else:
                     self._discard(loaded)
-                problems = self.problems()
-                if check and problems:
-                    raise PlanError(problems[0])
+                if check:
+                    self.check()
         except BaseException:
             self.close()
             raise
@@ -172,6 +172,13 @@ class ModelSet:
                 target=self._sweep, name="slotserve-keep-alive", daemon=True
             )
             self._sweeper.start()
+
+    def check(self) -> None:
+        """`PlanError` naming each model's bytes and the levers when the models planned so
+        far do not fit the budget (`problems`)."""
+        problems = self.problems()
+        if problems:
+            raise PlanError(problems[0])
 
     def problems(self) -> list[str]:
         """Why the models planned so far do not fit the budget (`required_bytes`), with

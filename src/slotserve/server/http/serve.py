@@ -13,14 +13,13 @@ import ipaddress
 import logging
 import signal
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import FrameType
 
 import uvicorn
 
 from slotserve.engine import Engine
 from slotserve.engine.models import ModelSet
-from slotserve.errors import PlanError
 from slotserve.memory import Meter, trim_heap
 from slotserve.sampling.grammar import GrammarCompiler
 from slotserve.server.chat.defaults import SamplingDefaults
@@ -71,8 +70,15 @@ def serve(
     request by its ``model`` field."""
     limits = limits or HTTPLimits()
     connections = ConnectionTracker(limits)
-    # A set's start is the device's: its shared arenas hold the start's reserve.
-    ledger = models.ledger if models is not None and models.ledger is not None else engine.ledger
+    # What the start keeps joins the start arena of the ledger whose budget is the whole
+    # process's, checked again after: a set's device ledger, or the engine's in process
+    # scope (a model budget leaves the process out).
+    check: Callable[[], None] | None = None
+    ledger = engine.ledger
+    if models is not None and models.ledger is not None:
+        ledger, check = models.ledger, models.check
+    elif engine.config.budget_scope == "process":
+        check = lambda: engine.plan.check()  # noqa: E731 (the plan as it stands then)
     meter = ledger.meter("the server's start")
     app = create_app(
         engine,
@@ -104,15 +110,16 @@ def serve(
     log.info("sampling defaults: %s", app.state.server.sampling.describe())
     if cors_origins:
         log.info("CORS: allowing %s", ", ".join(cors_origins))
-    CancellingServer(config, app.state.server, engine, meter, models).run()
+    CancellingServer(config, app.state.server, engine, meter, check).run()
     return 0
 
 
 class CancellingServer(uvicorn.Server):
     """uvicorn's server whose shutdown closes the engine first, instead of waiting for
     running requests to finish on their own; its start adds what it left (the app, the
-    HTTP stack: the anonymous growth ``meter`` reads) to the ledger's start arena, where
-    the budget is the whole process's (serve reserved that arena before sizing)."""
+    HTTP stack: the anonymous growth ``meter`` reads) to its ledger's start arena and runs
+    ``check`` (`PlanError` if the budget no longer holds the plan); without ``check`` the
+    budget leaves the process out and nothing is added."""
 
     def __init__(
         self,
@@ -120,26 +127,20 @@ class CancellingServer(uvicorn.Server):
         state: ServerState,
         engine: Engine,
         meter: Meter,
-        models: ModelSet | None = None,
+        check: Callable[[], None] | None = None,
     ) -> None:
         super().__init__(config)
         self.state = state
         self.engine = engine
         self.meter = meter
-        self.models = models
+        self.check = check
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         trim_heap()
-        if self.models is not None and self.models.ledger is not None:
+        if self.check is not None:
             kept = self.meter.mark("start").bytes
-            problems = self.models.problems()
-            if problems:  # the device's budget no longer holds the residents
-                raise PlanError(problems[0])
-            log.info("the server's start kept %.1f MiB (start arena)", kept / 2**20)
-        elif self.engine.config.budget_scope == "process":
-            kept = self.meter.mark("start").bytes
-            self.engine.plan.check()  # PlanError: the budget no longer holds it
+            self.check()  # PlanError: the budget no longer holds the plan
             log.info("the server's start kept %.1f MiB (start arena)", kept / 2**20)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
