@@ -23,7 +23,7 @@ import re
 import shutil
 import subprocess
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -177,23 +177,23 @@ def test_each_level_uses_its_instructions_and_no_fused_multiply_add(
     assert mnemonics == {"plain": set(), "dotprod": {"sdot"}, "i8mm": {"sdot", "smmla"}}
 
 
-# (level, file, text, its change, what must fail: product rows or attention labels)
+# (level, library, file, text, its change): each file is compiled into that library only
 MUTANTS = {
     # word 7's activations from lane 2 of their register instead of lane 3
     "sdot lane": (
-        "dotprod", "quants_neon.h",
+        "dotprod", "blocks", "quants_neon.h",
         "second = vdotq_laneq_s32(second, u[7], high, 3)",
         "second = vdotq_laneq_s32(second, u[7], high, 2)",
     ),
     # the zip of a quad's rows 2 and 3 for SMMLA takes their two words in swapped order
     "smmla lane": (
-        "i8mm", "quants_neon.h",
+        "i8mm", "blocks", "quants_neon.h",
         "pair[k][1] = vreinterpretq_s8_s32(vzip2q_s32(first, second))",
         "pair[k][1] = vreinterpretq_s8_s32(vzip2q_s32(second, first))",
     ),
     # the softmax sum adds lane 1 of four exponentials twice, lane 2 never
     "softmax lane": (
-        "dotprod", "attention_neon.h",
+        "dotprod", "attention", "attention_neon.h",
         "total += vgetq_lane_f32(e, 2);",
         "total += vgetq_lane_f32(e, 1);",
     ),
@@ -201,22 +201,20 @@ MUTANTS = {
 
 
 @pytest.fixture(scope="module")
-def mutants(work: Path) -> dict[str, Level]:
-    """Each mutant's level built from a copy of csrc with its change (in the test's
-    temporary directory), side by side."""
+def mutants(work: Path, levels: dict[str, Level]) -> dict[str, Level]:
+    """Each mutant's level: the library its file is compiled into built from a copy of csrc
+    with its change (in the test's temporary directory), side by side, beside the level's
+    other library unchanged."""
 
     def mutate(name: str) -> Level:
-        level, file, text, change = MUTANTS[name]
+        level, library, file, text, change = MUTANTS[name]
         csrc = work / f"mutant-{name.replace(' ', '-')}"
         shutil.copytree(build.CSRC, csrc, ignore=shutil.ignore_patterns("tests"))
         source = (csrc / file).read_text()
         assert source.count(text) == 1, (name, text)
         (csrc / file).write_text(source.replace(text, change))
-        target = build.AARCH64_LEVELS[level]
-        return Level(
-            build.build_for(target, "blocks", csrc=csrc, directory=csrc),
-            build.build_for(target, "attention", csrc=csrc, directory=csrc),
-        )
+        built = build.build_for(build.AARCH64_LEVELS[level], library, csrc=csrc, directory=csrc)
+        return replace(levels[level], **{library: built})
 
     with ThreadPoolExecutor(max_workers=len(MUTANTS)) as pool:
         return dict(zip(MUTANTS, pool.map(mutate, MUTANTS), strict=True))
