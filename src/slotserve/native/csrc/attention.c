@@ -171,6 +171,44 @@ INLINE float dot(const float *a, const float *b, int64_t dim) {
 #endif
 }
 
+#if !NEON_ATTENTION
+/* exp_nonpositive on eight lanes: its operations, in its order, on each lane (so each lane
+ * is the float exp_nonpositive gives), where a loop calling it stays scalar. */
+INLINE lanes8 exp_nonpositive8(lanes8 x) {
+    const lanes8 zero = {0}, least = zero - 87.0f, round = zero + 12582912.0f;
+    const index8 below = x < least; /* -1 where x < -87: x = x < -87 ? -87 : x */
+    x = (lanes8)((below & (index8)least) | (~below & (index8)x));
+    lanes8 n = (x * 1.44269504089f + round) - round;
+    lanes8 r = x - n * 0.693145751953f - n * 1.42860682e-6f;
+    lanes8 p = zero + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    const index8 bits = (__builtin_convertvector(n, index8) + 127) << 23;
+    return p * (lanes8)bits;
+}
+
+/* The softmax's e^((s[j] - best) * scale) in place, eight at a time, and their sum added
+ * one by one in position order (as neon_exp_scores adds them). */
+INLINE float exp_scores(float *s, int64_t span, float best, float scale) {
+    float total = 0.0f;
+    int64_t j = 0;
+    for (; j + 8 <= span; j += 8) {
+        const lanes8 e = exp_nonpositive8((load8(s + j) - best) * scale);
+        memcpy(s + j, &e, sizeof e);
+        for (int lane = 0; lane < 8; lane++) total += e[lane];
+    }
+    for (; j < span; j++) {
+        s[j] = exp_nonpositive((s[j] - best) * scale);
+        total += s[j];
+    }
+    return total;
+}
+#endif
+
 /* One query row's heads that share KV head g (`group` of them, at qg) over the keys at
  * positions 0..n_sink-1 and lo..hi (their cells: cells[position]): scores, softmax,
  * weighted values into og, each in position order. `scores` holds group * span. `plain`
@@ -199,11 +237,7 @@ INLINE void attend_group(const float *qg, float *og, const rows_at *keys,
 #if NEON_ATTENTION
         total = neon_exp_scores(s, span, best[r], scale);
 #else
-#pragma omp simd reduction(+ : total)
-        for (int64_t j = 0; j < span; j++) {
-            s[j] = exp_nonpositive((s[j] - best[r]) * scale);
-            total += s[j];
-        }
+        total = exp_scores(s, span, best[r], scale);
 #endif
         float inverse = 1.0f / total;
         for (int64_t j = 0; j < span; j++) s[j] *= inverse;
