@@ -172,21 +172,13 @@ INLINE float dot(const float *a, const float *b, int64_t dim) {
 }
 
 #if !NEON_ATTENTION
-/* exp_nonpositive on eight lanes: its operations, in its order, on each lane (so each lane
- * is the float exp_nonpositive gives), where a loop calling it stays scalar. */
+/* exp_nonpositive on eight lanes, its steps (`EXP_STEPS`) in its order on each lane, so
+ * each lane is the float exp_nonpositive gives: a loop calling it stays scalar. */
 INLINE lanes8 exp_nonpositive8(lanes8 x) {
-    const lanes8 zero = {0}, least = zero - 87.0f, round = zero + 12582912.0f;
+    const lanes8 least = (lanes8){0} - 87.0f;
     const index8 below = x < least; /* -1 where x < -87: x = x < -87 ? -87 : x */
     x = (lanes8)((below & (index8)least) | (~below & (index8)x));
-    lanes8 n = (x * 1.44269504089f + round) - round;
-    lanes8 r = x - n * 0.693145751953f - n * 1.42860682e-6f;
-    lanes8 p = zero + 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    EXP_STEPS(lanes8, x, n, p);
     const index8 bits = (__builtin_convertvector(n, index8) + 127) << 23;
     return p * (lanes8)bits;
 }

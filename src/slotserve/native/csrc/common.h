@@ -31,21 +31,26 @@ INLINE float bf16_to_float(uint16_t bits) {
     return value;
 }
 
-/* e^x for x <= 0, to about 2 ulp: x = n ln2 + r with |r| <= ln2 / 2, e^r by its degree-6
- * Taylor polynomial, 2^n through the exponent bits. Unlike libm's expf it vectorises.
- * The softmax (attention.c) and SiLU (blocks.c) both use it. */
+/* e^x's range reduction and polynomial for x of type T: a float, or a vector of floats
+ * (GCC's vector extension), each lane taking the same operations in the same order.
+ * Declares n, x / ln2 rounded to a whole number (adding 1.5 * 2^23 rounds), and p, e^r
+ * for r = x - n ln2 (ln2 split in two parts) by its degree-6 Taylor polynomial. */
+#define EXP_STEPS(T, x, n, p)                                                               \
+    const T n = ((x) * 1.44269504089f + 12582912.0f) - 12582912.0f;                         \
+    const T p##_r = (x) - n * 0.693145751953f - n * 1.42860682e-6f;                         \
+    T p = p##_r * (1.0f / 720) + 1.0f / 120;                                                \
+    p = p * p##_r + 1.0f / 24;                                                              \
+    p = p * p##_r + 1.0f / 6;                                                               \
+    p = p * p##_r + 0.5f;                                                                   \
+    p = p * p##_r + 1.0f;                                                                   \
+    p = p * p##_r + 1.0f
+
+/* e^x for x <= 0, to about 2 ulp: `EXP_STEPS`, then 2^n through the exponent bits. Unlike
+ * libm's expf it vectorises. The softmax (attention.c, also on eight lanes) and SiLU
+ * (blocks.c) both use it. */
 INLINE float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
-    const float round = 12582912.0f; /* 1.5 * 2^23: adding it rounds to an integer */
-    float n = (x * 1.44269504089f + round) - round;
-    float r = x - n * 0.693145751953f - n * 1.42860682e-6f; /* ln2 split in two parts */
-    float p = 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    EXP_STEPS(float, x, n, p);
     int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, sizeof scale);
