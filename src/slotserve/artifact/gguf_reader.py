@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -204,17 +205,8 @@ class _Reader:
         start = self._take(size, f"needs {size} bytes for {what}", field)
         return struct.unpack_from(fmt, self.buffer, start)[0]
 
-    def _raw_string(self, field: str) -> bytes:
-        length = self._unpack("<Q", "a string length", field)
-        start = self._take(length, f"declares a string of {length} bytes", field)
-        return bytes(self.buffer[start : start + length])
-
     def _string(self, field: str) -> str | bytes:
-        raw = self._raw_string(field)
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError:
-            return raw
+        return self._strings(1, lambda _: field)[0]
 
     def _text(self, field: str, what: str) -> str:
         """A string that must be UTF-8 (a key, a tensor name)."""
@@ -254,7 +246,7 @@ class _Reader:
         count = self._unpack("<Q", "an array's element count", key)
         if item_type == _STRING:
             self._fits(count, 8, "string elements", key)  # each has its 8-byte length
-            return self._strings(key, count)
+            return self._strings(count, lambda index: f"{key}[{index}]")
         if item_type == _ARRAY:
             raise ArtifactError(self.path, "is an array of arrays; GGUF readers refuse them", key)
         if item_type not in _SCALARS:
@@ -266,21 +258,22 @@ class _Reader:
         values: list[Any] = np.frombuffer(self.data, dtype, count, start).tolist()
         return values
 
-    def _strings(self, key: str, count: int) -> list[str | bytes]:
-        """An array's ``count`` strings: what `_string` reads, element ``key[index]``, with
-        its checks and errors, in one loop (a tokenizer's vocabulary is 10^5 of them)."""
+    def _strings(self, count: int, field: Callable[[int], str]) -> list[str | bytes]:
+        """``count`` strings, each its 8-byte length then its bytes: `str` where they are
+        UTF-8, else the `bytes`. String ``index`` is named ``field(index)`` in an error, made
+        only then: one loop over a tokenizer's vocabulary (10^5 strings) checks each."""
         buffer, size, pos = self.buffer, self.size, self.pos
         length_at = _LENGTH.unpack_from
         strings: list[str | bytes] = []
         for index in range(count):
             if size - pos < 8:
                 self.pos = pos
-                raise self._refuse("needs 8 bytes for a string length", f"{key}[{index}]")
+                raise self._refuse("needs 8 bytes for a string length", field(index))
             (length,) = length_at(buffer, pos)
             pos += 8
             if length > size - pos:
                 self.pos = pos
-                raise self._refuse(f"declares a string of {length} bytes", f"{key}[{index}]")
+                raise self._refuse(f"declares a string of {length} bytes", field(index))
             raw = buffer[pos : pos + length]
             pos += length
             try:
