@@ -6,10 +6,12 @@ with the plan a real server holds (its dashboard feed); and a preset's least bud
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 from slotserve.bench.processes import free_port, slotserve_command
@@ -19,6 +21,7 @@ from slotserve.cli.plan import PLAN_MARGIN
 from slotserve.cli.serve import DEFAULT_GRAMMAR_CACHE_BYTES, START_RESERVE
 from slotserve.engine.presets import PRESET_NAMES
 from slotserve.memory import parse_bytes
+from slotserve.server.responses.store import DEFAULT_STORED_BYTES
 from tests.server.conftest import ServerProcess
 
 FLAGS = ("--max-seqs", "2", "--max-context", "256", "--kv-layout", "cell")
@@ -51,6 +54,32 @@ def test_plan_counts_the_grammars_arena_serve_checks(
     # process's own load (this one has loaded models before), so they are not compared.
     for name in ("kv", "activations", "grammars", "responses"):
         assert served[name] == arenas[name], name
+
+
+def test_a_server_that_cannot_chat_plans_no_stored_responses(
+    tiny_dirs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The Responses API answers through the chat template: a model without one answers
+    every Responses request 400 and stores none, so neither plan nor serve counts the
+    stored responses' arena for it; with a template both count its byte budget."""
+    directory = tmp_path / "no-template"
+    shutil.copytree(tiny_dirs["llama"], directory)
+    config_file = directory / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    del config["chat_template"]
+    config_file.write_text(json.dumps(config))
+    chats = _plan(capsys, "--model", str(tiny_dirs["llama"]), *FLAGS)["arenas"]
+    assert chats["responses"] == DEFAULT_STORED_BYTES  # type: ignore[index]
+    planned: dict[str, int] = _plan(capsys, "--model", str(directory), *FLAGS)["arenas"]  # type: ignore[assignment]
+    assert "responses" not in planned
+    server = ServerProcess(str(directory), *FLAGS)
+    try:
+        served = dashboard_snapshot(server.url)["plan"]["arenas"]
+        body = {"model": server.model_name, "input": "hi"}
+        refused = httpx.post(server.url + "/v1/responses", json=body, timeout=60)
+    finally:
+        assert server.stop() == 0
+    assert served.keys() == planned.keys() and refused.status_code == 400
 
 
 def test_plan_refuses_the_grammar_flags_serve_refuses(

@@ -11,6 +11,8 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 # (llama.cpp's CLS) or the last token's.
 Pooling = Literal["mean", "cls", "last"]
 POOLINGS: tuple[Pooling, ...] = get_args(Pooling)
+# The positions a RoPE table computes at once (`slotserve.model.layers.RopeTables`).
+ROPE_CHUNK = 1024
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,15 @@ class ModelInfo:
         """Whether ``layer`` rotates by ``rope_local`` (a sliding-window layer of a model
         that has one) rather than ``rope``."""
         return self.rope_local is not None and self.window(layer) is not None
+
+    def rope_table_bytes(self, positions: int) -> int:
+        """Bytes of the RoPE tables a model of this shape holds once its steps reached
+        ``positions`` positions (`slotserve.model.layers.RopeTables`): cos and sin rows of
+        ``head_dim`` fp32 values, `ROPE_CHUNK` positions at a time, for ``rope`` and, where
+        the model has one, ``rope_local``."""
+        chunks = -(-min(positions, self.max_context) // ROPE_CHUNK)
+        tables = 1 if self.rope_local is None else 2
+        return tables * 2 * chunks * ROPE_CHUNK * self.head_dim * 4
 
     @property
     def kv_dim(self) -> int:

@@ -43,12 +43,30 @@ def kv_cell_bytes(info: ModelInfo, kv: KVConfig) -> int:
     return info.n_kv_heads * info.head_dim * element + scales
 
 
+# What a step's resident growth adds to its live bytes once the C heap was trimmed (a server
+# trims when it idles: `slotserve.memory.IdleTrim`): the trim released the free pages in the
+# middle of the heap, and the step's allocations fault them back wherever they land, the
+# small ones a page each. That follows the count of a step's allocations, not its sizes, so
+# it is one figure for every config: the largest steps `slotserve plan --measure` and
+# `slotserve bench memory` measured stay within it on the bundled model and Gemma 3
+# (docs/BENCHMARKS.md, "memory").
+HEAP_REFAULT = 8 << 20
+# The live bytes of one costliest draw, in floats a vocabulary entry: the most that
+# `sample_batch` and `token_logprobs` hold allocated at once (the allocator's own count,
+# apart from the pages a trim makes them fault: `HEAP_REFAULT`), with room over the
+# vocabularies measured (docs/BENCHMARKS.md, "memory").
+DRAW_FLOATS = 12
+
+
 def activation_bytes(
     info: ModelInfo, kv: KVConfig, max_batch_tokens: int, attention_kernel: bool = False
 ) -> int:
     """Estimate of the transient memory of the largest step (fp32): per-token buffers of
     one layer, the logits of every session and their sampling (with each live request's
-    sampler state), and the RoPE tables; with torch's attention
+    sampler state), the pages a trimmed heap faults back (`HEAP_REFAULT`), and the RoPE
+    tables of ``max_context`` positions (exact bytes,
+    `ModelInfo.rope_table_bytes`; an engine builds them before it measures its largest
+    step: `slotserve.engine.probe`); with torch's attention
     (``attention_kernel`` False: `kernels="off"`, or no compiled kernel) also a
     materialised attention score/mask block and one layer's gathered K/V for every
     session, where the compiled kernel (`slotserve.native.attention`) attends over the
@@ -60,25 +78,24 @@ def activation_bytes(
     # request biases or constrains its row, and one row drawn at a time as the costliest
     # settings draw it (`COSTLIEST_SAMPLING`: its penalised copy, probabilities in float64
     # sorted with int64 indices for top-p, their running sum, the filtered copy and the
-    # log-probabilities; 20-22 floats an entry measured after the first draw), beside every
-    # live request's sampler state (a seen flag and a count a token: 5 bytes an entry).
-    logits = 2 * seqs * info.vocab_size + 22 * info.vocab_size
+    # log-probabilities: `DRAW_FLOATS` an entry), beside every live request's sampler state
+    # (a seen flag and a count a token: 5 bytes an entry).
+    logits = 2 * seqs * info.vocab_size + DRAW_FLOATS * info.vocab_size
     samplers = 5 * seqs * info.vocab_size
-    rope = 2 * info.max_context * info.head_dim
     if attention_kernel:
-        total = 4 * (tokens * per_token + info.n_heads * context + logits + rope)
+        total = 4 * (tokens * per_token + info.n_heads * context + logits)
     else:
         scores = info.n_heads * tokens * context
         gathered = 2 * seqs * context * info.kv_dim
-        total = 4 * (tokens * per_token + scores + gathered + logits + rope) + tokens * context
+        total = 4 * (tokens * per_token + scores + gathered + logits) + tokens * context
     total += samplers
     # The same step's peak growth moves from run to run with where the allocator puts its
     # buffers (measured after the load's first step, whose one-time state is runtime), and
     # a measured peak has exceeded the formula itself: a plan bounds the peak, so it keeps
     # an eighth more. A server's serving peak exceeded the plan until it counted the
     # sampling terms above; `slotserve bench memory` measures that peak against the plan
-    # (docs/BENCHMARKS.md).
-    return total + total // 8
+    # (docs/BENCHMARKS.md). The RoPE tables are exact bytes, built before any step.
+    return total + total // 8 + HEAP_REFAULT + info.rope_table_bytes(context)
 
 
 @dataclass(frozen=True)

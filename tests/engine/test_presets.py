@@ -87,7 +87,9 @@ def test_a_preset_config_fits_the_budget_it_was_sized_for(
 def test_a_memory_map_sizes_like_a_budget(tiny: ss.Model) -> None:
     weights = tiny.weight_bytes
     kv = 1 << 19  # less than 4 sessions at the tiny model's whole context
-    memory_map = MemoryMap.of(weights=weights, kv=kv, activations=8 << 20)
+    # Activations with room over the plan's (its heap term alone is `HEAP_REFAULT`): the
+    # KV pool is the arena the preset sizes to the map.
+    memory_map = MemoryMap.of(weights=weights, kv=kv, activations=16 << 20)
     config = ss.preset_config("voice", tiny, None, memory_map=memory_map)
     assert config.memory_map == memory_map and config.memory_budget is None
     plan = planned(config, tiny)
@@ -112,15 +114,15 @@ def test_bundled_figures_at_one_gib(bundled: ss.Model) -> None:
     document-agent 7319 and shared-prompt 768."""
     chosen = {name: ss.preset_config(name, bundled, BUDGET) for name in PRESETS}
     assert {n: (c.kv_layout, c.max_seqs, c.max_context) for n, c in chosen.items()} == {
-        "chat": ("flat", 1, 7142),
-        "chat+background": ("cell", 4, 1760),
-        "voice": ("cell", 4, 1952),  # its 64-token steps plan fewer activation bytes
+        "chat": ("flat", 1, 6920),
+        "chat+background": ("cell", 4, 1728),
+        "voice": ("cell", 4, 1920),  # its 64-token steps plan fewer activation bytes
         "document-agent": ("ring", 1, 8192),  # the model's whole context
-        "shared-prompt": ("cell", 8, 864),
+        "shared-prompt": ("cell", 8, 848),
     }
     assert all(c.kv_dtype == "fp16" for c in chosen.values())
     agent = chosen["document-agent"]
-    assert (agent.ring_window, agent.sinks) == (7136, 4)  # the largest window that fits
+    assert (agent.ring_window, agent.sinks) == (6891, 4)  # the largest window that fits
     assert not grown(agent, bundled, ring_window=agent.ring_window + 1).fits
     assert chosen["shared-prompt"].policy == "fifo"
     assert chosen["chat+background"].background_min_share > 0

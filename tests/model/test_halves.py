@@ -9,10 +9,14 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import slotserve as ss
+from slotserve.info import RopeConfig
 from slotserve.model import model as model_module
 from slotserve.model.halves import StepContext, run_layers
+from slotserve.model.layers import RopeTables
 from slotserve.model.llama import EagerHalves
 from slotserve.testing import write_tiny_gguf
 
@@ -65,3 +69,34 @@ def test_program_methods_are_the_eager_halves(three: dict[str, ss.Model]) -> Non
     program.end_step(steps[0])
     eager.end_step(steps[1])
     torch.testing.assert_close(program.head(x), eager.head(x), rtol=1e-4, atol=1e-4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 4 * RopeTables.CHUNK - 1), min_size=1, max_size=24))
+def test_rope_rows_are_each_positions_own_whatever_chunks_a_step_spans(
+    positions: list[int],
+) -> None:
+    """A step's rotation rows, gathered from the chunks its positions fall in, are bit for
+    bit the rows each position has alone (a chunk is computed whole, whichever step first
+    needed it), and only those chunks are built."""
+    tables = RopeTables(RopeConfig(theta=10000.0), 64, 4 * RopeTables.CHUNK)
+    cos, sin = tables.rows(torch.tensor(positions))
+    assert set(tables._chunks) == {p // RopeTables.CHUNK for p in positions}
+    for row, position in enumerate(positions):
+        alone = RopeTables(RopeConfig(theta=10000.0), 64, 4 * RopeTables.CHUNK)
+        one_cos, one_sin = alone.rows(torch.tensor([position]))
+        assert torch.equal(cos[row], one_cos[0]) and torch.equal(sin[row], one_sin[0])
+
+
+def test_covered_tables_are_the_bytes_the_plan_counts(tiny: ss.Model, tmp_path: Path) -> None:
+    """`Model.cover_positions` builds the rows of an engine's context, one table a rotation
+    (Gemma 3's sliding-window layers have their own), and they hold what
+    `ModelInfo.rope_table_bytes` plans for them."""
+    gemma = ss.load(write_tiny_gguf(tmp_path / "gemma3.gguf", "gemma3"), progress=False)
+    for model in (tiny, gemma):
+        context = min(model.info.max_context, 2 * RopeTables.CHUNK)
+        model.cover_positions(context)
+        tables = [t for t in (model.rope, model.local_rope) if t is not None]
+        assert len(tables) == (2 if model.info.rope_local is not None else 1)
+        held = sum(c.nbytes + s.nbytes for t in tables for c, s in t._chunks.values())
+        assert held == model.info.rope_table_bytes(context)

@@ -370,16 +370,17 @@ def _memory_server(s: dict[str, Any]) -> list[str]:
         f"{plan['max_seqs']} streams at once, each a distinct prompt of "
         f"{plan['max_context'] - s['decode_tokens']} tokens and {s['decode_tokens']} tokens "
         "(`ignore_eos`), every session at max_context, the concurrent prefill in the largest "
-        f"steps. Grammars: {s['requests'].get('grammars', 0)} structured requests (a schema "
-        f"each). Then {s['rounds']} more round(s), the prefix cache full again and the "
-        "grammars held. Anonymous bytes of the server process from `/proc/PID/status` "
+        f"steps; beside it, from its start, {s['requests'].get('grammars', 0)} structured "
+        "requests (a schema each: the first builds the grammar compiler's index while the "
+        f"largest steps run). Then {s['rounds']} more round(s), the prefix cache full again "
+        "and the grammars held. Anonymous bytes of the server process from `/proc/PID/status` "
         "(RssAnon), what the plan counts; a phase's peak is its resident peak (VmHWM, reset "
         "when the server is ready and before each phase) less the file pages resident when "
         "it began. The server's grammar worker processes are read apart (each its resident "
         "peak less its file pages) and added to the whole peak.",
         "",
         f"Peak anonymous **{format_bytes(peak)}** against the plan's total "
-        f"{format_bytes(total)}: **{peak / total:.2f}×** (peak resident "
+        f"{format_bytes(total)}: **{peak / total:.3f}×** (peak resident "
         f"{format_bytes(s['peak_rss_bytes'])}). The load's own resident peak, before "
         f"serving: {format_bytes(s['load_peak_rss_bytes'])}.",
         "",

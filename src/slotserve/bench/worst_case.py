@@ -13,10 +13,10 @@ reported beside it. The worst case, phase by phase, each read from ``/proc/PID/s
   ``max_seqs`` streams sent together is a distinct prompt of ``max_context - decode``
   tokens and ``decode`` tokens (``ignore_eos``), so every session runs at ``max_context``
   and the concurrent prefill steps are the largest the engine takes (``max_batch_tokens``,
-  one chunk a session), ending next to ``max_context``;
-- ``grammars``: structured requests (``response_format`` ``json_schema``), one distinct
-  schema each, so the grammars arena holds as many grammars as it keeps (and the compiler
-  its tokenizer index);
+  one chunk a session), ending next to ``max_context``. Beside that round, from its start,
+  structured requests (``response_format`` ``json_schema``), one distinct schema each: the
+  first builds the grammar compiler's tokenizer index while the largest steps run (the
+  plan counts both at once), and the grammars arena fills with as many as it keeps;
 - ``worst case``: ``rounds`` more worst-case rounds, the prefix cache full again before
   each and the grammars held: the whole plan at once.
 
@@ -26,9 +26,9 @@ when the phase began. Arenas are measured where the outside of the process can t
 apart (`ARENA_ROWS`): the anonymous bytes at ready (the runtime, the tokenizer and the
 weights), the peak of ``serving`` above it (the KV pool, whose pages become resident as
 sessions write them, the prefix cache's copies and the activations, with whatever serving
-costs once), the growth of ``grammars`` (the grammar compiler's tokenizer index, which serve
-measures at start and builds again at the first structured request, and the grammars), and
-the peak of the last rounds above their start (which the plan has nothing more for). The
+costs once, and the grammar compiler's tokenizer index, which serve measures at start and
+builds again at the first structured request, and the grammars), and the peak of the last
+rounds above their start (which the plan has nothing more for). The
 server's grammar worker processes (its children) are read apart, each its anonymous peak as
 the server's start measured one (`slotserve.sampling.grammar_index`), and the whole peak is
 the server's and theirs together.
@@ -52,15 +52,17 @@ from slotserve.memory import read_process
 DECODE_TOKENS = 8  # each worst-case stream's tokens after its prompt
 GRAMMARS = 4  # distinct schemas the grammars phase sends
 STRUCTURED_TOKENS = 16
-PHASES = ("ready", "serving", "grammars", "worst case")
+PHASES = ("ready", "serving", "worst case")
 # What `arena_rows` compares: a measured span of the server's resident set, and the arenas
 # of the plan that span holds (``pool``: the KV pool alone, ``copies``: the kv arena less
 # the pool, the prefix cache's copies).
 ARENA_ROWS = (
     ("at ready", ("runtime", "tokenizer", "weights", "methods", "responses", "start")),
-    ("serving, its peak above ready", ("pool", "copies", "activations")),
-    ("grammars, growth", ("grammar_index", "grammars")),
-    ("worst case with the grammars, its peak above its start", ()),
+    (
+        "serving with the grammars, its peak above ready",
+        ("pool", "copies", "activations", "grammar_index", "grammars"),
+    ),
+    ("worst case again, its peak above its start", ()),
     ("grammar worker processes, their peak", ("grammar_workers",)),
 )
 
@@ -153,10 +155,9 @@ class WorstCaseDriver:
         def serving() -> None:
             self.first_requests()
             prefix.update(self.fill_prefix_cache())
-            self.worst_case()
+            self.worst_case(beside=self.structured)
 
         self._phase("serving", serving)
-        self._phase("grammars", self.structured)
         rounds_peak = []
         for _ in range(max(rounds, 1)):
             self._reset_peak()
@@ -201,36 +202,49 @@ class WorstCaseDriver:
         self._together([self.prompts.take(8)], 4, "first request")
 
     def structured(self) -> None:
-        """`GRAMMARS` structured requests, each with a schema of its own."""
+        """`GRAMMARS` structured requests, each with a schema of its own; one the server's
+        queue turned away (a 429: every slot stayed busy past its queue timeout, as beside
+        a slow worst-case round) is sent again, as a client would."""
+        import openai
+
         for i in range(self.grammars):
-            schema = {
-                "type": "object",
-                "properties": {f"field_{i}": {"type": "integer", "minimum": 0, "maximum": 99}},
-                "required": [f"field_{i}"],
-                "additionalProperties": False,
-            }
-            response_format: Any = {
-                "type": "json_schema",
-                "json_schema": {"name": f"record_{i}", "schema": schema},
-            }
-            text = f"A record, number {i}."
-            if self.chats:
-                self.client.chat.completions.create(
-                    model=self.model,
-                    messages=[{"role": "user", "content": text}],
-                    max_tokens=STRUCTURED_TOKENS,
-                    temperature=0,
-                    response_format=response_format,
-                )
-            else:  # the server's completions take response_format too
-                self.client.completions.create(
-                    model=self.model,
-                    prompt=text,
-                    max_tokens=STRUCTURED_TOKENS,
-                    temperature=0,
-                    extra_body={"response_format": response_format},
-                )
+            while True:
+                try:
+                    self._structured(i)
+                    break
+                except openai.RateLimitError:
+                    continue
             self._count("grammars")
+
+    def _structured(self, i: int) -> None:
+        """The ``i``-th structured request."""
+        schema = {
+            "type": "object",
+            "properties": {f"field_{i}": {"type": "integer", "minimum": 0, "maximum": 99}},
+            "required": [f"field_{i}"],
+            "additionalProperties": False,
+        }
+        response_format: Any = {
+            "type": "json_schema",
+            "json_schema": {"name": f"record_{i}", "schema": schema},
+        }
+        text = f"A record, number {i}."
+        if self.chats:
+            self.client.chat.completions.create(
+                model=self.model,
+                messages=[{"role": "user", "content": text}],
+                max_tokens=STRUCTURED_TOKENS,
+                temperature=0,
+                response_format=response_format,
+            )
+        else:  # the server's completions take response_format too
+            self.client.completions.create(
+                model=self.model,
+                prompt=text,
+                max_tokens=STRUCTURED_TOKENS,
+                temperature=0,
+                extra_body={"response_format": response_format},
+            )
 
     def fill_prefix_cache(self) -> dict[str, Any]:
         """Distinct prompts of half the context, `max_seqs` at a time, until the prefix
@@ -250,17 +264,25 @@ class WorstCaseDriver:
                 break
         return dict(prefix)
 
-    def worst_case(self) -> None:
-        """`max_seqs` streams at once, each filling the context (``ignore_eos``)."""
+    def worst_case(self, beside: Callable[[], object] | None = None) -> None:
+        """`max_seqs` streams at once, each filling the context (``ignore_eos``); with
+        ``beside``, that too, on a thread of its own from the same start."""
         length = self.max_context - self.decode_tokens
         prompts = [self.prompts.take(length) for _ in range(self.max_seqs)]
-        self._together(prompts, self.decode_tokens, "worst case")
+        self._together(prompts, self.decode_tokens, "worst case", beside)
 
     # -- helpers ---------------------------------------------------------------------
 
-    def _together(self, prompts: Sequence[list[int]], tokens: int, phase: str) -> None:
-        """Stream ``prompts`` at once (a barrier), ``tokens`` each, greedy, ignore_eos."""
-        start = threading.Barrier(len(prompts))
+    def _together(
+        self,
+        prompts: Sequence[list[int]],
+        tokens: int,
+        phase: str,
+        beside: Callable[[], object] | None = None,
+    ) -> None:
+        """Stream ``prompts`` at once (a barrier), ``tokens`` each, greedy, ignore_eos;
+        ``beside`` run from the same barrier, on a thread of its own."""
+        start = threading.Barrier(len(prompts) + (beside is not None))
 
         def one(prompt: list[int]) -> int:
             start.wait()
@@ -280,8 +302,16 @@ class WorstCaseDriver:
             self._count(phase)
             return done
 
-        with ThreadPoolExecutor(len(prompts)) as pool:
+        def aside() -> None:
+            assert beside is not None
+            start.wait()
+            beside()
+
+        with ThreadPoolExecutor(len(prompts) + 1) as pool:
+            side = pool.submit(aside) if beside is not None else None
             produced = list(pool.map(one, prompts))
+            if side is not None:
+                side.result()
         if produced != [tokens] * len(prompts):
             raise RuntimeError(f"{phase}: the streams produced {produced} tokens, not {tokens}")
 
@@ -342,8 +372,7 @@ def arena_rows(plan: dict[str, Any], phases: dict[str, dict[str, int]]) -> list[
     measured = [
         rss["ready"],
         peak["serving"] - rss["ready"],
-        rss["grammars"] - rss["serving"],
-        peak["worst case"] - rss["grammars"],
+        peak["worst case"] - rss["serving"],
         max(phases[name]["children_anonymous_peak"] for name in PHASES),
     ]
     return [

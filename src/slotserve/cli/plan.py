@@ -137,7 +137,8 @@ def _plan_one(args: argparse.Namespace) -> int:
     compiler, grammar_cost = prepare_grammars(model, grammars)
     compiler.close()
     ledger = command_ledger(model, args.budget_scope)
-    add_server_arenas(ledger, args.budget_scope, grammars.cache_bytes, grammar_cost)
+    chats = model.tokenizer.chat_template is not None
+    add_server_arenas(ledger, args.budget_scope, grammars.cache_bytes, grammar_cost, chats=chats)
     if args.budget_scope == "process":
         ledger.add("start", PLAN_MARGIN, "reserved", PLAN_MARGIN_SOURCE)
     config, choice = resolve_engine_config(args, model, ledger)

@@ -239,20 +239,27 @@ START_RESERVE = 2 << 20
 
 
 def add_server_arenas(
-    ledger: MemoryLedger, budget_scope: str, cache_bytes: int, cost: GrammarCost | None = None
+    ledger: MemoryLedger,
+    budget_scope: str,
+    cache_bytes: int,
+    cost: GrammarCost | None = None,
+    *,
+    chats: bool = True,
 ) -> None:
     """Add the server's arenas to ``ledger``: the grammars (``cache_bytes``:
     --grammar-cache-bytes, computed); and where the budget is the whole process's
     (``budget_scope`` ``"process"``: they are the process's, not the model's own) what
     compiling costs (``cost``, as `prepare_grammars` measured it: `add_grammar_cost`), the
-    Responses API's stored responses (their byte budget, computed) and the start's reserve
-    (`START_RESERVE`)."""
+    Responses API's stored responses (their byte budget, computed; none where the server
+    cannot chat, ``chats`` False: a model with no chat template answers every Responses
+    request 400, so it stores none) and the start's reserve (`START_RESERVE`)."""
     from slotserve.server.responses.store import DEFAULT_STORED_BYTES
 
     if budget_scope == "process":
         if cost is not None:
             add_grammar_cost(ledger, cost)
-        ledger.add("responses", DEFAULT_STORED_BYTES, "computed", "stored responses")
+        if chats:
+            ledger.add("responses", DEFAULT_STORED_BYTES, "computed", "stored responses")
         ledger.add("start", START_RESERVE, "reserved", "the server's start, once sized")
     if cache_bytes:
         ledger.add("grammars", cache_bytes, "computed", "--grammar-cache-bytes")
@@ -435,7 +442,8 @@ def _serve(args: argparse.Namespace) -> int:
     compiler, grammar_cost = prepare_grammars(model, grammars)  # measured before the engine
     # The one ledger of the process: the load's arenas, the grammars', and the engine's.
     ledger = command_ledger(model, args.budget_scope)
-    add_server_arenas(ledger, args.budget_scope, grammars.cache_bytes, grammar_cost)
+    chats = model.tokenizer.chat_template is not None
+    add_server_arenas(ledger, args.budget_scope, grammars.cache_bytes, grammar_cost, chats=chats)
     try:
         config = engine_config(args, model, ledger)  # with --preset: sized to the ledger
         config = with_server_queue(config, args)

@@ -154,6 +154,7 @@ def largest_step(
     tokens = largest_step_tokens(config)
     if executor.max_step_tokens is not None:
         tokens = min(tokens, executor.max_step_tokens)
+    model.cover_positions(config.max_context)  # planned apart from the step's transient
     seqs = min(config.max_seqs, tokens)
     chunk = min(tokens // seqs, config.max_context)
     ids = [model.info.bos_id or 1] * (chunk * seqs)
@@ -195,6 +196,7 @@ def time_largest_step(
     beyond the KV pages it wrote is one-time state: with ``budget_scope="process"`` it joins
     ``ledger``'s start arena, within the reserve a command set aside for it before sizing
     the engine (the caller checks the plan again)."""
+    model.cover_positions(config.max_context)  # the plan's RoPE tables, not start state
     trim_heap()  # what earlier work freed must not offset what the step keeps
     meter = ledger.meter("the largest step")
     kv_before = pool.resident_bytes

@@ -9,7 +9,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from slotserve.info import ModelInfo, RopeConfig
+from slotserve.info import ROPE_CHUNK, ModelInfo, RopeConfig
 
 
 class Linear(Protocol):
@@ -92,13 +92,13 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
 
 class RopeTables:
     """cos/sin rows (rotate-half layout) of positions up to ``max_positions``, computed in
-    chunks of `CHUNK` positions as steps first reach them: tables for the longest context
-    a model takes would cost memory in proportion to it (positions x head width x 2 x 4
-    bytes), where a device serves a few thousand. A chunk
-    is always computed as one tensor, so a position's rows are the same bits whichever step
-    first needed them."""
+    chunks of `CHUNK` positions as steps first reach them (or `cover` builds them): tables
+    for the longest context a model takes would cost memory in proportion to it (positions
+    x head width x 2 x 4 bytes, `ModelInfo.rope_table_bytes`), where a device serves a few
+    thousand. A chunk is always computed as one tensor, so a position's rows are the same
+    bits whichever step first needed them."""
 
-    CHUNK = 1024
+    CHUNK = ROPE_CHUNK
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_positions: int) -> None:
         self.inv_freq = rope_inv_freq(rope, head_dim)
@@ -118,22 +118,36 @@ class RopeTables:
             self._chunks[index] = (angles.cos().contiguous(), angles.sin().contiguous())
         return self._chunks[index]
 
+    def cover(self, positions: int) -> None:
+        """Build the rows of positions ``0 .. positions - 1`` now (within ``max_positions``),
+        so that no later step's memory includes them."""
+        for index in range(-(-min(positions, self.max_positions) // self.CHUNK)):
+            self._chunk(index)
+
     def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cos, sin[T, head_dim]`` of ``positions[T]``."""
+        """``cos, sin[T, head_dim]`` of ``positions[T]``, gathered from the chunks they fall
+        in (nothing the size of the chunks between them is made)."""
         if positions.numel() == 0:
             empty = self.inv_freq.new_zeros(0, 2 * self.inv_freq.shape[0])
             return empty, empty
         last = int(positions.max())
         if last >= self.max_positions or int(positions.min()) < 0:
             raise ValueError(f"position {last} is outside 0 .. {self.max_positions - 1}")
-        low, high = int(positions.min()) // self.CHUNK, last // self.CHUNK
-        chunks = [self._chunk(c) for c in range(low, high + 1)]
-        local = positions - low * self.CHUNK
-        if len(chunks) == 1:
-            return chunks[0][0][local], chunks[0][1][local]
-        cos = torch.cat([c for c, _ in chunks])
-        sin = torch.cat([s for _, s in chunks])
-        return cos[local], sin[local]
+        chunk_of = positions // self.CHUNK
+        low, high = int(chunk_of.min()), last // self.CHUNK
+        if low == high:
+            cos, sin = self._chunk(low)
+            local = positions - low * self.CHUNK
+            return cos[local], sin[local]
+        width = 2 * self.inv_freq.shape[0]
+        cos = self.inv_freq.new_empty(positions.numel(), width)
+        sin = self.inv_freq.new_empty(positions.numel(), width)
+        for index in torch.unique(chunk_of).tolist():
+            at = (chunk_of == index).nonzero().squeeze(1)
+            chunk_cos, chunk_sin = self._chunk(index)
+            local = positions[at] - index * self.CHUNK
+            cos[at], sin[at] = chunk_cos[local], chunk_sin[local]
+        return cos, sin
 
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Rotate ``x[T, heads, head_dim]`` by the angles of ``positions[T]``."""

@@ -76,6 +76,14 @@ class Model:
         """Resident bytes of the weights."""
         return self.halves.weight_bytes
 
+    def cover_positions(self, positions: int) -> None:
+        """Build the RoPE rows of positions ``0 .. positions - 1`` now (an engine's
+        ``max_context``: what its plan counts for them, `ModelInfo.rope_table_bytes`), so
+        that no step's measured memory includes them."""
+        for tables in (self.rope, self.local_rope):
+            if tables is not None:
+                tables.cover(positions)
+
     @torch.inference_mode()
     def forward(
         self, tokens: torch.Tensor, batch: StepBatch, kv: KVStore, *, all_logits: bool = False
