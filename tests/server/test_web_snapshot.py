@@ -26,6 +26,7 @@ from slotserve.server.ops import dashboard
 from slotserve.server.ops.dashboard import ClassLatency, SnapshotFeed, histogram_view
 from slotserve.server.ops.metrics import PrometheusMetrics
 from slotserve.server.ops.page import ASSETS
+from slotserve.server.responses.store import ResponseStore, StoredResponse
 
 
 class GatedExecutor:
@@ -122,6 +123,16 @@ def test_pressure_level_from_stats(tiny: ss.Model) -> None:
         }
     with ss.Engine(tiny, config) as engine:
         assert SnapshotFeed(engine, None, "tiny").snapshot()["pressure"]["level"] is None
+
+
+def test_snapshot_shows_the_stored_responses_against_their_budget(tiny: ss.Model) -> None:
+    store = ResponseStore(size=4, budget_bytes=1 << 20)
+    assert store.put("resp_1", StoredResponse([{"role": "user", "content": "hi"}], {"id": "1"}))
+    with ss.Engine(tiny, ss.EngineConfig(max_seqs=1, max_context=64)) as engine:
+        assert "responses" not in SnapshotFeed(engine, None, "tiny").snapshot()
+        view = SnapshotFeed(engine, None, "tiny", responses=store).snapshot()["responses"]
+    assert view == {"stored": 1, "size": 4, "held_bytes": store.held_bytes, "budget_bytes": 1 << 20}
+    assert 0 < store.held_bytes < 1 << 20
 
 
 def cells_of(engine: ss.Engine, layers: list[int], request_id: int) -> set[int]:

@@ -362,11 +362,19 @@ def _memory_server(s: dict[str, Any]) -> list[str]:
         f"snapshots pinning {format_bytes(prefix['bytes_pinned'])} of "
         f"{format_bytes(prefix['budget_bytes'])}, {prefix['evictions']} evictions)"
     )
+    stored = s.get("responses") or {}
+    responses = (
+        f"stored responses until the store held {format_bytes(stored['held_bytes'])} of its "
+        f"{format_bytes(stored['budget_bytes'])} ({stored['stored']} of at most "
+        f"{stored['size']} responses)"
+        if stored
+        else "no stored responses (the model has no chat template)"
+    )
     total, peak = plan["worst_case_bytes"], s["peak_anonymous_bytes"]
     lines = [
         f"`slotserve serve --model {s['model']} {' '.join(s['flags'])}` "
         f"({plan['layout']}, {plan['kv_dtype']} KV), driven to its worst case. Serving: a "
-        f"short chat turn and completion, {cache}, then a worst-case round: "
+        f"short chat turn and completion, {responses}, {cache}, then a worst-case round: "
         f"{plan['max_seqs']} streams at once, each a distinct prompt of "
         f"{plan['max_context'] - s['decode_tokens']} tokens and {s['decode_tokens']} tokens "
         "(`ignore_eos`), every session at max_context, the concurrent prefill in the largest "

@@ -7,7 +7,9 @@ set (Linux's VmHWM) is read, then reset (``5`` written to ``/proc/PID/clear_refs
 the peak reported is the serving process's, apart from the load's transient one, which is
 reported beside it. The worst case, phase by phase, each read from ``/proc/PID/status`` (`PHASES`):
 
-- ``serving``: a short plain chat turn and a short completion, then distinct prompts of
+- ``serving``: a short plain chat turn and a short completion, then stored responses (the
+  Responses API) until the store holds its byte budget or its count bound (`fill_responses`;
+  none where the model cannot chat), then distinct prompts of
   half the context, ``max_seqs`` at a time, until the prefix cache's snapshots fill its
   budget (it evicts, or one more would not fit), then the first worst-case round: each of
   ``max_seqs`` streams sent together is a distinct prompt of ``max_context - decode``
@@ -57,10 +59,10 @@ PHASES = ("ready", "serving", "worst case")
 # of the plan that span holds (``pool``: the KV pool alone, ``copies``: the kv arena less
 # the pool, the prefix cache's copies).
 ARENA_ROWS = (
-    ("at ready", ("runtime", "tokenizer", "weights", "methods", "responses", "start")),
+    ("at ready", ("runtime", "tokenizer", "weights", "methods", "start")),
     (
         "serving with the grammars, its peak above ready",
-        ("pool", "copies", "activations", "grammar_index", "grammars"),
+        ("responses", "pool", "copies", "activations", "grammar_index", "grammars"),
     ),
     ("worst case again, its peak above its start", ()),
     ("grammar worker processes, their peak", ("grammar_workers",)),
@@ -111,7 +113,9 @@ class Prompts:
 class WorstCaseDriver:
     """Drives the server at ``server`` (pid, url, served model) through `PHASES`,
     recording its ``/proc`` sizes after each; ``advance(n)`` is told of each finished
-    request."""
+    request. ``responses`` False leaves the stored responses out (a store's fill is a few
+    hundred requests of a whole context each: the prefix cache serves their prefill where it
+    holds a context's snapshot)."""
 
     def __init__(
         self,
@@ -120,6 +124,7 @@ class WorstCaseDriver:
         *,
         decode_tokens: int = DECODE_TOKENS,
         grammars: int = GRAMMARS,
+        responses: bool = True,
         advance: Callable[[str, int], None] = lambda phase, n: None,
     ) -> None:
         import openai
@@ -133,6 +138,7 @@ class WorstCaseDriver:
         self.prompts = Prompts(vocab_size)
         self.decode_tokens = decode_tokens
         self.grammars = grammars
+        self.fills_responses = responses  # False: the store is left empty
         self.chats = True  # until the model is found to have no chat template
         self.advance = advance
         snapshot = dashboard_snapshot(server.url)
@@ -140,6 +146,7 @@ class WorstCaseDriver:
         self.max_seqs = int(self.plan["max_seqs"])
         self.max_context = int(self.plan["max_context"])
         self.phases: dict[str, dict[str, int]] = {}
+        self.stored: dict[str, int] = {}  # the stored responses' view once filled
         self.requests: dict[str, int] = {}
 
     # -- the phases ------------------------------------------------------------------
@@ -154,6 +161,7 @@ class WorstCaseDriver:
 
         def serving() -> None:
             self.first_requests()
+            self.stored = self.fill_responses()
             prefix.update(self.fill_prefix_cache())
             self.worst_case(beside=self.structured)
 
@@ -246,6 +254,49 @@ class WorstCaseDriver:
                 extra_body={"response_format": response_format},
             )
 
+    def fill_responses(self) -> dict[str, int]:
+        """Stored responses until the store holds its byte budget (within one response of
+        it) or as many responses as it keeps: each a Responses request of one output token
+        whose input is as many one-word user messages as the context holds (a message's
+        dict and strings are most of what is stored, for a few tokens each), the same input
+        each time, so the prefix cache serves its prefill. The store's view after (from
+        the dashboard feed; empty where the model cannot chat or nothing is stored)."""
+        view = self._responses_view() if self.fills_responses else None
+        if not self.chats or view is None or not view["budget_bytes"] or not view["size"]:
+            return {}
+        messages = self._messages_filling(self.max_context - 16)
+        body = {"model": self.model, "input": messages, "max_output_tokens": 1}
+        body["temperature"] = 0
+        for _ in range(view["size"]):
+            before = view["held_bytes"]
+            answer = httpx.post(self.server.url + "/v1/responses", json=body, timeout=600)
+            answer.raise_for_status()
+            self._count("responses")
+            view = self._responses_view() or view
+            grew = view["held_bytes"] - before
+            if view["stored"] >= view["size"] or view["held_bytes"] + grew > view["budget_bytes"]:
+                break
+        return view
+
+    def _messages_filling(self, tokens: int) -> list[dict[str, str]]:
+        """One-word user messages, as many as fit in ``tokens`` tokens of the model's chat
+        template (counted by the server's ``/tokenize``)."""
+
+        def messages(count: int) -> list[dict[str, str]]:
+            return [{"role": "user", "content": f"w{i}"} for i in range(count)]
+
+        def used(count: int) -> int:
+            body = {"messages": messages(count)}
+            answer = httpx.post(self.server.url + "/tokenize", json=body, timeout=60)
+            answer.raise_for_status()
+            return int(answer.json()["count"])
+
+        count = max(tokens // 8, 1)
+        count = max(count * tokens // used(count), 1)  # tokens grow by about one a message
+        while count > 1 and used(count) > tokens:
+            count -= max(count // 50, 1)
+        return messages(count)
+
     def fill_prefix_cache(self) -> dict[str, Any]:
         """Distinct prompts of half the context, `max_seqs` at a time, until the prefix
         cache evicts or holds within one prompt's snapshot of its budget; its stats."""
@@ -315,6 +366,10 @@ class WorstCaseDriver:
         if produced != [tokens] * len(prompts):
             raise RuntimeError(f"{phase}: the streams produced {produced} tokens, not {tokens}")
 
+    def _responses_view(self) -> dict[str, int] | None:
+        view: dict[str, int] | None = dashboard_snapshot(self.server.url).get("responses")
+        return view
+
     def _prefix_stats(self) -> dict[str, Any] | None:
         prefix: dict[str, Any] | None = dashboard_snapshot(self.server.url)["stats"]["prefix"]
         return prefix
@@ -357,6 +412,7 @@ class WorstCaseDriver:
             "peak_over_plan": peak / total,
             "arena_rows": arena_rows(self.plan, self.phases),
             "prefix": prefix,
+            "responses": self.stored,
             "requests": self.requests,
             "decode_tokens": self.decode_tokens,
         }
@@ -403,10 +459,11 @@ def run_worst_case(
     rounds: int = 1,
     decode_tokens: int = DECODE_TOKENS,
     grammars: int = GRAMMARS,
+    responses: bool = True,
 ) -> dict[str, Any]:
     """``slotserve serve --model MODEL_SOURCE FLAGS…`` driven to its worst case ``rounds``
     times (see the module docstring); the figures, and the flags. ``vocab_size``: the
-    model's, for the prompts' token ids."""
+    model's, for the prompts' token ids; ``responses``: `WorstCaseDriver`'s."""
     server = slotserve_server(model_source, *flags)
     try:
         seqs = int(dashboard_snapshot(server.url)["plan"]["max_seqs"])
@@ -415,6 +472,7 @@ def run_worst_case(
             "prefix": 0,
             "worst case": seqs * (1 + max(rounds, 1)),
             "grammars": grammars,
+            "responses": 0,
         }
         with Progress(transient=True) as progress:
             tasks = {
@@ -426,6 +484,7 @@ def run_worst_case(
                 vocab_size,
                 decode_tokens=decode_tokens,
                 grammars=grammars,
+                responses=responses,
                 advance=lambda phase, n: progress.advance(tasks[phase], n),
             )
             result = driver.run(rounds)

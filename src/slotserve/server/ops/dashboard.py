@@ -4,7 +4,8 @@ of the engine a few times a second to the page (`ops.page`, `server/ops/web/dash
 A snapshot is built only from the engine's typed views and what the server already keeps:
 `Engine.stats()`, `Engine.slots()`, `Engine.pool_view()` (the pool's own block tables and
 rows, so the KV map is the pool as it is held, not an estimate), the memory plan, the
-pressure signal and the Prometheus histograms. The feed keeps no engine state of its own;
+pressure signal, the Prometheus histograms and the stored responses' bytes against their
+budget. The feed keeps no engine state of its own;
 per connection it remembers only the previous token counts and histogram sums, to turn two
 snapshots into rates. Nothing runs when no page is open.
 
@@ -34,6 +35,7 @@ from slotserve.server.http.errors import APIError
 from slotserve.server.http.security import KeyedRoute, require_api_key
 from slotserve.server.http.state import ServerState
 from slotserve.server.ops.metrics import PrometheusMetrics
+from slotserve.server.responses.store import ResponseStore
 
 # Four snapshots a second: smooth enough to watch tokens stream, cheap (see the report in
 # tests/server/test_web_snapshot.py: well under a millisecond each).
@@ -220,9 +222,11 @@ class SnapshotFeed:
         metrics: PrometheusMetrics | None,
         model: str,
         models: ModelSet | None = None,
+        responses: ResponseStore | None = None,
     ) -> None:
         self.engine, self.metrics, self.model = engine, metrics, model
         self.models = models  # a served set: every model's state beside the first's view
+        self.responses = responses  # the Responses API's stored responses
         self.latency = ClassLatency()
         # The plan changes only when the ledger gains an arena (the server's start); its
         # levers take a search, so it is built again only then.
@@ -261,6 +265,8 @@ class SnapshotFeed:
         }
         if self.models is not None:
             snapshot["models"] = models_view(self.models)
+        if self.responses is not None:
+            snapshot["responses"] = self.responses.view()
         snapshot["build_ms"] = (time.perf_counter() - began) * 1e3
         return snapshot
 
@@ -314,7 +320,9 @@ async def dashboard_events(request: Request, interval: float = DEFAULT_INTERVAL_
     state = _state(request)
     if state.engine is None:
         raise APIError(503, "the model is not ready (still loading)", "server_error")
-    feed = SnapshotFeed(state.engine, state.metrics, state.model_name, state.models)
+    feed = SnapshotFeed(
+        state.engine, state.metrics, state.model_name, state.models, state.responses
+    )
     pace = max(MIN_INTERVAL_S, interval)
     return StreamingResponse(
         _events(request, feed, pace),

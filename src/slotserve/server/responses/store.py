@@ -93,6 +93,17 @@ class ResponseStore:
             self._responses.move_to_end(response_id)
             return entry[0]
 
+    def view(self) -> dict[str, int]:
+        """What the store holds against its bounds, JSON-ready (the dashboard's feed)."""
+        with self._lock:
+            stored, held = len(self._responses), self.held_bytes
+        return {
+            "stored": stored,
+            "size": self.size,
+            "held_bytes": held,
+            "budget_bytes": self.budget_bytes,
+        }
+
     def describe(self) -> str:
         """The bounds, as a refusal of an id no longer (or never) stored says them."""
         return (
