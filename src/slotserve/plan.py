@@ -47,9 +47,9 @@ def kv_cell_bytes(info: ModelInfo, kv: KVConfig) -> int:
 # trims when it idles: `slotserve.memory.IdleTrim`): the trim released the free pages in the
 # middle of the heap, and the step's allocations fault them back wherever they land, the
 # small ones a page each. That follows the count of a step's allocations, not its sizes, so
-# it is one figure for every config: the largest steps `slotserve plan --measure` and
-# `slotserve bench memory` measured stay within it on the bundled model and Gemma 3
-# (docs/BENCHMARKS.md, "memory").
+# it is one figure for every config; with the eighth kept over the rest, the largest steps
+# `slotserve plan --measure` and `slotserve bench memory` measured stay within the plan on
+# the bundled model and Gemma 3 (docs/BENCHMARKS.md, "memory").
 HEAP_REFAULT = 8 << 20
 # The live bytes of one costliest draw, in floats a vocabulary entry: the most that
 # `sample_batch` and `token_logprobs` hold allocated at once (the allocator's own count,
