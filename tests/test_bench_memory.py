@@ -65,7 +65,8 @@ def test_the_driver_reaches_the_worst_case(worst_case: dict[str, Any]) -> None:
     assert at_ready["span"] == "at ready" and at_ready["measured_bytes"] == ready
     planned = at_ready["planned_bytes"]
     assert abs(ready - planned) <= 0.05 * planned
-    assert worst_case["responses"] == {} and "responses" not in requests
+    assert "responses" not in requests
+    assert worst_case["responses"] == {"left_empty": "the driver was told to leave the store empty"}
 
 
 def check_stored_responses(worst_case: dict[str, Any]) -> None:
@@ -153,6 +154,7 @@ def test_the_memory_section_reports_the_server(worst_case: dict[str, Any], tiny:
     assert "## memory: a server's peak anonymous memory" in report
     assert format_bytes(worst_case["peak_anonymous_bytes"]) in report
     assert "| the server and its workers, peak | all |" in report
+    assert "no stored responses (the driver was told to leave the store empty)" in report
     document = "# Benchmarks\n\n## memory: old\n\nold text\n\n## servers: x\n\nkept\n"
     rewritten = replace_section(document, "memory", {"memory": result}, "slotserve bench memory")
     assert "old text" not in rewritten and "kept" in rewritten

@@ -367,8 +367,8 @@ def _memory_server(s: dict[str, Any]) -> list[str]:
         f"stored responses until the store held {format_bytes(stored['held_bytes'])} of its "
         f"{format_bytes(stored['budget_bytes'])} ({stored['stored']} of at most "
         f"{stored['size']} responses)"
-        if stored
-        else "no stored responses (the model has no chat template)"
+        if "held_bytes" in stored
+        else f"no stored responses ({stored.get('left_empty', 'none sent')})"
     )
     total, peak = plan["worst_case_bytes"], s["peak_anonymous_bytes"]
     lines = [

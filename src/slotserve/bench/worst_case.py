@@ -54,6 +54,8 @@ from slotserve.memory import read_process
 DECODE_TOKENS = 8  # each worst-case stream's tokens after its prompt
 GRAMMARS = 4  # distinct schemas the grammars phase sends
 STRUCTURED_TOKENS = 16
+# How many times a structured request the server's queue turned away (a 429) is sent again.
+QUEUE_RETRIES = 8
 PHASES = ("ready", "serving", "worst case")
 # What `arena_rows` compares: a measured span of the server's resident set, and the arenas
 # of the plan that span holds (``pool``: the KV pool alone, ``copies``: the kv arena less
@@ -146,7 +148,7 @@ class WorstCaseDriver:
         self.max_seqs = int(self.plan["max_seqs"])
         self.max_context = int(self.plan["max_context"])
         self.phases: dict[str, dict[str, int]] = {}
-        self.stored: dict[str, int] = {}  # the stored responses' view once filled
+        self.stored: dict[str, Any] = {}  # the stored responses' view once filled
         self.requests: dict[str, int] = {}
 
     # -- the phases ------------------------------------------------------------------
@@ -212,16 +214,17 @@ class WorstCaseDriver:
     def structured(self) -> None:
         """`GRAMMARS` structured requests, each with a schema of its own; one the server's
         queue turned away (a 429: every slot stayed busy past its queue timeout, as beside
-        a slow worst-case round) is sent again, as a client would."""
+        a slow worst-case round) is sent again, as a client would, `QUEUE_RETRIES` times."""
         import openai
 
         for i in range(self.grammars):
-            while True:
+            for retry in range(QUEUE_RETRIES + 1):
                 try:
                     self._structured(i)
                     break
                 except openai.RateLimitError:
-                    continue
+                    if retry == QUEUE_RETRIES:
+                        raise
             self._count("grammars")
 
     def _structured(self, i: int) -> None:
@@ -254,19 +257,22 @@ class WorstCaseDriver:
                 extra_body={"response_format": response_format},
             )
 
-    def fill_responses(self) -> dict[str, int]:
+    def fill_responses(self) -> dict[str, Any]:
         """Stored responses until the store holds its byte budget (within one response of
         it) or as many responses as it keeps: each a Responses request of one output token
         whose input is as many one-word user messages as the context holds (a message's
         dict and strings are most of what is stored, for a few tokens each), the same input
         each time, so the prefix cache serves its prefill. The store's view after (from
-        the dashboard feed; empty where the model cannot chat or nothing is stored)."""
-        view = self._responses_view() if self.fills_responses else None
-        if not self.chats or view is None or not view["budget_bytes"] or not view["size"]:
-            return {}
+        the dashboard feed), or ``{"left_empty": why}``."""
+        if not self.fills_responses:
+            return {"left_empty": "the driver was told to leave the store empty"}
+        if not self.chats:
+            return {"left_empty": "the model has no chat template"}
+        view = self._responses_view()
+        if view is None or not view["budget_bytes"] or not view["size"]:
+            return {"left_empty": "the server keeps no stored responses"}
         messages = self._messages_filling(self.max_context - 16)
-        body = {"model": self.model, "input": messages, "max_output_tokens": 1}
-        body["temperature"] = 0
+        body = {"model": self.model, "input": messages, "max_output_tokens": 1, "temperature": 0}
         batch, each = 1, 0  # requests before the next look at the store; bytes a response
         while True:
             before = view["held_bytes"], view["stored"]

@@ -47,6 +47,7 @@ def measure_arenas(
     for arena in ledger.entries if ledger is not None else ():
         if arena.how == "measured":
             arenas[arena.name] = arenas.get(arena.name, 0) + arena.bytes
+    model.cover_positions(config.max_context)  # planned apart from the step's transient
     trim_heap()
     before = anonymous_bytes()
     # The pool the engine builds: attending with the compiled kernel where the config runs

@@ -147,14 +147,14 @@ def largest_step(
 ) -> tuple[int, tuple[float, int]]:
     """Run the largest step on ``pool``, which holds no session: one prefill chunk per
     session (of ``max_seqs``, ids 0 up) ending at ``max_context``, within
-    ``max_batch_tokens``; the sessions stay reserved (the caller releases them). Returns its
+    ``max_batch_tokens``; the sessions stay reserved (the caller releases them). The caller
+    builds the RoPE tables first (`Model.cover_positions`: planned apart). Returns its
     tokens, and its time with the peak anonymous growth it caused (a bound: the resident
     peak less the file pages resident before it). `KVExhausted` when the pool cannot hold
     every session at ``max_context`` (a cell pool given fewer blocks)."""
     tokens = largest_step_tokens(config)
     if executor.max_step_tokens is not None:
         tokens = min(tokens, executor.max_step_tokens)
-    model.cover_positions(config.max_context)  # planned apart from the step's transient
     seqs = min(config.max_seqs, tokens)
     chunk = min(tokens // seqs, config.max_context)
     ids = [model.info.bos_id or 1] * (chunk * seqs)
