@@ -28,13 +28,16 @@ def free_port() -> int:
 
 class ServerProcess:
     """A server started with ``command`` (which must listen on ``port``), ready once
-    ``GET /health`` answers 200; stopped with SIGTERM."""
+    ``GET /health`` answers 200; stopped with SIGTERM. ``http`` is a client on it for
+    requests in a loop or timed: `httpx.post` and its kin build a client, and with it an
+    SSL context (the CA bundle read), tens of milliseconds each call."""
 
     def __init__(self, command: list[str], port: int, ready_timeout_s: float = 120.0) -> None:
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         # Output goes to a file: a pipe nobody reads would block the server once full.
         self.log = tempfile.NamedTemporaryFile("w+", prefix="server-", suffix=".log")  # noqa: SIM115 (lives as long as the server)
+        self._http: httpx.Client | None = None
         self.process = subprocess.Popen(
             command,
             stdout=self.log,
@@ -50,16 +53,28 @@ class ServerProcess:
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"server exited: {self.output()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
+        # One client for the polls, keeping no connection open after (a test of the
+        # server's per-client connection limit counts every connection from here).
+        no_keepalive = httpx.Limits(max_keepalive_connections=0)
+        with httpx.Client(timeout=1, limits=no_keepalive) as client:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"server exited: {self.output()}")
+                try:
+                    if client.get(self.url + "/health").status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.1)
         raise RuntimeError(f"server did not become healthy in {timeout_s:.0f} s: {self.output()}")
+
+    @property
+    def http(self) -> httpx.Client:
+        """A client on the server (relative URLs; a 10-minute timeout unless a call says
+        otherwise), made at first use, closed by `stop`."""
+        if self._http is None:
+            self._http = httpx.Client(base_url=self.url, timeout=600)
+        return self._http
 
     def output(self) -> str:
         """What the server printed so far."""
@@ -69,10 +84,13 @@ class ServerProcess:
 
     @property
     def model_name(self) -> str:
-        return str(httpx.get(self.url + "/v1/models").json()["data"][0]["id"])
+        return str(self.http.get("/v1/models").json()["data"][0]["id"])
 
     def stop(self) -> int:
         """SIGTERM, then the exit status (killed after 30 s)."""
+        if self._http is not None:
+            self._http.close()
+            self._http = None
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         try:

@@ -277,7 +277,7 @@ class WorstCaseDriver:
         while True:
             before = view["held_bytes"], view["stored"]
             for _ in range(batch):
-                answer = httpx.post(self.server.url + "/v1/responses", json=body, timeout=600)
+                answer = self.server.http.post("/v1/responses", json=body)
                 answer.raise_for_status()
                 self._count("responses")
             view = self._responses_view() or view
@@ -299,7 +299,7 @@ class WorstCaseDriver:
 
         def used(count: int) -> int:
             body = {"messages": messages(count)}
-            answer = httpx.post(self.server.url + "/tokenize", json=body, timeout=60)
+            answer = self.server.http.post("/tokenize", json=body, timeout=60)
             answer.raise_for_status()
             return int(answer.json()["count"])
 
