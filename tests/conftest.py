@@ -4,6 +4,7 @@ bundles the suite exports beside its tests."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import json
 import os
@@ -167,6 +168,14 @@ QUIET_LAST = (
     "tests/reliability/test_server_shutdown.py",
     "tests/server/test_grammar_bounds.py",
 )
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The imports' and the collection's objects, frozen out of the garbage collector: they
+    live as long as the run, and a full collection (a model set's unload, a bundle's close)
+    then walks only what the tests made, as `slotserve serve` freezes what it holds before
+    its models."""
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

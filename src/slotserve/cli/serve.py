@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import dataclasses
 import faulthandler
+import gc
 import logging
 import signal
 from pathlib import Path
@@ -516,6 +517,10 @@ def _serve_models(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
         max_connections_per_client=args.max_connections_per_client,
     )
     grammars = grammar_config(args)
+    # What the process holds before its models lives as long as it: frozen out of the
+    # collector, a model's unload (`ModelSet`, which collects to give its memory back) walks
+    # only what the models and their requests made, not every object of torch and the server.
+    gc.freeze()
     models = model_set(args, specs, grammars)
     models.start()  # PlanError: the residents (and the largest on-demand model) do not fit
     primary_spec = generating[0]
