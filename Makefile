@@ -55,8 +55,12 @@ test: $(STAMP)
 # the cores from each other. --no-loadscope-reorder: xdist would otherwise hand out the
 # files by their number of tests, which puts the long modules anywhere and the export
 # readers early (tests/conftest.py orders them: long modules first, export readers last).
+# Python's bytecode cache on (an environment may set PYTHONDONTWRITEBYTECODE): the run
+# starts a few hundred Python processes (servers, CLI runs), each of which would otherwise
+# compile slotserve from its sources, and pytest rewrites the test modules' asserts in each
+# worker; the caches go to __pycache__ (git ignores it).
 suite: $(STAMP) $(GEMMA)
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
+	env -u PYTHONDONTWRITEBYTECODE OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 # The web page's browser test drives Debian's Chromium (playwright uses it in place;
 # never `playwright install`, which downloads a browser build this network refuses).
