@@ -204,7 +204,9 @@ MUTANTS = {
 def mutants(work: Path, levels: dict[str, Level]) -> dict[str, Level]:
     """Each mutant's level: the library its file is compiled into built from a copy of csrc
     with its change (in the test's temporary directory), side by side, beside the level's
-    other library unchanged."""
+    other library unchanged. The libraries are cached as the levels' are (`build.build_for`:
+    the file name carries a digest of the changed sources), so a mutant is compiled again
+    only when the sources it was made from change."""
 
     def mutate(name: str) -> Level:
         level, library, file, text, change = MUTANTS[name]
@@ -213,7 +215,7 @@ def mutants(work: Path, levels: dict[str, Level]) -> dict[str, Level]:
         source = (csrc / file).read_text()
         assert source.count(text) == 1, (name, text)
         (csrc / file).write_text(source.replace(text, change))
-        built = build.build_for(build.AARCH64_LEVELS[level], library, csrc=csrc, directory=csrc)
+        built = build.build_for(build.AARCH64_LEVELS[level], library, csrc=csrc)
         return replace(levels[level], **{library: built})
 
     with ThreadPoolExecutor(max_workers=len(MUTANTS)) as pool:
