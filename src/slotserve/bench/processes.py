@@ -5,6 +5,7 @@ process a model)."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -82,9 +83,11 @@ class ServerProcess:
         with open(self.log.name) as handle:
             return handle.read()
 
-    @property
+    @functools.cached_property
     def model_name(self) -> str:
-        return str(self.http.get("/v1/models").json()["data"][0]["id"])
+        """The served model's name, asked once, on a connection closed after (not the
+        kept-alive ``http``: a test of the connection limits counts every open one)."""
+        return str(httpx.get(self.url + "/v1/models").json()["data"][0]["id"])
 
     def stop(self) -> int:
         """SIGTERM, then the exit status (killed after 30 s)."""
