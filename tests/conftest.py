@@ -136,23 +136,27 @@ def exports_of(item: pytest.Item) -> list[str]:
     return [export for fixture in fixtures for export in EXPORTS.get(fixture, ())]
 
 
-# The modules that run longest (real models end to end, servers, the AArch64 cross-build),
-# longest first: they start the run, so the two workers (`make test`; pytest-xdist keeps this
-# order under --no-loadscope-reorder) end it together, with the short modules filling in,
-# rather than one worker ending it alone in a long module. Export readers keep this order
-# among themselves.
+# The modules that run longest (real models end to end, servers, the AArch64 cross-build
+# where it is not cached), longest first as `make test` times them: they start the run, so
+# the two workers (pytest-xdist keeps this order under --no-loadscope-reorder) end it
+# together, with the short modules filling in, rather than one worker ending it alone in a
+# long module. Export readers keep this order among themselves.
 LONG_FIRST = (
-    "tests/native/test_aarch64.py",
-    "tests/models/test_serve_models.py",
+    "tests/speculative/test_exactness.py",
     "tests/speculative/test_draft_model.py",
+    "tests/test_plan_serve.py",
+    "tests/models/test_serve_models.py",
     "tests/artifact/test_gguf_reader.py",
+    "tests/server/test_bundled_tool_calls.py",
+    "tests/server/test_tool_calling.py",
+    "tests/test_plan.py",
+    "tests/engine/test_prefix_gemma3.py",
     "tests/server/test_prefix_store_server.py",
     "tests/artifact/test_gguf_parity.py",
     "tests/test_bench_models.py",
-    "tests/models/test_model_set_state.py",
+    "tests/native/test_aarch64.py",
     "tests/server/test_cut_tool_calls.py",
     "tests/server/test_http.py",
-    "tests/engine/test_prefix_gemma3.py",
     "tests/test_bench_memory.py",
     "tests/test_bench.py",
 )
