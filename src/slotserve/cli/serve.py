@@ -519,7 +519,9 @@ def _serve_models(args: argparse.Namespace, specs: list[ModelSpec]) -> int:
     grammars = grammar_config(args)
     # What the process holds before its models lives as long as it: frozen out of the
     # collector, a model's unload (`ModelSet`, which collects to give its memory back) walks
-    # only what the models and their requests made, not every object of torch and the server.
+    # only what the models and their requests made, not every object of torch and the server
+    # (collected first, so that no garbage of the start is kept for good).
+    gc.collect()
     gc.freeze()
     models = model_set(args, specs, grammars)
     models.start()  # PlanError: the residents (and the largest on-demand model) do not fit
