@@ -56,7 +56,7 @@ test: $(STAMP)
 # files by their number of tests, which puts the long modules anywhere and the export
 # readers early (tests/conftest.py orders them: long modules first, export readers last).
 # Python's bytecode cache on (an environment may set PYTHONDONTWRITEBYTECODE): the run
-# starts a few hundred Python processes (servers, CLI runs), each of which would otherwise
+# starts about a hundred Python processes (servers, CLI runs), each of which would otherwise
 # compile slotserve from its sources, and pytest rewrites the test modules' asserts in each
 # worker; the caches go to __pycache__ (git ignores it).
 suite: $(STAMP) $(GEMMA)

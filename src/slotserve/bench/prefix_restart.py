@@ -101,6 +101,7 @@ def _repeat(spec: str, system: str, context: int, cache: int, first_cold: bool) 
         finally:
             server.process.send_signal(signal.SIGKILL)
             server.process.wait(30)
+            server.http.close()
         for side in ("cold", "restored") if first_cold else ("restored", "cold"):
             store = copy if side == "restored" else None
             fresh = slotserve_server(spec, *_flags(context, cache, store))
