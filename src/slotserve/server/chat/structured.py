@@ -84,9 +84,10 @@ def _compiler_for(
 class _Pending:
     """A compile some requests wait for; cancelled when the last of them leaves."""
 
-    def __init__(self, job: CompileJob[Grammar]) -> None:
+    def __init__(self, job: CompileJob[Grammar], finished: threading.Event) -> None:
         self.job = job
         self.waiters = 1
+        self.finished = finished  # set once the cache has taken the compile's outcome
 
 
 class GrammarCache:
@@ -120,10 +121,14 @@ class GrammarCache:
         if isinstance(found, Grammar):
             return found
         try:
-            return found.job.result()
+            grammar = found.job.result()
         except GrammarBusy:
             self.leave(found)
             raise
+        # The future wakes its waiters before it runs its callbacks: wait for `_finish`, so
+        # that the grammar is cached (and the least recently used evicted) when this returns.
+        found.finished.wait()
+        return grammar
 
     def lookup(self, schema: dict[str, Any] | None) -> Grammar | _Pending:
         """The cached grammar, or the compile to wait for (joined when one for the same
@@ -158,11 +163,12 @@ class GrammarCache:
                 pending.waiters += 1
                 return pending
             reserved = [0]
+            finished = threading.Event()
             job = submit(lambda nbytes: self._reserve(nbytes, reserved))
-            pending = self._pending[key] = _Pending(job)
+            pending = self._pending[key] = _Pending(job, finished)
         # The callback holds no reference to the job: a cycle through the future would keep
         # its grammar alive after eviction until the cyclic collector ran.
-        job.future.add_done_callback(lambda future: self._finish(key, future, reserved))
+        job.future.add_done_callback(lambda future: self._finish(key, future, reserved, finished))
         return pending
 
     def leave(self, pending: _Pending) -> None:
@@ -203,9 +209,17 @@ class GrammarCache:
         with self._lock:
             self.live_bytes -= nbytes
 
-    def _finish(self, key: str, future: Future[Grammar], reserved: list[int]) -> None:
+    def _finish(
+        self, key: str, future: Future[Grammar], reserved: list[int], finished: threading.Event
+    ) -> None:
         """A compile ended (any thread): cache its grammar, remember a refusal, or give back
-        what it reserved."""
+        what it reserved; then set ``finished``."""
+        try:
+            self._take(key, future, reserved)
+        finally:
+            finished.set()
+
+    def _take(self, key: str, future: Future[Grammar], reserved: list[int]) -> None:
         with self._lock:
             pending = self._pending.get(key)
             if pending is not None and pending.job.future is future:
