@@ -46,6 +46,14 @@ def assert_same_as_gguf_py(ours: GGUFFile, path: Path) -> None:
         assert (mine.n_elements, mine.n_bytes) == (their.n_elements, their.n_bytes)
         assert mine.data.dtype == their.data.dtype and mine.data.shape == their.data.shape
         assert np.array_equal(mine.data, their.data, equal_nan=True), mine.name
+    # Read with its values skipped (as choosing a weight format reads it): the same tensor
+    # table, and of the metadata only the alignment.
+    skipped = read_gguf(path, values=False)
+    alignment = {k: v for k, v in fields.items() if k == "general.alignment"}
+    assert skipped.metadata == alignment and skipped.data_offset == ours.data_offset
+    assert [(t.name, t.tensor_type, t.shape, t.data_offset) for t in skipped.tensors] == [
+        (t.name, t.tensor_type, t.shape, t.data_offset) for t in ours.tensors
+    ]
 
 
 @pytest.mark.parametrize(
@@ -183,8 +191,12 @@ def test_the_same_token_in_a_byte_level_vocabulary_is_refused(tmp_path: Path) ->
 
 
 def _refused(path: Path) -> ArtifactError:
+    """The refusal of ``path``, which a read skipping the metadata's values gives too."""
     with pytest.raises(ArtifactError) as err:
         read_gguf(path)
+    with pytest.raises(ArtifactError) as skipping:
+        read_gguf(path, values=False)
+    assert (str(skipping.value), skipping.value.field) == (str(err.value), err.value.field)
     return err.value
 
 

@@ -366,8 +366,9 @@ BLOCK_KINDS = ("Q4_0", *(t.name for t in BLOCK_TYPES))
 
 
 def has_block_matrices(path: Path) -> bool:
-    """Whether the file's layers hold matrices in a type the block kernel multiplies."""
-    reader = open_gguf(path)
+    """Whether the file's layers hold matrices in a type the block kernel multiplies (the
+    tensor table alone is read: the metadata's values are skipped)."""
+    reader = read_gguf(path, values=False)
     return any(
         t.name.startswith("blk.") and len(t.shape) == 2 and t.tensor_type.name in BLOCK_KINDS
         for t in reader.tensors

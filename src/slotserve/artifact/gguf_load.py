@@ -7,6 +7,7 @@ with a warning naming the cache file; errors about the GGUF itself name the GGUF
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -116,6 +117,10 @@ def _read_gguf(
     shapes = tensor_shapes(reader)
     info = model_info_from_gguf(meta, shapes.keys(), path, shapes=shapes)
     tokenizer = tokenizer_from_gguf(meta, str(path))
+    # The metadata's Python values (a vocabulary's tokens and merges: some 100,000 strings)
+    # go before the tokenizer is measured: the tokenizer's arena is what it keeps.
+    del meta
+    reader = dataclasses.replace(reader, metadata={})
     if tokenizer_read is not None:
         tokenizer_read()
     tensors: Iterable[tuple[str, Any]] = _released(

@@ -101,8 +101,11 @@ class GGUFFile:
     size: int
 
 
-def read_gguf(path: Path) -> GGUFFile:
+def read_gguf(path: Path, *, values: bool = True) -> GGUFFile:
     """Read ``path``'s header, metadata and tensor table; the tensor data is mapped, not read.
+    ``values`` False: every metadata value is checked against the file as ever but skipped,
+    not made into Python objects (a tokenizer's 10^5 strings), except ``general.alignment``
+    (the tensors' offsets need it): the metadata holds that key alone, if the file has it.
 
     Refuses (`ArtifactError`) a file without the GGUF magic, of another version or byte
     order, any declared size beyond the bytes left, an unknown value or tensor type, nested
@@ -116,7 +119,7 @@ def read_gguf(path: Path) -> GGUFFile:
         raise ArtifactError(path, f"cannot read the file ({exc.strerror})") from exc
     if data is None:
         raise ArtifactError(path, f"not a GGUF file: magic is {magic!r}, expected b'GGUF'", "magic")
-    return _Reader(path, data).read()
+    return _Reader(path, data, values).read()
 
 
 def utf8_error(raw: bytes) -> str:
@@ -131,8 +134,9 @@ def utf8_error(raw: bytes) -> str:
 class _Reader:
     """A cursor over the mapped file; every read is checked against the bytes left."""
 
-    def __init__(self, path: Path, data: np.ndarray[Any, Any]) -> None:
+    def __init__(self, path: Path, data: np.ndarray[Any, Any], values: bool = True) -> None:
         self.path = path
+        self.values = values  # False: metadata values are skipped (`read_gguf`)
         self.data = data
         self.buffer = data.data  # a memoryview, for struct
         self.size = len(data)
@@ -221,32 +225,39 @@ class _Reader:
 
     def _metadata(self, n_kv: int) -> dict[str, Any]:
         metadata: dict[str, Any] = {}
+        keys: set[str] = set()  # every key read, kept or not
         for index in range(n_kv):
             key = self._text(f"key {index} of {n_kv}", "the key")
-            if key in metadata:
+            if key in keys:
                 raise ArtifactError(self.path, "appears twice in the metadata", key)
+            keys.add(key)
             value_type = self._unpack("<I", "a value type", key)
             if key == "general.alignment" and value_type != _UINT32:
                 raise ArtifactError(self.path, f"has value type {value_type}, not uint32", key)
-            metadata[key] = self._value(value_type, key)
+            keep = self.values or key == "general.alignment"
+            value = self._value(value_type, key, keep)
+            if keep:
+                metadata[key] = value
         return metadata
 
-    def _value(self, value_type: int, key: str) -> Any:
+    def _value(self, value_type: int, key: str, keep: bool = True) -> Any:
+        """The value at the cursor; ``keep`` False: checked and skipped (None)."""
         if value_type == _STRING:
-            return self._string(key)
+            strings = self._strings(1, lambda _: key, keep)
+            return strings[0] if keep else None
         if value_type == _ARRAY:
-            return self._array(key)
+            return self._array(key, keep)
         if value_type not in _SCALARS:
             raise ArtifactError(self.path, f"unknown GGUF value type {value_type}", key)
         name, fmt, _ = _SCALARS[value_type]
         return self._unpack(fmt, f"a {name} value", key)
 
-    def _array(self, key: str) -> list[Any]:
+    def _array(self, key: str, keep: bool = True) -> list[Any]:
         item_type = self._unpack("<I", "an array's element type", key)
         count = self._unpack("<Q", "an array's element count", key)
         if item_type == _STRING:
             self._fits(count, 8, "string elements", key)  # each has its 8-byte length
-            return self._strings(count, lambda index: f"{key}[{index}]")
+            return self._strings(count, lambda index: f"{key}[{index}]", keep)
         if item_type == _ARRAY:
             raise ArtifactError(self.path, "is an array of arrays; GGUF readers refuse them", key)
         if item_type not in _SCALARS:
@@ -255,13 +266,18 @@ class _Reader:
         size = struct.calcsize(fmt)
         declared = f"declares {count} {name} elements ({count * size} bytes)"
         start = self._take(count * size, declared, key)
+        if not keep:
+            return []
         values: list[Any] = np.frombuffer(self.data, dtype, count, start).tolist()
         return values
 
-    def _strings(self, count: int, field: Callable[[int], str]) -> list[str | bytes]:
+    def _strings(
+        self, count: int, field: Callable[[int], str], keep: bool = True
+    ) -> list[str | bytes]:
         """``count`` strings, each its 8-byte length then its bytes: `str` where they are
-        UTF-8, else the `bytes`. String ``index`` is named ``field(index)`` in an error, made
-        only then: one loop over a tokenizer's vocabulary (10^5 strings) checks each."""
+        UTF-8, else the `bytes` (none made where not ``keep``: only their lengths are
+        checked). String ``index`` is named ``field(index)`` in an error, made only then:
+        one loop over a tokenizer's vocabulary (10^5 strings) checks each."""
         buffer, size, pos = self.buffer, self.size, self.pos
         length_at = _LENGTH.unpack_from
         strings: list[str | bytes] = []
@@ -274,8 +290,10 @@ class _Reader:
             if length > size - pos:
                 self.pos = pos
                 raise self._refuse(f"declares a string of {length} bytes", field(index))
-            raw = buffer[pos : pos + length]
-            pos += length
+            start, pos = pos, pos + length
+            if not keep:
+                continue
+            raw = buffer[start:pos]
             try:
                 strings.append(str(raw, "utf-8"))
             except UnicodeDecodeError:
