@@ -262,8 +262,9 @@ class WorstCaseDriver:
         it) or as many responses as it keeps: each a Responses request of one output token
         whose input is as many one-word user messages as the context holds (a message's
         dict and strings are most of what is stored, for a few tokens each), the same input
-        each time, so the prefix cache serves its prefill. The store's view after (from
-        the dashboard feed), or ``{"left_empty": why}``."""
+        each time, so that a prefix cache serves its prefill (a server on dense weights
+        keeps none by default, and prefills each). The store's view after (from the
+        dashboard feed), or ``{"left_empty": why}``."""
         if not self.fills_responses:
             return {"left_empty": "the driver was told to leave the store empty"}
         if not self.chats:
