@@ -36,6 +36,7 @@ class GatedExecutor:
         self.vocab = vocab
         self.gate = threading.Semaphore(0)
         self.steps = 0
+        self.arrived = 0  # steps that reached the gate (committed in the pool), run or not
 
     def tick(self, steps: int) -> None:
         for _ in range(steps):
@@ -45,6 +46,7 @@ class GatedExecutor:
     max_step_tokens = None  # any step size
 
     def step(self, tokens: torch.Tensor, batch: StepBatch, kv: KVStore) -> torch.Tensor:
+        self.arrived += 1
         assert self.gate.acquire(timeout=10), "test did not tick"
         self.steps += 1
         logits = torch.zeros(batch.size, self.vocab)
@@ -83,7 +85,10 @@ def test_snapshot_shows_busy_slots_owners_and_freed_blocks(
     chat = engine.submit(list(range(10, 30)), PARAMS, priority="interactive")  # 20 tokens
     job = engine.submit(list(range(10, 15)), PARAMS, priority="background")  # 5 tokens
     executor.tick(6)
-    wait_for(lambda: executor.steps >= 6)
+    # The seventh step committed and waiting at the gate: nothing moves while the test
+    # reads the snapshot and then the pool (after the sixth began, the engine still ends
+    # it and commits the seventh).
+    wait_for(lambda: executor.arrived > 6)
     snapshot = json.loads(json.dumps(feed.snapshot()))  # JSON as the page gets it
 
     busy = [slot for slot in snapshot["slots"] if slot["state"] != "idle"]
